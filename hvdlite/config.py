@@ -1,0 +1,496 @@
+"""Every hvdlite configuration knob, declared once.
+
+The body of :class:`Config` is the table: each field is declared with :func:`_knob`, which
+records its parser, default, unit, environment variables and help line. Everything else is
+derived from that one declaration: :data:`KNOBS`, environment parsing, YAML parsing, the
+``hvdliterun`` flags, ``configs/default.yaml`` (:func:`default_yaml_text`) and
+:meth:`Config.to_env`.
+
+Where a value comes from, strongest first (:func:`load_config`)::
+
+    overrides (init() keyword / hvdliterun flag) > environment > YAML file > default
+
+Environment variables are ``HVDLITE_<NAME>``; the matching Horovod variable
+(``HOROVOD_FUSION_THRESHOLD``, ``HOROVOD_CYCLE_TIME``, ...) is accepted as an alias, with the
+same unit as in Horovod. When both are set, the ``HVDLITE_`` one wins.
+
+Importing this module has no side effects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from hvdlite.errors import ConfigError
+
+__all__ = [
+    "KNOBS",
+    "Config",
+    "Knob",
+    "default_yaml_text",
+    "format_value",
+    "knob",
+    "load_config",
+    "markdown_table",
+    "parse_size",
+    "resolve",
+]
+
+CONFIG_ENV = "HVDLITE_CONFIG"
+LOG_LEVELS = ("trace", "debug", "info", "warning", "error", "fatal")
+
+# ---------------------------------------------------------------------------------------------
+# Value parsers. Each takes whatever a source produced (env/CLI strings, YAML scalars, Python
+# objects from init()) and returns the typed value, or raises ValueError saying what it expected.
+# ---------------------------------------------------------------------------------------------
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+# Bare letters (K, M, G, T) are binary, as in most tools that take buffer sizes.
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1024, "kib": 1024, "kb": 1000,
+    "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
+    "g": 1024**3, "gib": 1024**3, "gb": 1000**3,
+    "t": 1024**4, "tib": 1024**4, "tb": 1000**4,
+}  # fmt: skip
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a byte count: ``4096``, ``"64MiB"``, ``"64M"``, ``"1.5GB"``, ``"0"``.
+
+    ``KiB``/``MiB``/``GiB``/``TiB`` and the bare letters ``K``/``M``/``G``/``T`` are powers of
+    1024; ``KB``/``MB``/``GB``/``TB`` are powers of 1000; units are case-insensitive. The
+    result must be a whole, non-negative number of bytes. Raises ``ValueError`` otherwise.
+    """
+    if isinstance(text, bool):
+        raise ValueError(f"expected a size in bytes such as 65536 or '64MiB', got {text!r}")
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"expected a size >= 0 bytes, got {text}")
+        return text
+    if not isinstance(text, str):
+        raise ValueError(f"expected a size in bytes such as 65536 or '64MiB', got {text!r}")
+    match = _SIZE_RE.match(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _SIZE_UNITS:
+        raise ValueError(
+            f"expected a size such as 65536, '64MiB', '64M' or '1.5GB' "
+            f"(units B, KiB, MiB, GiB, TiB, KB, MB, GB, TB), got {text!r}"
+        )
+    number = match.group(1)
+    if "." not in number:
+        return int(number) * _SIZE_UNITS[unit]
+    value = float(number) * _SIZE_UNITS[unit]
+    if not value.is_integer():
+        raise ValueError(f"expected a whole number of bytes, got {text!r} = {value} bytes")
+    return int(value)
+
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+def _parse_bool(value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        lowered = value.strip().lower()
+        if lowered in _TRUE:
+            return True
+        if lowered in _FALSE:
+            return False
+    raise ValueError(f"expected a boolean (1/0, true/false, yes/no, on/off), got {value!r}")
+
+
+def _parse_count(value: object) -> int:
+    """A whole number >= 0 (an int, or a string of digits)."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a whole number >= 0, got {value!r}")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value.strip())
+    if not isinstance(value, int) or value < 0:
+        raise ValueError(f"expected a whole number >= 0, got {value!r}")
+    return value
+
+
+def _number(value: object) -> float:
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got {value!r}")
+    if isinstance(value, int | float):
+        result = float(value)
+    elif isinstance(value, str):
+        try:
+            result = float(value.strip())
+        except ValueError:
+            raise ValueError(f"expected a number, got {value!r}") from None
+    else:
+        raise ValueError(f"expected a number, got {value!r}")
+    if not math.isfinite(result):
+        raise ValueError(f"expected a finite number, got {value!r}")
+    return result
+
+
+def _parse_positive(value: object) -> float:
+    result = _number(value)
+    if result <= 0:
+        raise ValueError(f"expected a number > 0, got {value!r}")
+    return result
+
+
+def _parse_non_negative(value: object) -> float:
+    result = _number(value)
+    if result < 0:
+        raise ValueError(f"expected a number >= 0, got {value!r}")
+    return result
+
+
+def _parse_optional_path(value: object) -> str | None:
+    """A file path; ``None`` or an empty string means "off"."""
+    if value is None:
+        return None
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str):
+        raise ValueError(f"expected a file path (or empty / null for off), got {value!r}")
+    return value if value.strip() else None
+
+
+def _parse_log_level(value: object) -> str:
+    if isinstance(value, str) and value.strip().lower() in LOG_LEVELS:
+        return value.strip().lower()
+    raise ValueError(f"expected one of {', '.join(LOG_LEVELS)}, got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The knob declaration
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One configuration knob: everything the env, YAML, CLI and docs layers need to know.
+
+    ``kind`` is one of ``size``, ``int``, ``float``, ``bool``, ``path``, ``choice``.
+    ``inverted_aliases`` are boolean env vars that mean the opposite of the knob
+    (``HOROVOD_STALL_CHECK_DISABLE``).
+    """
+
+    name: str
+    kind: str
+    parse: Callable[[Any], Any]
+    default: Any
+    unit: str
+    help: str
+    env: str
+    aliases: tuple[str, ...] = ()
+    inverted_aliases: tuple[str, ...] = ()
+    choices: tuple[str, ...] = ()
+
+    @property
+    def yaml_key(self) -> str:
+        """The key of this knob in a YAML config file."""
+        return self.name
+
+    @property
+    def flag(self) -> str:
+        """The ``hvdliterun`` option for this knob (booleans also get ``--no-...``)."""
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env_names(self) -> tuple[str, ...]:
+        """Every environment variable read for this knob, strongest first."""
+        return (self.env, *self.aliases, *self.inverted_aliases)
+
+
+def _knob(
+    *,
+    kind: str,
+    parse: Callable[[Any], Any],
+    default: Any,
+    unit: str,
+    help: str,
+    env: str | None = None,
+    aliases: tuple[str, ...] = (),
+    inverted_aliases: tuple[str, ...] = (),
+    choices: tuple[str, ...] = (),
+) -> Any:
+    """Declare a :class:`Config` field as a knob (the name comes from the field)."""
+    spec = {
+        "kind": kind, "parse": parse, "default": default, "unit": unit, "help": help,
+        "env": env, "aliases": aliases, "inverted_aliases": inverted_aliases, "choices": choices,
+    }  # fmt: skip
+    return dataclasses.field(default=default, metadata={"knob": spec})
+
+
+_MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Config:
+    """Resolved hvdlite settings. ``Config()`` holds every default; see :func:`load_config`."""
+
+    fusion_threshold: int = _knob(
+        kind="size", parse=parse_size, default=64 * _MIB, unit="bytes",
+        aliases=("HOROVOD_FUSION_THRESHOLD",),
+        help="Largest fusion bucket; units accepted ('64MiB', '1GB'); 0 disables fusion.",
+    )  # fmt: skip
+    cycle_time_ms: float = _knob(
+        kind="float", parse=_parse_positive, default=1.0, unit="ms",
+        aliases=("HOROVOD_CYCLE_TIME",),
+        help="How long the background loop batches requests before negotiating (> 0).",
+    )  # fmt: skip
+    cache_capacity: int = _knob(
+        kind="int", parse=_parse_count, default=1024, unit="entries",
+        aliases=("HOROVOD_CACHE_CAPACITY",),
+        help="Response-cache entries; 0 disables the cache.",
+    )  # fmt: skip
+    async_completion: bool = _knob(
+        kind="bool", parse=_parse_bool, default=False, unit="",
+        env="HVDLITE_ENABLE_ASYNC_COMPLETION", aliases=("HOROVOD_ENABLE_ASYNC_COMPLETION",),
+        help="GPU: complete handles with a CUDA event instead of a CPU wait.",
+    )  # fmt: skip
+    timeline: str | None = _knob(
+        kind="path", parse=_parse_optional_path, default=None, unit="path",
+        aliases=("HOROVOD_TIMELINE",),
+        help="Write a Chrome-trace timeline to this file; empty / null = off.",
+    )  # fmt: skip
+    timeline_mark_cycles: bool = _knob(
+        kind="bool", parse=_parse_bool, default=False, unit="",
+        aliases=("HOROVOD_TIMELINE_MARK_CYCLES",),
+        help="Mark each background-loop cycle in the timeline.",
+    )  # fmt: skip
+    stall_check: bool = _knob(
+        kind="bool", parse=_parse_bool, default=True, unit="",
+        inverted_aliases=("HOROVOD_STALL_CHECK_DISABLE",),
+        help="Warn about tensors that some ranks submitted and others did not.",
+    )  # fmt: skip
+    stall_check_time_s: float = _knob(
+        kind="float", parse=_parse_positive, default=60.0, unit="s",
+        env="HVDLITE_STALL_CHECK_TIME_SECONDS", aliases=("HOROVOD_STALL_CHECK_TIME_SECONDS",),
+        help="Seconds a tensor may wait for other ranks before a stall warning.",
+    )  # fmt: skip
+    stall_shutdown_time_s: float = _knob(
+        kind="float", parse=_parse_non_negative, default=0.0, unit="s",
+        env="HVDLITE_STALL_SHUTDOWN_TIME_SECONDS",
+        aliases=("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",),
+        help="Seconds of stall after which hvdlite fails with StallError; 0 = never.",
+    )  # fmt: skip
+    idle_backoff_max_ms: float = _knob(
+        kind="float", parse=_parse_positive, default=10.0, unit="ms",
+        help="Longest sleep of the background loop while no rank has work.",
+    )  # fmt: skip
+    log_level: str = _knob(
+        kind="choice", parse=_parse_log_level, default="warning", unit="",
+        choices=LOG_LEVELS, aliases=("HOROVOD_LOG_LEVEL",),
+        help="hvdlite logging threshold.",
+    )  # fmt: skip
+    nvtx: bool = _knob(
+        kind="bool", parse=_parse_bool, default=False, unit="",
+        help="Emit NVTX ranges around the pipeline phases (needs the nvtx package).",
+    )  # fmt: skip
+
+    def to_env(self) -> dict[str, str]:
+        """Return ``HVDLITE_*`` variables for every knob; :func:`load_config` reads them back."""
+        return {k.env: format_value(k, getattr(self, k.name)) for k in KNOBS}
+
+
+def _build_knobs() -> tuple[Knob, ...]:
+    knobs = []
+    for field in dataclasses.fields(Config):
+        spec = dict(field.metadata["knob"])
+        spec["env"] = spec["env"] or "HVDLITE_" + field.name.upper()
+        knobs.append(Knob(name=field.name, **spec))
+    return tuple(knobs)
+
+
+KNOBS: tuple[Knob, ...] = _build_knobs()
+_BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
+
+
+def knob(name: str) -> Knob:
+    """Return the :class:`Knob` called ``name``; unknown names raise :class:`ConfigError`."""
+    if name not in _BY_NAME:
+        raise ConfigError(_unknown_key_message(name, "knob name"))
+    return _BY_NAME[name]
+
+
+def format_value(k: Knob, value: Any) -> str:
+    """Render ``value`` of knob ``k`` as a string that ``k.parse`` reads back unchanged."""
+    if k.kind == "bool":
+        return "1" if value else "0"
+    if value is None:
+        return ""
+    if k.kind == "float":
+        return repr(float(value))
+    return str(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Resolution
+# ---------------------------------------------------------------------------------------------
+
+
+def _unknown_key_message(key: object, source: str) -> str:
+    valid = [k.name for k in KNOBS]
+    close = difflib.get_close_matches(str(key), valid, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"{source}: unknown config key {key!r}{hint}; valid keys: {', '.join(valid)}"
+
+
+def _parse(k: Knob, value: object, source: str) -> Any:
+    try:
+        return k.parse(value)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: bad value for {k.name!r}: {exc}") from exc
+
+
+def _from_yaml(path: str | os.PathLike[str]) -> dict[str, tuple[Any, str]]:
+    name = os.fspath(path)
+    try:
+        with open(name, encoding="utf-8") as handle:
+            data = yaml.safe_load(handle)
+    except OSError as exc:
+        raise ConfigError(f"config file {name!r} cannot be read: {exc.strerror}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {name!r} is not valid YAML: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {name!r}: expected a mapping of knob names to values, "
+            f"got {type(data).__name__}"
+        )
+    values: dict[str, tuple[Any, str]] = {}
+    for key, raw in data.items():
+        source = f"{name}:{key}"
+        if key not in _BY_NAME:
+            raise ConfigError(_unknown_key_message(key, name))
+        values[key] = (_parse(_BY_NAME[key], raw, source), source)
+    return values
+
+
+def _from_env(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
+    values: dict[str, tuple[Any, str]] = {}
+    for k in KNOBS:
+        for var in (k.env, *k.aliases):
+            if var in environ:
+                values[k.name] = (_parse(k, environ[var], var), var)
+                break
+        else:
+            for var in k.inverted_aliases:
+                if var in environ:
+                    values[k.name] = (not _parse(k, environ[var], var), var)
+                    break
+    return values
+
+
+def _from_overrides(overrides: Mapping[str, object]) -> dict[str, tuple[Any, str]]:
+    values: dict[str, tuple[Any, str]] = {}
+    for key, raw in overrides.items():
+        if key not in _BY_NAME:
+            raise ConfigError(_unknown_key_message(key, "init argument"))
+        source = f"init argument {key}="
+        values[key] = (_parse(_BY_NAME[key], raw, source), source)
+    return values
+
+
+def resolve(
+    path: str | os.PathLike[str] | None = None,
+    overrides: Mapping[str, object] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[Config, dict[str, str]]:
+    """Like :func:`load_config`, and also say where each value came from.
+
+    The second item maps every knob name to its source: ``"default"``, ``"<file>:<key>"``,
+    the environment variable's name, or ``"init argument <name>="``.
+    """
+    env = os.environ if environ is None else environ
+    config_path = path if path is not None else (env.get(CONFIG_ENV) or None)
+    chosen: dict[str, tuple[Any, str]] = {k.name: (k.default, "default") for k in KNOBS}
+    if config_path is not None:
+        chosen.update(_from_yaml(config_path))
+    chosen.update(_from_env(env))
+    chosen.update(_from_overrides(overrides or {}))
+    config = Config(**{name: value for name, (value, _) in chosen.items()})
+    return config, {name: source for name, (_, source) in chosen.items()}
+
+
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    overrides: Mapping[str, object] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Resolve the configuration: overrides > environment > YAML file > defaults.
+
+    ``path`` is a YAML file of ``knob: value`` pairs; without it ``environ["HVDLITE_CONFIG"]``
+    names the file, if set. ``environ`` defaults to ``os.environ``. Unknown keys and malformed
+    values raise :class:`~hvdlite.errors.ConfigError` naming the key, its source, what was
+    expected and what was got.
+    """
+    return resolve(path, overrides, environ)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Generated documentation
+# ---------------------------------------------------------------------------------------------
+
+
+def _yaml_scalar(k: Knob, value: Any) -> str:
+    if value is None:
+        return "null"
+    if k.kind == "bool":
+        return "true" if value else "false"
+    if k.kind == "size" and value:
+        for unit in ("GiB", "MiB", "KiB"):
+            if value % _SIZE_UNITS[unit.lower()] == 0:
+                return f"{value // _SIZE_UNITS[unit.lower()]}{unit}"
+    return str(value)
+
+
+def default_yaml_text() -> str:
+    """The text of ``configs/default.yaml``: every knob, documented, set to its default."""
+    lines = [
+        "# hvdlite configuration: every knob at its default value.",
+        "# Precedence: init() argument / hvdliterun flag > environment > this file > default.",
+        "# Generated from hvdlite/config.py: hvdliterun --print-default-config > default.yaml",
+    ]
+    for k in KNOBS:
+        unit = f" Unit: {k.unit}." if k.unit else ""
+        choices = f" Choices: {', '.join(k.choices)}." if k.choices else ""
+        env = ", ".join(k.aliases + tuple(f"{v} (inverted)" for v in k.inverted_aliases))
+        lines += [
+            "",
+            f"# {k.help}{unit}{choices}",
+            f"# env: {k.env}" + (f" (alias {env})" if env else "") + f"; flag: {k.flag}",
+            f"{k.yaml_key}: {_yaml_scalar(k, k.default)}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def markdown_table() -> str:
+    """A Markdown table of every knob (used in ``docs/config.md``)."""
+    rows = [
+        "| key / flag | default | unit | env (Horovod alias) | meaning |",
+        "|---|---|---|---|---|",
+    ]
+    for k in KNOBS:
+        aliases = [*k.aliases, *(f"{v} (inverted)" for v in k.inverted_aliases)]
+        env = f"`{k.env}`" + "".join(f"<br>`{a}`" for a in aliases)
+        rows.append(
+            f"| `{k.name}`<br>`{k.flag}` | `{_yaml_scalar(k, k.default)}` | {k.unit or '-'} "
+            f"| {env} | {k.help} |"
+        )
+    return "\n".join(rows) + "\n"
