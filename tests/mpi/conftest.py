@@ -1,0 +1,140 @@
+"""Shared fate for multi-rank tests (run under ``mpiexec ... python -m mpi4py -m pytest``).
+
+Every rank runs the same tests in the same order. Around each test the ranks meet at a barrier
+with a deadline (a rank that never arrives aborts the whole job with a message instead of a
+silent hang), and after each test they agree on its outcome: a test that failed on any rank
+fails on every rank, naming the ranks where it failed. Each test also gets a pytest-timeout
+(function only, so the barriers stay outside it) that turns a hang into a failure.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import sys
+import time
+import zlib
+from collections.abc import Generator, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+TEST_TIMEOUT_S = 60.0
+# Longer than the per-test timeout: a rank stuck in a test first gets that test failed by
+# pytest-timeout and then still reaches the barrier; only a rank that is truly gone trips this.
+BARRIER_TIMEOUT_S = 150.0
+_POLL_SLEEP_S = 0.002
+
+_outcomes = pytest.StashKey[dict[str, str]]()
+_counts: dict[str, int] = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "xfailed": 0}
+
+
+def _wait_or_abort(request: MPI.Request, what: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
+    """Wait on ``request`` until a deadline; on timeout dump stacks and abort the whole job."""
+    deadline = time.monotonic() + timeout_s
+    while not request.Test():
+        if time.monotonic() > deadline:
+            rank = MPI.COMM_WORLD.Get_rank()
+            print(
+                f"\n[rank {rank}] shared-fate timeout after {timeout_s:.0f}s: {what}; "
+                "another rank never arrived. Aborting the job.",
+                file=sys.stderr,
+                flush=True,
+            )
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+            MPI.COMM_WORLD.Abort(1)
+        time.sleep(_POLL_SLEEP_S)
+
+
+def timed_barrier(what: str) -> None:
+    """Barrier on COMM_WORLD that aborts the job if not every rank arrives in time."""
+    _wait_or_abort(MPI.COMM_WORLD.Ibarrier(), f"barrier {what}")
+
+
+def _gather_flags(flag: int, what: str) -> np.ndarray:
+    comm = MPI.COMM_WORLD
+    send = np.array([flag], dtype=np.int32)
+    recv = np.zeros(comm.Get_size(), dtype=np.int32)
+    _wait_or_abort(comm.Iallgather(send, recv), what)
+    return recv
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Give each test a timeout and check every rank collected the same tests."""
+    for item in items:
+        if item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(TEST_TIMEOUT_S, func_only=True))
+    digest = zlib.crc32("\n".join(item.nodeid for item in items).encode())
+    digests = _gather_flags(digest & 0x7FFFFFFF, "comparing collected tests")
+    if len(set(digests.tolist())) != 1:
+        print(f"ranks collected different tests: {digests.tolist()}", file=sys.stderr, flush=True)
+        MPI.COMM_WORLD.Abort(1)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Start every test together on all ranks."""
+    timed_barrier(f"before {item.nodeid}")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Record each phase's outcome; at teardown, fail this rank too if any rank failed."""
+    report: pytest.TestReport = yield
+    outcomes = item.stash.setdefault(_outcomes, {})
+    outcomes[report.when] = report.outcome
+    if report.when == "teardown":
+        failed_here = any(o == "failed" for o in outcomes.values())
+        flags = _gather_flags(int(failed_here), f"agreeing on the outcome of {item.nodeid}")
+        bad = [r for r, f in enumerate(flags.tolist()) if f]
+        if bad and not failed_here:
+            report.outcome = "failed"
+            report.longrepr = f"shared fate: {item.nodeid} failed on rank(s) {bad}"
+    return report
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Tally outcomes the way the terminal summary does, for the per-rank JSON report."""
+    if report.failed:
+        _counts["failed" if report.when == "call" else "errors"] += 1
+    elif report.skipped:
+        _counts["xfailed" if hasattr(report, "wasxfail") else "skipped"] += 1
+    elif report.passed and report.when == "call":
+        _counts["passed"] += 1
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Write this rank's tally where the job runner asked (``HVDLITE_MPI_REPORT_DIR``)."""
+    out_dir = os.environ.get("HVDLITE_MPI_REPORT_DIR")
+    if not out_dir:
+        return
+    comm = MPI.COMM_WORLD
+    record = {"rank": comm.Get_rank(), "size": comm.Get_size(), "exitstatus": int(exitstatus)}
+    record.update(_counts)
+    path = Path(out_dir) / f"rank{comm.Get_rank()}.json"
+    path.write_text(json.dumps(record))
+
+
+@pytest.fixture(scope="session")
+def comm() -> MPI.Intracomm:
+    """``MPI.COMM_WORLD`` (hvdlite runs on its own duplicate of it)."""
+    return MPI.COMM_WORLD
+
+
+@pytest.fixture(scope="session")
+def hvd() -> Iterator[Any]:
+    """hvdlite, initialised once for the job and shut down at its end.
+
+    Tests that need their own init/shutdown cycles must leave it initialised with defaults.
+    """
+    import hvdlite
+
+    hvdlite.init()
+    yield hvdlite
+    hvdlite.shutdown()

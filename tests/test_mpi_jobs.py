@@ -1,0 +1,102 @@
+"""Run the multi-rank suite (``tests/mpi/``) as real ``mpiexec`` jobs at 1, 2 and 4 ranks.
+
+Each rank runs ``python -m mpi4py -m pytest`` so an unhandled error aborts the whole job, and
+``tests/mpi/conftest.py`` makes a failure on one rank fail every rank. Every rank writes a small
+JSON tally; this runner checks the exit code, every rank's tally and the printed summaries.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+MPI_TESTS = REPO / "tests" / "mpi"
+JOB_TIMEOUT_S = {1: 240, 2: 300, 4: 420}
+TAIL_CHARS = 12_000
+# A pytest -q summary line, e.g. "12 passed, 1 skipped in 3.21s" (maybe framed by "=").
+SUMMARY = re.compile(r"^=*\s*(\d+ \w+(?:, \d+ \w+)* in [\d.]+s)\b", re.MULTILINE)
+
+
+def _mpiexec() -> str:
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("mpiexec")
+    if found is None:
+        pytest.fail("mpiexec not found next to the interpreter or on PATH; install hvdlite[local]")
+    return found
+
+
+def _job_env(size: int, report_dir: Path) -> dict[str, str]:
+    # The suite sets hvdlite knobs itself; a stray HVDLITE_*/HOROVOD_* in the caller's
+    # environment must not change what it tests.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "HOROVOD_"))}
+    env["HVDLITE_MPI_REPORT_DIR"] = str(report_dir)
+    env["HVDLITE_EXPECTED_SIZE"] = str(size)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"
+    return env
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout_s: float) -> tuple[int | None, str]:
+    """Run ``cmd`` in its own process group; kill the group on timeout (rc is then None)."""
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+        return proc.returncode, out
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return None, out
+
+
+def _tail(text: str) -> str:
+    return text if len(text) <= TAIL_CHARS else "...\n" + text[-TAIL_CHARS:]
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(max(JOB_TIMEOUT_S.values()) + 60)
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_mpi_suite(size: int, tmp_path: Path) -> None:
+    """``tests/mpi`` passes on every rank of an ``mpiexec -n size`` job."""
+    cmd = [
+        _mpiexec(), "-n", str(size),
+        sys.executable, "-m", "mpi4py", "-m", "pytest", str(MPI_TESTS),
+        "-q", "-p", "no:cacheprovider", "-o", "faulthandler_timeout=120",
+        f"--rootdir={REPO}", "-c", str(REPO / "pyproject.toml"),
+    ]  # fmt: skip
+    start = time.monotonic()
+    rc, out = _run(cmd, _job_env(size, tmp_path), JOB_TIMEOUT_S[size])
+    wall = time.monotonic() - start
+    print(f"mpiexec -n {size}: rc={rc} wall={wall:.1f}s")
+    where = f"mpiexec -n {size} (rc={rc}, {wall:.0f}s); output tail:\n{_tail(out)}"
+    assert rc is not None, f"job timed out after {JOB_TIMEOUT_S[size]}s: {where}"
+    assert rc == 0, f"job failed: {where}"
+    tallies = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
+    assert sorted(t["rank"] for t in tallies) == list(range(size)), f"missing tallies: {where}"
+    for t in tallies:
+        assert t["size"] == size and t["exitstatus"] == 0, f"rank {t}: {where}"
+        assert t["passed"] > 0 and t["failed"] == 0 and t["errors"] == 0, f"rank {t}: {where}"
+    summaries = SUMMARY.findall(out)
+    assert summaries, f"no pytest summary line: {where}"
+    assert all("passed" in s for s in summaries), f"a rank passed nothing: {where}"
+    assert not any(re.search(r"\d+ (failed|errors?)\b", s) for s in summaries), where
