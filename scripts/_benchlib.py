@@ -1,0 +1,284 @@
+"""Shared plumbing for the CPU benchmarks (``scripts/bench_c*.py``).
+
+Every benchmark follows the same rules (see ``docs/benchmarks.md``): the launch must have the
+rank count given by ``--np``; results are checked against references rebuilt from every rank's
+inputs before anything is timed; warm-up first, then many repeats, medians reported; a short
+table is printed last by rank 0 and the full results go to ``--json PATH``. A benchmark that
+cannot vouch for its numbers exits with status 2 and a ``REFUSED:`` line instead of reporting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DATA_DIR = Path(__file__).resolve().parent / "data"
+REFUSED_EXIT = 2
+
+
+def install_abort_hook() -> None:
+    """Abort the whole MPI job on an uncaught exception so no rank is left waiting."""
+
+    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        rank = MPI.COMM_WORLD.Get_rank()
+        sys.stderr.write(f"[rank {rank}] uncaught exception, aborting the job:\n")
+        traceback.print_exception(kind, value, tb)
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = hook
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    """Return an argument parser with the options every benchmark shares."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument(
+        "--np",
+        type=int,
+        required=True,
+        help="rank count this launch must have; the benchmark refuses to report otherwise",
+    )
+    p.add_argument("--json", metavar="PATH", help="write the full results as JSON to PATH")
+    p.add_argument("--quick", action="store_true", help="tiny configuration (seconds), for tests")
+    p.add_argument("--seed", type=int, default=1234, help="base seed of every rank's inputs")
+    return p
+
+
+def refuse(comm: MPI.Comm, reason: str) -> None:
+    """Exit every rank with status 2; rank 0 says why. Call collectively."""
+    if comm.Get_rank() == 0:
+        sys.stderr.write(f"REFUSED: {reason}\n")
+        sys.stderr.flush()
+    comm.Barrier()
+    sys.exit(REFUSED_EXIT)
+
+
+def check_size(comm: MPI.Comm, expected: int) -> None:
+    """Refuse to run when the launch does not have the expected rank count."""
+    if comm.Get_size() != expected:
+        refuse(
+            comm,
+            f"launched with {comm.Get_size()} ranks but --np {expected} was asked; "
+            f"run it as: mpiexec -n {expected} python {' '.join(sys.argv)}",
+        )
+
+
+def check_all(comm: MPI.Comm, ok: bool, what: str, detail: str = "") -> None:
+    """Agree across ranks that ``ok`` holds everywhere; refuse (collectively) if not."""
+    details = comm.allgather(None if ok else detail)
+    bad = [(r, d) for r, d in enumerate(details) if d is not None]
+    if bad:
+        lines = "; ".join(f"rank {r}: {d}" for r, d in bad)
+        refuse(comm, f"correctness check failed for {what}: {lines}")
+
+
+def rank_rng(seed: int, rank: int, salt: int = 0) -> np.random.Generator:
+    """The generator for one rank's inputs: any rank can rebuild any other rank's data."""
+    return np.random.default_rng([seed, rank, salt])
+
+
+def nonzero_uniform(
+    rng: np.random.Generator, n: int, dtype: type[np.floating[Any]] = np.float32
+) -> np.ndarray:
+    """``n`` random values with magnitude in [0.5, 1.5) and a random sign (never zero)."""
+    mag = rng.uniform(0.5, 1.5, size=n).astype(dtype)
+    sign = np.where(rng.random(n) < 0.5, -1, 1).astype(dtype)
+    return mag * sign
+
+
+def sum_over_ranks(seed: int, size: int, n: int, salt: int = 0) -> np.ndarray:
+    """Float64 sum of every rank's :func:`nonzero_uniform` inputs (``rank_rng(seed, r, salt)``)."""
+    acc = np.zeros(n, dtype=np.float64)
+    for r in range(size):
+        acc += nonzero_uniform(rank_rng(seed, r, salt), n)
+    return acc
+
+
+def gather_to_root(comm: MPI.Comm, obj: Any) -> list[Any] | None:
+    """Every rank's ``obj`` as a list on rank 0; ``None`` elsewhere."""
+    got = comm.gather(obj, root=0)
+    return None if got is None else list(got)
+
+
+def close(got: np.ndarray, ref: np.ndarray, rtol: float = 1e-5, atol: float = 1e-5) -> str:
+    """Empty string if ``got`` matches ``ref``, else a one-line account of the worst miss."""
+    if got.shape != ref.shape:
+        return f"shape {got.shape} != expected {ref.shape}"
+    if got.dtype != ref.dtype:
+        return f"dtype {got.dtype} != expected {ref.dtype}"
+    err = np.abs(got.astype(np.float64) - ref.astype(np.float64))
+    tol = atol + rtol * np.abs(ref.astype(np.float64))
+    if bool(np.all(err <= tol)):
+        return ""
+    i = int(np.argmax(err - tol))
+    return f"element {i}: got {got.flat[i]!r}, expected {ref.flat[i]!r}"
+
+
+def max_over_ranks(comm: MPI.Comm, values: np.ndarray) -> np.ndarray:
+    """Element-wise maximum of a float64 array across ranks."""
+    src = np.ascontiguousarray(values, dtype=np.float64)
+    out = np.empty_like(src)
+    comm.Allreduce(src, out, op=MPI.MAX)
+    return out
+
+
+def time_reps(comm: MPI.Comm, fn: Callable[[], object], reps: int, warmup: int) -> np.ndarray:
+    """Run ``fn`` ``warmup`` times, then ``reps`` times each after a barrier.
+
+    Returns the per-repeat wall time in seconds, maximum over ranks (a collective is finished
+    when the slowest rank is).
+    """
+    for _ in range(warmup):
+        fn()
+    times = np.empty(reps, dtype=np.float64)
+    for i in range(reps):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        fn()
+        times[i] = time.perf_counter() - t0
+    return max_over_ranks(comm, times)
+
+
+def stats(seconds: np.ndarray) -> dict[str, float]:
+    """Summary of a sample of durations (seconds): median, p99, min, max, mean, n."""
+    if seconds.size == 0 or not bool(np.all(seconds > 0)):
+        raise ValueError("timing sample is empty or holds non-positive durations")
+    return {
+        "median_s": float(np.median(seconds)),
+        "p99_s": float(np.percentile(seconds, 99)),
+        "min_s": float(seconds.min()),
+        "max_s": float(seconds.max()),
+        "mean_s": float(seconds.mean()),
+        "n": int(seconds.size),
+    }
+
+
+def _git(*args: str) -> str:
+    try:
+        out = subprocess.run(
+            ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 else "unknown"
+
+
+def run_metadata(comm: MPI.Comm, args: argparse.Namespace) -> dict[str, Any]:
+    """Facts about this run: date, machine, commit, MPI library, exact command."""
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
+        "ranks": comm.Get_size(),
+        "git_commit": _git("rev-parse", "--short", "HEAD"),
+        "git_tracked_changes": bool(dirty and dirty != "unknown"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "args": vars(args),
+    }
+
+
+def write_json(comm: MPI.Comm, path: str | None, payload: dict[str, Any]) -> None:
+    """Rank 0 writes ``payload`` as indented JSON to ``path`` (no-op without a path)."""
+    if path is None or comm.Get_rank() != 0:
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(payload, f, indent=2, sort_keys=False)
+        f.write("\n")
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain fixed-width text table (also valid Markdown)."""
+    cells = [[str(h) for h in headers]] + [[_fmt(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = [
+        "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in cells
+    ]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def _fmt(v: object) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"
+    return str(v)
+
+
+def us(seconds: float) -> float:
+    """Seconds to microseconds, rounded to 0.1."""
+    return round(seconds * 1e6, 1)
+
+
+def ms(seconds: float) -> float:
+    """Seconds to milliseconds, rounded to 0.01."""
+    return round(seconds * 1e3, 2)
+
+
+def verdict(met: bool) -> str:
+    """``met`` / ``MISSED`` for target lines."""
+    return "met" if met else "MISSED"
+
+
+def torch_note() -> str:
+    """Whether a torch (gloo) baseline can run here, in words."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return "torch is not installed: no torch gloo baseline in this run"
+    return (
+        "torch is installed, but no torch gloo baseline in this run: the script has none, "
+        "as the development machine it was written on has no torch to test one with"
+    )
+
+
+def print_rank0(comm: MPI.Comm, text: str) -> None:
+    """Print on rank 0 only, flushed."""
+    if comm.Get_rank() == 0:
+        print(text, flush=True)
+
+
+def time_interleaved(
+    comm: MPI.Comm, fns: Mapping[str, Callable[[], object]], reps: int, warmup: int
+) -> dict[str, np.ndarray]:
+    """Time several variants round-robin (one repeat of each in turn) so drift hits all alike.
+
+    Each variant is warmed up ``warmup`` times first; every timed repeat starts after a
+    barrier. Returns per-variant per-repeat seconds, maximum over ranks.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: np.empty(reps, dtype=np.float64) for name in fns}
+    for i in range(reps):
+        for name, fn in fns.items():
+            comm.Barrier()
+            t0 = time.perf_counter()
+            fn()
+            times[name][i] = time.perf_counter() - t0
+    return {name: max_over_ranks(comm, t) for name, t in times.items()}
+
+
+def format_targets(lines: Sequence[dict[str, Any]]) -> str:
+    """One ``target ...: value -> met/MISSED`` line per target."""
+    return "\n".join(f"target {t['target']}: {t['value']} -> {verdict(t['met'])}" for t in lines)
