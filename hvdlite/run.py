@@ -1,0 +1,410 @@
+"""``hvdliterun``: start an hvdlite job under the MPI launcher that is installed.
+
+    hvdliterun -np 4 [--config F] [--fusion-threshold 32MiB] [...] -- python train.py
+
+The configuration is resolved once here (flags > environment > ``--config`` YAML > defaults)
+and handed to every rank as ``HVDLITE_*`` variables. Each rank runs under a small wrapper
+(:mod:`hvdlite._rankwrap`) that reports a failure, so when one rank fails the launcher ends
+the whole job and names the rank that failed first. See ``docs/config.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from hvdlite import _rankwrap
+from hvdlite.config import CONFIG_ENV, KNOBS, Knob, default_yaml_text, resolve
+from hvdlite.errors import ConfigError
+
+__all__ = ["build_command", "build_parser", "find_mpiexec", "main", "mpi_flavor"]
+
+EXIT_USAGE = 2
+EXIT_NO_MPI = 127
+EXIT_TIMEOUT = 124
+# After a rank failed, the MPI launcher gets this long to end the job itself.
+FAILURE_GRACE_S = 3.0
+# After SIGTERM to the job's process group, this long before SIGKILL.
+KILL_GRACE_S = 2.0
+POLL_S = 0.05
+# Forwarded to Open MPI ranks explicitly (-x); Hydra passes the whole environment on.
+OPENMPI_PASSTHROUGH = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV")
+
+
+class UsageError(Exception):
+    """A bad command line; reported with the usage and exit code 2."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+
+def _flag_type(k: Knob) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            return k.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from exc
+
+    parse.__name__ = k.name
+    return parse
+
+
+def _add_knob_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("hvdlite settings (override env vars and --config)")
+    for k in KNOBS:
+        help_text = f"{k.help} Env {k.env}."
+        if k.kind == "bool":
+            group.add_argument(
+                k.flag,
+                dest=k.name,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=help_text,
+            )
+        else:
+            metavar = "|".join(k.choices) if k.choices else (k.unit or k.kind).upper()
+            group.add_argument(
+                k.flag,
+                dest=k.name,
+                type=_flag_type(k),
+                default=None,
+                metavar=metavar,
+                help=help_text,
+            )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``hvdliterun`` argument parser (the program and its arguments come after ``--``)."""
+    parser = argparse.ArgumentParser(
+        prog="hvdliterun",
+        allow_abbrev=False,
+        usage="hvdliterun -np N [options] -- COMMAND [ARGS...]",
+        description="Run COMMAND as an hvdlite job of N ranks under mpiexec.",
+    )
+    parser.add_argument(
+        "-np", "-n", "--num-proc", dest="np", type=int, metavar="N", help="number of ranks"
+    )
+    parser.add_argument("--config", metavar="FILE", help="YAML file of hvdlite settings")
+    _add_knob_flags(parser)
+    mpi = parser.add_argument_group("MPI launcher")
+    mpi.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...", help="hosts and their slots")
+    mpi.add_argument("--hostfile", metavar="FILE", help="MPI hostfile")
+    mpi.add_argument(
+        "--mpi-args",
+        default="",
+        metavar="'ARGS'",
+        help="extra arguments for the MPI launcher (one shell-quoted string)",
+    )
+    mpi.add_argument(
+        "--mpiexec", metavar="PATH", help="MPI launcher to use (default: next to python, then PATH)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, metavar="SECONDS", help="end the whole job after this many seconds"
+    )
+    parser.add_argument(
+        "--verbose", "-v", action="store_true", help="print the resolved command and settings first"
+    )
+    parser.add_argument(
+        "--print-default-config",
+        action="store_true",
+        help="print configs/default.yaml (every knob, documented) and exit",
+    )
+    return parser
+
+
+def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split at the first ``--``; without one, the command starts at the first positional."""
+    args = list(argv)
+    if "--" in args:
+        cut = args.index("--")
+        return args[:cut], args[cut + 1 :]
+    parser = build_parser()
+    takes_value = {
+        opt for action in parser._actions if action.nargs is None for opt in action.option_strings
+    }
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("-") or arg == "-":
+            return args[:i], args[i:]
+        i += 2 if arg in takes_value else 1
+    return args, []
+
+
+def _overrides(ns: argparse.Namespace) -> dict[str, object]:
+    return {k.name: getattr(ns, k.name) for k in KNOBS if getattr(ns, k.name) is not None}
+
+
+# ---------------------------------------------------------------------------------------------
+# MPI launcher
+# ---------------------------------------------------------------------------------------------
+
+
+def find_mpiexec(explicit: str | None = None) -> str | None:
+    """The MPI launcher: ``explicit``, else ``mpiexec`` next to ``sys.executable``, else PATH."""
+    if explicit:
+        return shutil.which(explicit)
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which("mpiexec") or shutil.which("mpirun")
+
+
+def mpi_flavor(mpiexec: str) -> str:
+    """``"openmpi"``, ``"hydra"`` (MPICH, Intel MPI, MVAPICH) or ``"unknown"``."""
+    try:
+        probe = subprocess.run(
+            [mpiexec, "--version"], capture_output=True, text=True, timeout=20, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    text = (probe.stdout + probe.stderr).lower()
+    if "open mpi" in text or "open-mpi" in text or "openrte" in text or "prrte" in text:
+        return "openmpi"
+    if "hydra" in text or "mpich" in text or "intel(r) mpi" in text:
+        return "hydra"
+    return "unknown"
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything :func:`build_command` needs."""
+
+    mpiexec: str
+    flavor: str
+    np: int
+    command: tuple[str, ...]
+    forward_env: tuple[tuple[str, str], ...]
+    hosts: str | None = None
+    hostfile: str | None = None
+    mpi_args: tuple[str, ...] = ()
+    is_root: bool = False
+
+
+def build_command(spec: JobSpec) -> list[str]:
+    """The full MPI launcher command line for ``spec``."""
+    wrapper = [sys.executable, "-I", os.path.abspath(_rankwrap.__file__)]
+    if spec.flavor == "openmpi":
+        cmd = [spec.mpiexec, "-np", str(spec.np), "--oversubscribe", "--bind-to", "none"]
+        if spec.is_root:
+            cmd.append("--allow-run-as-root")
+        cmd += ["-H", spec.hosts] if spec.hosts else []
+        cmd += ["--hostfile", spec.hostfile] if spec.hostfile else []
+        for name, _ in spec.forward_env:
+            cmd += ["-x", name]
+    else:
+        cmd = [spec.mpiexec, "-n", str(spec.np)]
+        cmd += ["-hosts", spec.hosts] if spec.hosts else []
+        cmd += ["-f", spec.hostfile] if spec.hostfile else []
+        if spec.flavor == "hydra":
+            for name, value in spec.forward_env:
+                cmd += ["-genv", name, value]
+    return cmd + list(spec.mpi_args) + wrapper + list(spec.command)
+
+
+# ---------------------------------------------------------------------------------------------
+# Running and supervising the job
+# ---------------------------------------------------------------------------------------------
+
+
+def _say(message: str) -> None:
+    print(f"hvdliterun: {message}", file=sys.stderr, flush=True)
+
+
+def _kill_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _end_job(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the job's process group, then SIGKILL what is left after a grace period."""
+    _kill_group(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=KILL_GRACE_S)
+    _kill_group(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _read_reports(directory: str) -> list[dict[str, Any]]:
+    reports = []
+    for path in Path(directory).glob("rank-*.json"):
+        try:
+            reports.append(json.loads(path.read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            continue
+    return reports
+
+
+def _first_failure(reports: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The failure that started it: ranks that were signalled by the job's teardown come last."""
+    if not reports:
+        return None
+    return min(reports, key=lambda r: (bool(r.get("signalled")), r["time"], r["rank"] or 0))
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank" if n == 1 else f"{n} ranks"
+
+
+def _exit_code(code: int) -> int:
+    return 128 - code if code < 0 else code
+
+
+@dataclass
+class _Outcome:
+    returncode: int
+    timed_out: bool
+    interrupted: int | None
+
+
+def _supervise(proc: subprocess.Popen[bytes], report_dir: str, timeout: float | None) -> _Outcome:
+    """Wait for the job; end it early on a rank failure, a signal to us, or the timeout."""
+    start = time.monotonic()
+    end_by: float | None = None  # when to stop waiting for the MPI launcher to end the job
+    interrupted: list[int] = []
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        nonlocal end_by
+        interrupted.append(signum)
+        _kill_group(proc.pid, signum)
+        end_by = time.monotonic() + (KILL_GRACE_S if len(interrupted) == 1 else 0.0)
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            try:
+                code = proc.wait(timeout=POLL_S)
+                _kill_group(proc.pid, signal.SIGKILL)  # stragglers whose launcher is gone
+                return _Outcome(code, False, interrupted[0] if interrupted else None)
+            except subprocess.TimeoutExpired:
+                pass
+            now = time.monotonic()
+            if timeout is not None and now - start > timeout:
+                _end_job(proc)
+                return _Outcome(proc.returncode, True, None)
+            if end_by is None and any(Path(report_dir).glob("rank-*.json")):
+                end_by = now + FAILURE_GRACE_S
+            if end_by is not None and now > end_by:
+                _end_job(proc)
+                return _Outcome(proc.returncode, False, interrupted[0] if interrupted else None)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _conclude(outcome: _Outcome, report_dir: str, np: int, timeout: float | None) -> int:
+    if outcome.timed_out:
+        _say(f"job of {_ranks(np)} exceeded --timeout {timeout:g} s; all ranks were killed")
+        return EXIT_TIMEOUT
+    first = _first_failure(_read_reports(report_dir))
+    if first is not None:
+        status = _rankwrap.describe_status(first["code"])
+        _say(
+            f"rank {first['rank']} (host {first['host']}) failed first with {status}; "
+            f"the job of {_ranks(np)} was ended"
+        )
+        return _exit_code(first["code"]) or 1
+    if outcome.interrupted is not None:
+        _say(f"interrupted by {signal.Signals(outcome.interrupted).name}; job ended")
+        return 128 + outcome.interrupted
+    if outcome.returncode != 0:
+        status = _rankwrap.describe_status(outcome.returncode)
+        _say(f"the MPI launcher failed with {status} and no rank reported a failure")
+        return _exit_code(outcome.returncode)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+# ---------------------------------------------------------------------------------------------
+
+
+def _prepare(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str], Any, dict[str, str]]:
+    launcher_args, command = _split_argv(argv)
+    parser = build_parser()
+    ns = parser.parse_args(launcher_args)
+    if ns.print_default_config:
+        return ns, command, None, {}
+    if ns.np is None or ns.np < 1:
+        parser.error("-np N is required and N must be >= 1")
+    if not command:
+        parser.error("no command to run: put it after '--', e.g. hvdliterun -np 2 -- python x.py")
+    if ns.timeout is not None and ns.timeout <= 0:
+        parser.error(f"--timeout must be > 0 seconds, got {ns.timeout:g}")
+    try:
+        config, sources = resolve(ns.config, _overrides(ns), os.environ)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    for k in KNOBS:
+        if getattr(ns, k.name) is not None:
+            sources[k.name] = k.flag
+    return ns, command, config, sources
+
+
+def _print_verbose(cmd: list[str], config: Any, sources: dict[str, str]) -> None:
+    print(f"hvdliterun: command: {shlex.join(cmd)}", flush=True)
+    for k in KNOBS:
+        print(f"hvdliterun: {k.name} = {getattr(config, k.name)!r}  [{sources[k.name]}]")
+    sys.stdout.flush()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``hvdliterun``; returns the process exit code."""
+    ns, command, config, sources = _prepare(sys.argv[1:] if argv is None else argv)
+    if ns.print_default_config:
+        sys.stdout.write(default_yaml_text())
+        return 0
+    mpiexec = find_mpiexec(ns.mpiexec)
+    if mpiexec is None:
+        _say(
+            "no MPI launcher found (looked for mpiexec next to python and mpiexec/mpirun on "
+            "PATH); install one, e.g. pip install 'hvdlite[local]'"
+        )
+        return EXIT_NO_MPI
+    with tempfile.TemporaryDirectory(prefix="hvdliterun-") as report_dir:
+        forward = {**config.to_env(), _rankwrap.REPORT_DIR_ENV: report_dir}
+        env = {k: v for k, v in os.environ.items() if k != CONFIG_ENV} | forward
+        flavor = mpi_flavor(mpiexec)
+        if flavor == "openmpi":
+            forward |= {k: os.environ[k] for k in OPENMPI_PASSTHROUGH if k in os.environ}
+        spec = JobSpec(
+            mpiexec=mpiexec,
+            flavor=flavor,
+            np=ns.np,
+            command=tuple(command),
+            forward_env=tuple(forward.items()),
+            hosts=ns.hosts,
+            hostfile=ns.hostfile,
+            mpi_args=tuple(shlex.split(ns.mpi_args)),
+            is_root=os.geteuid() == 0,
+        )
+        cmd = build_command(spec)
+        if ns.verbose:
+            _print_verbose(cmd, config, sources)
+        try:
+            proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        except OSError as exc:
+            _say(f"cannot start {mpiexec!r}: {exc}")
+            return EXIT_NO_MPI
+        outcome = _supervise(proc, report_dir, ns.timeout)
+        return _conclude(outcome, report_dir, ns.np, ns.timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
