@@ -45,8 +45,7 @@ POLL_S = 0.05
 OPENMPI_PASSTHROUGH = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV")
 
 
-class UsageError(Exception):
-    """A bad command line; reported with the usage and exit code 2."""
+_METAVARS = {"bytes": "SIZE", "ms": "MS", "s": "SECONDS", "entries": "N", "path": "PATH"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -78,7 +77,7 @@ def _add_knob_flags(parser: argparse.ArgumentParser) -> None:
                 help=help_text,
             )
         else:
-            metavar = "|".join(k.choices) if k.choices else (k.unit or k.kind).upper()
+            metavar = "|".join(k.choices) or _METAVARS.get(k.unit, k.kind.upper())
             group.add_argument(
                 k.flag,
                 dest=k.name,
@@ -377,7 +376,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "PATH); install one, e.g. pip install 'hvdlite[local]'"
         )
         return EXIT_NO_MPI
-    with tempfile.TemporaryDirectory(prefix="hvdliterun-") as report_dir:
+    # A preset report directory (on a shared file system) lets ranks on other hosts report too.
+    report_base = os.environ.get(_rankwrap.REPORT_DIR_ENV) or None
+    with tempfile.TemporaryDirectory(prefix="hvdliterun-", dir=report_base) as report_dir:
         forward = {**config.to_env(), _rankwrap.REPORT_DIR_ENV: report_dir}
         env = {k: v for k, v in os.environ.items() if k != CONFIG_ENV} | forward
         flavor = mpi_flavor(mpiexec)
