@@ -1,0 +1,214 @@
+"""MPI data plane for host (NumPy) memory: buffer-based mpi4py calls, never pickle.
+
+Runs only on the background thread, on the data communicator hvdlite duplicated at init, in
+the order every rank agreed on, so blocking collectives cannot cross each other.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from hvdlite._fusion import FusionBuffers
+from hvdlite._negotiation import Kind, Response
+from hvdlite._ops import DTYPES, DType, ReduceOp, finish_reduce, scale_into
+from hvdlite._work import Entry
+
+__all__ = ["MPIBackend", "mpi_datatype", "mpi_op"]
+
+
+_TYPES = {
+    "bool": MPI.C_BOOL, "int8": MPI.INT8_T, "int16": MPI.INT16_T, "int32": MPI.INT32_T,
+    "int64": MPI.INT64_T, "uint8": MPI.UINT8_T, "uint16": MPI.UINT16_T, "uint32": MPI.UINT32_T,
+    "uint64": MPI.UINT64_T, "float32": MPI.FLOAT, "float64": MPI.DOUBLE,
+    "complex64": MPI.C_FLOAT_COMPLEX, "complex128": MPI.C_DOUBLE_COMPLEX,
+}  # fmt: skip
+
+
+def mpi_datatype(row: DType) -> tuple[MPI.Datatype, np.dtype]:
+    """The predefined MPI datatype for ``row`` (reductions are defined only on those) and the
+    NumPy dtype that travels: float16 widens to float32 where this MPI has no half type."""
+    if row.name == "float16":
+        if MPI.FLOAT16_T != MPI.DATATYPE_NULL:
+            return MPI.FLOAT16_T, row.np_dtype
+        return MPI.FLOAT, np.dtype(np.float32)
+    return _TYPES[row.name], row.np_dtype
+
+
+_OPS = {
+    ReduceOp.SUM: MPI.SUM,
+    ReduceOp.AVERAGE: MPI.SUM,
+    ReduceOp.MIN: MPI.MIN,
+    ReduceOp.MAX: MPI.MAX,
+    ReduceOp.PRODUCT: MPI.PROD,
+}
+_LOGICAL_OPS = {
+    ReduceOp.SUM: MPI.LOR,
+    ReduceOp.MAX: MPI.LOR,
+    ReduceOp.MIN: MPI.LAND,
+    ReduceOp.PRODUCT: MPI.LAND,
+}
+
+
+def mpi_op(row: DType, op: ReduceOp) -> MPI.Op:
+    return (_LOGICAL_OPS if row.kind == "bool" else _OPS)[op]
+
+
+def _rows_split(total: int, parts: int) -> list[int]:
+    """Rows of dim 0 per rank for reducescatter: as even as possible, the first ranks get more."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if r < extra else 0) for r in range(parts)]
+
+
+class MPIBackend:
+    """Executes agreed responses on host arrays over one MPI communicator."""
+
+    def __init__(self, comm: MPI.Intracomm, fusion: FusionBuffers) -> None:
+        self.comm = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        self.fusion = fusion
+        self._run: dict[Kind, Callable[[list[Response], list[Entry | None]], None]] = {
+            Kind.ALLREDUCE: self._allreduce,
+            Kind.ALLGATHER: self._allgather,
+            Kind.BROADCAST: self._broadcast,
+            Kind.ALLTOALL: self._alltoall,
+            Kind.REDUCESCATTER: self._reducescatter,
+        }
+
+    def run(self, bucket: list[Response], entries: list[Entry | None]) -> None:
+        """Run one bucket; ``entries[i]`` is None where this rank has joined (no data)."""
+        self._run[bucket[0].kind](bucket, entries)
+
+    # -- allreduce --------------------------------------------------------------------
+    def _allreduce(self, bucket: list[Response], entries: list[Entry | None]) -> None:
+        head = bucket[0]
+        row = DTYPES[head.dtype]
+        op = ReduceOp(head.op)
+        mtype, wire = mpi_datatype(row)
+        contributors = self.size - len(head.joined)
+        if len(bucket) == 1 and wire == row.np_dtype:
+            entry = entries[0]
+            out = self._unfused_input(head, entry, row, op)
+            self.comm.Allreduce(MPI.IN_PLACE, [out, mtype], op=mpi_op(row, op))
+            finish_reduce(np, out, op, contributors, head.postscale, row)
+            if entry is not None:
+                entry.finish(out)
+            return
+        counts = [math.prod(r.shape) for r in bucket]
+        buf = self.fusion.get("cpu", wire, sum(counts))
+        offset = 0
+        for resp, entry, n in zip(bucket, entries, counts, strict=True):
+            self._copy_in(buf[offset:offset + n], resp, entry, row, op)
+            offset += n
+        self.comm.Allreduce(MPI.IN_PLACE, [buf, mtype], op=mpi_op(row, op))
+        # Scale once over the whole bucket, in the wire precision, before unpacking.
+        finish_reduce(np, buf, op, contributors, head.postscale, row)
+        offset = 0
+        for entry, n in zip(entries, counts, strict=True):
+            if entry is not None:
+                np.copyto(entry.output.reshape(-1), buf[offset:offset + n], casting="unsafe")
+                entry.finish(entry.output)
+            offset += n
+
+    def _unfused_input(self, resp: Response, entry: Entry | None, row: DType,
+                       op: ReduceOp) -> np.ndarray:
+        if entry is None:
+            return np.full(resp.shape, row.identity(op), dtype=row.np_dtype)
+        assert entry.tensor is not None
+        out = entry.output
+        scale_into(np, out, entry.tensor.array, resp.prescale, row)
+        return out  # type: ignore[no-any-return]
+
+    @staticmethod
+    def _copy_in(dst: np.ndarray, resp: Response, entry: Entry | None, row: DType,
+                 op: ReduceOp) -> None:
+        if entry is None:
+            dst.fill(row.identity(op))
+            return
+        assert entry.tensor is not None
+        src = entry.tensor.array.reshape(-1)
+        if resp.prescale == 1.0:
+            np.copyto(dst, src, casting="unsafe")
+        else:
+            np.multiply(src, resp.prescale, out=dst, casting="unsafe")
+
+    # -- the other collectives (never fused) --------------------------------------------
+    def _allgather(self, bucket: list[Response], entries: list[Entry | None]) -> None:
+        resp, entry = bucket[0], entries[0]
+        row = DTYPES[resp.dtype]
+        mtype, _ = mpi_datatype(row)
+        trailing = resp.shape[1:]
+        per_row = math.prod(trailing)
+        out = np.empty((sum(resp.sizes), *trailing), dtype=row.np_dtype)
+        send = (entry.tensor.array if entry is not None and entry.tensor is not None
+                else np.empty((0, *trailing), dtype=row.np_dtype))
+        counts = [s * per_row for s in resp.sizes]
+        self.comm.Allgatherv([send, mtype], [out, (counts, _displs(counts)), mtype])
+        if entry is not None:
+            entry.finish(out)
+
+    def _broadcast(self, bucket: list[Response], entries: list[Entry | None]) -> None:
+        resp, entry = bucket[0], entries[0]
+        mtype, _ = mpi_datatype(DTYPES[resp.dtype])
+        if entry is None:
+            scratch = np.empty(resp.shape, dtype=DTYPES[resp.dtype].np_dtype)
+            self.comm.Bcast([scratch, mtype], root=resp.root)
+            return
+        assert entry.tensor is not None
+        if self.rank == resp.root and entry.output is not entry.tensor.array:
+            np.copyto(entry.output, entry.tensor.array)
+        self.comm.Bcast([entry.output, mtype], root=resp.root)
+        entry.finish(entry.output)
+
+    def _alltoall(self, bucket: list[Response], entries: list[Entry | None]) -> None:
+        resp, entry = bucket[0], entries[0]
+        assert entry is not None and entry.tensor is not None  # no alltoall with joined ranks
+        row = DTYPES[resp.dtype]
+        mtype, _ = mpi_datatype(row)
+        trailing = entry.tensor.array.shape[1:]
+        per_row = math.prod(trailing)
+        splits = np.asarray(resp.sizes, dtype=np.int64).reshape(self.size, self.size)
+        send_counts = [int(s) * per_row for s in splits[self.rank]]
+        recv_rows = [int(s) for s in splits[:, self.rank]]
+        recv_counts = [r * per_row for r in recv_rows]
+        out = np.empty((sum(recv_rows), *trailing), dtype=row.np_dtype)
+        self.comm.Alltoallv([entry.tensor.array, (send_counts, _displs(send_counts)), mtype],
+                            [out, (recv_counts, _displs(recv_counts)), mtype])
+        entry.finish(out)
+
+    def _reducescatter(self, bucket: list[Response], entries: list[Entry | None]) -> None:
+        resp, entry = bucket[0], entries[0]
+        row = DTYPES[resp.dtype]
+        op = ReduceOp(resp.op)
+        mtype, wire = mpi_datatype(row)
+        trailing = resp.shape[1:]
+        per_row = math.prod(trailing)
+        rows = _rows_split(resp.shape[0] if resp.shape else 0, self.size)
+        if entry is None or entry.tensor is None:
+            send = np.full(resp.shape, row.identity(op), dtype=wire)
+        else:
+            send = entry.tensor.array.astype(wire, copy=False)
+        out = np.empty((rows[self.rank], *trailing), dtype=wire)
+        self.comm.Reduce_scatter([send, mtype], [out, mtype],
+                                 recvcounts=[r * per_row for r in rows], op=mpi_op(row, op))
+        finish_reduce(np, out, op, self.size - len(resp.joined), 1.0, row)
+        if entry is not None:
+            entry.finish(out.astype(row.np_dtype, copy=False))
+
+
+def _displs(counts: Sequence[int]) -> list[int]:
+    out, acc = [], 0
+    for c in counts:
+        out.append(acc)
+        acc += c
+    return out
+
+
+def host_alloc(device: str, nbytes: int) -> Any:
+    """Fusion-buffer allocator for host memory."""
+    return np.empty(max(nbytes, 0), dtype=np.uint8)

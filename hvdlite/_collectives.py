@@ -1,0 +1,298 @@
+"""The public collectives. Every one follows one template:
+
+validate the arguments, resolve the tensor (framework, device, stream), look up its dtype,
+build the request and its output, and submit to the engine. The ``*_async`` forms return a
+:class:`~hvdlite.Handle`; the plain forms wait on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from hvdlite._engine import Engine, default_engine
+from hvdlite._handles import Handle
+from hvdlite._negotiation import Kind, Request
+from hvdlite._ops import Average, DType, ReduceOp, check_op, lookup_dtype
+from hvdlite._tensors import TensorRef, empty_like_ref, wrap
+from hvdlite._work import Entry
+
+__all__ = [
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
+    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+    "grouped_allreduce_async_", "allgather", "allgather_async", "broadcast", "broadcast_",
+    "broadcast_async", "broadcast_async_", "alltoall", "alltoall_async", "reducescatter",
+    "reducescatter_async", "barrier", "barrier_async", "join", "poll", "synchronize",
+]
+
+_SHAPE_KNOWN = (Kind.ALLREDUCE, Kind.BROADCAST)
+
+
+def _check_name(name: object) -> None:
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"name must be a str or None, got {type(name).__name__}")
+
+
+def _check_factor(value: object, label: str, row: DType, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what}: {label} must be a real number, got {value!r}")
+    if row.kind == "bool" and value != 1.0:
+        raise TypeError(f"{what}: {label} cannot scale a bool tensor; cast it first")
+    return float(value)
+
+
+def _output(kind: Kind, ref: TensorRef, out: Any, inplace: bool, what: str) -> Any:
+    if inplace:
+        return ref.array
+    if out is None:
+        return empty_like_ref(ref) if kind in _SHAPE_KNOWN else None
+    oref = wrap(out, f"{what} (out=)")
+    arr, src = oref.array, ref.array
+    if arr.shape != src.shape or arr.dtype != src.dtype or oref.device != ref.device:
+        raise ValueError(
+            f"{what}: out= must match the input; expected {src.dtype}{list(src.shape)} on "
+            f"{ref.device}, got {arr.dtype}{list(arr.shape)} on {oref.device}"
+        )
+    return arr
+
+
+def _submit(kind: Kind, tensors: Sequence[Any], name: str | None, *, op: ReduceOp = Average,
+            root: int = -1, prescale: float = 1.0, postscale: float = 1.0,
+            splits: Sequence[int] | None = None, outs: Sequence[Any] | None = None,
+            inplace: bool = False, group: bool = False) -> Handle:
+    engine = default_engine()
+    engine.check_usable()
+    _check_name(name)
+    base = name if name is not None else engine.auto_name(kind.name.lower())
+    handle = Handle(base, parts=max(len(tensors), 1), as_list=group)
+    if not tensors:  # barrier, join: nothing to move, only an agreement
+        engine.submit([Entry(Request(base, kind), None, None, handle)])
+        return handle
+    entries = []
+    for i, tensor in enumerate(tensors):
+        tname = f"{base}.{i}" if group else base
+        what = f"{kind.name.lower()} of tensor {tname!r}"
+        ref = wrap(tensor, what)
+        row = lookup_dtype(ref.array.dtype, what)
+        req = _request(engine, kind, tname, ref, row, what, op, root, prescale, postscale,
+                       splits, base if group else "", len(tensors) if group else 0)
+        user_out = outs[i] if outs is not None else None
+        entry = Entry(req, ref, _output(kind, ref, user_out, inplace, what), handle, i)
+        if inplace or user_out is not None:
+            entry.extra["user"] = tensor if inplace else user_out
+        entries.append(entry)
+    handle._keep.extend(tensors)
+    engine.submit(entries)
+    return handle
+
+
+def _request(engine: Engine, kind: Kind, name: str, ref: TensorRef, row: DType, what: str,
+             op: ReduceOp, root: int, prescale: float, postscale: float,
+             splits: Sequence[int] | None, group: str, group_size: int) -> Request:
+    shape = tuple(int(d) for d in ref.array.shape)
+    opv = 0
+    if kind in (Kind.ALLREDUCE, Kind.REDUCESCATTER):
+        opv = int(check_op(row, op, what))
+        prescale = _check_factor(prescale, "prescale_factor", row, what)
+        postscale = _check_factor(postscale, "postscale_factor", row, what)
+    if kind is Kind.BROADCAST and (isinstance(root, bool) or not isinstance(root, int)
+                                   or not 0 <= root < engine.size):
+        raise ValueError(f"{what}: root_rank must be an int in [0, {engine.size}), got {root!r}")
+    if kind in (Kind.ALLGATHER, Kind.ALLTOALL, Kind.REDUCESCATTER) and not shape:
+        raise ValueError(f"{what}: needs at least one dimension, got a 0-d tensor; "
+                         "reshape it to (1,)")
+    split_t: tuple[int, ...] = ()
+    if kind is Kind.ALLTOALL:
+        split_t = _splits(splits, shape[0], engine.size, what)
+    device = "cpu" if not ref.is_cuda else "cuda"
+    return Request(name, kind, row.name, shape, device, opv, root, prescale, postscale,
+                   split_t, group, group_size)
+
+
+def _splits(splits: Sequence[int] | None, rows: int, size: int, what: str) -> tuple[int, ...]:
+    if splits is None:
+        if rows % size:
+            raise ValueError(f"{what}: dim 0 ({rows}) is not divisible by size ({size}); "
+                             "pass splits= explicitly")
+        return (rows // size,) * size
+    out = tuple(int(s) for s in splits)
+    if len(out) != size or any(s < 0 for s in out) or sum(out) != rows:
+        raise ValueError(f"{what}: splits must be {size} non-negative ints summing to dim 0 "
+                         f"({rows}), got {list(out)}")
+    return out
+
+
+# -- allreduce ---------------------------------------------------------------------------
+def allreduce_async(tensor: Any, name: str | None = None, op: ReduceOp = Average,
+                    prescale_factor: float = 1.0, postscale_factor: float = 1.0, *,
+                    out: Any = None) -> Handle:
+    """Start reducing ``tensor`` across all ranks; return a :class:`Handle` at once.
+
+    ``op`` is one of ``Sum``, ``Average``, ``Min``, ``Max``, ``Product``. The input is
+    multiplied by ``prescale_factor`` before and the result by ``postscale_factor`` after the
+    reduction (integers: in float64, truncated toward zero). The result is a new array (or
+    ``out``), of the input's framework, device, shape and dtype. Every rank must submit the
+    same ``name`` (or make the same sequence of unnamed calls) with the same shape, dtype, op
+    and factors; otherwise the handle raises :class:`MismatchError` on every rank.
+
+    Non-blocking and thread-safe. Raises ``TypeError``/``ValueError`` for bad arguments (dtype
+    or op not supported, non-contiguous input, a name already in flight, bad ``out``) and
+    :class:`NotInitializedError` before :func:`init`. Do not modify ``tensor`` until done.
+    """
+    return _submit(Kind.ALLREDUCE, [tensor], name, op=op, prescale=prescale_factor,
+                   postscale=postscale_factor, outs=[out])
+
+
+def allreduce(tensor: Any, name: str | None = None, op: ReduceOp = Average,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0, *,
+              out: Any = None) -> Any:
+    """Blocking :func:`allreduce_async`: returns the reduced array."""
+    return allreduce_async(tensor, name, op, prescale_factor, postscale_factor, out=out).wait()
+
+
+def allreduce_async_(tensor: Any, name: str | None = None, op: ReduceOp = Average,
+                     prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """In-place :func:`allreduce_async`: the result is written into ``tensor``."""
+    return _submit(Kind.ALLREDUCE, [tensor], name, op=op, prescale=prescale_factor,
+                   postscale=postscale_factor, inplace=True)
+
+
+def allreduce_(tensor: Any, name: str | None = None, op: ReduceOp = Average,
+               prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
+    """Blocking in-place allreduce; returns ``tensor``."""
+    return allreduce_async_(tensor, name, op, prescale_factor, postscale_factor).wait()
+
+
+def grouped_allreduce_async(tensors: Sequence[Any], name: str | None = None,
+                            op: ReduceOp = Average, prescale_factor: float = 1.0,
+                            postscale_factor: float = 1.0) -> Handle:
+    """Allreduce a list of tensors as one unit: enqueued atomically, negotiated together and
+    fused together (up to the fusion threshold). The handle's result is the list of results,
+    in input order. Member ``i`` is named ``f"{name}.{i}"``. Same rules as
+    :func:`allreduce_async` for each member."""
+    return _submit(Kind.ALLREDUCE, _as_list(tensors), name, op=op, prescale=prescale_factor,
+                   postscale=postscale_factor, group=True)
+
+
+def grouped_allreduce(tensors: Sequence[Any], name: str | None = None, op: ReduceOp = Average,
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[Any]:
+    """Blocking :func:`grouped_allreduce_async`: returns the list of reduced arrays."""
+    handle = grouped_allreduce_async(tensors, name, op, prescale_factor, postscale_factor)
+    return handle.wait()  # type: ignore[no-any-return]
+
+
+def grouped_allreduce_async_(tensors: Sequence[Any], name: str | None = None,
+                             op: ReduceOp = Average, prescale_factor: float = 1.0,
+                             postscale_factor: float = 1.0) -> Handle:
+    """In-place :func:`grouped_allreduce_async`."""
+    return _submit(Kind.ALLREDUCE, _as_list(tensors), name, op=op, prescale=prescale_factor,
+                   postscale=postscale_factor, group=True, inplace=True)
+
+
+def grouped_allreduce_(tensors: Sequence[Any], name: str | None = None, op: ReduceOp = Average,
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[Any]:
+    """Blocking in-place grouped allreduce; returns the list of (updated) tensors."""
+    handle = grouped_allreduce_async_(tensors, name, op, prescale_factor, postscale_factor)
+    return handle.wait()  # type: ignore[no-any-return]
+
+
+def _as_list(tensors: Sequence[Any]) -> list[Any]:
+    if not isinstance(tensors, (list, tuple)) or not tensors:
+        raise TypeError(f"expected a non-empty list of tensors, got {type(tensors).__name__}")
+    return list(tensors)
+
+
+# -- the other collectives ----------------------------------------------------------------
+def allgather_async(tensor: Any, name: str | None = None) -> Handle:
+    """Start gathering ``tensor`` from every rank, concatenated along dim 0 in rank order.
+
+    Dim 0 may differ per rank; the other dimensions, the dtype and the device must agree
+    (else :class:`MismatchError` on every rank). Non-blocking, thread-safe."""
+    return _submit(Kind.ALLGATHER, [tensor], name)
+
+
+def allgather(tensor: Any, name: str | None = None) -> Any:
+    """Blocking :func:`allgather_async`."""
+    return allgather_async(tensor, name).wait()
+
+
+def broadcast_async(tensor: Any, root_rank: int, name: str | None = None) -> Handle:
+    """Start copying ``root_rank``'s ``tensor`` to every rank; the result is a new array.
+
+    Shape, dtype and root must agree across ranks. ``ValueError`` for a root outside
+    ``[0, size)``. Non-blocking, thread-safe."""
+    return _submit(Kind.BROADCAST, [tensor], name, root=root_rank)
+
+
+def broadcast(tensor: Any, root_rank: int, name: str | None = None) -> Any:
+    """Blocking :func:`broadcast_async`."""
+    return broadcast_async(tensor, root_rank, name).wait()
+
+
+def broadcast_async_(tensor: Any, root_rank: int, name: str | None = None) -> Handle:
+    """In-place :func:`broadcast_async`: non-root ranks receive into ``tensor``."""
+    return _submit(Kind.BROADCAST, [tensor], name, root=root_rank, inplace=True)
+
+
+def broadcast_(tensor: Any, root_rank: int, name: str | None = None) -> Any:
+    """Blocking in-place broadcast; returns ``tensor``."""
+    return broadcast_async_(tensor, root_rank, name).wait()
+
+
+def alltoall_async(tensor: Any, splits: Sequence[int] | None = None,
+                   name: str | None = None) -> Handle:
+    """Start an all-to-all: rows ``splits[j]`` of dim 0 go to rank ``j`` (default: equal
+    parts); the result concatenates what every rank sent here, in rank order. Not allowed
+    while ranks have joined. Non-blocking, thread-safe."""
+    return _submit(Kind.ALLTOALL, [tensor], name, splits=splits)
+
+
+def alltoall(tensor: Any, splits: Sequence[int] | None = None, name: str | None = None) -> Any:
+    """Blocking :func:`alltoall_async`."""
+    return alltoall_async(tensor, splits, name).wait()
+
+
+def reducescatter_async(tensor: Any, name: str | None = None,
+                        op: ReduceOp = Average) -> Handle:
+    """Start reducing ``tensor`` across ranks and keep this rank's part of dim 0.
+
+    Rank ``r`` gets rows ``[start_r, start_r + n_r)`` where the ``n_r`` differ by at most one
+    and the lower ranks get the extra rows. Non-blocking, thread-safe."""
+    return _submit(Kind.REDUCESCATTER, [tensor], name, op=op)
+
+
+def reducescatter(tensor: Any, name: str | None = None, op: ReduceOp = Average) -> Any:
+    """Blocking :func:`reducescatter_async`."""
+    return reducescatter_async(tensor, name, op).wait()
+
+
+def barrier_async(name: str | None = None) -> Handle:
+    """A handle that completes once every rank has reached this barrier (in agreed order
+    with the other collectives)."""
+    return _submit(Kind.BARRIER, [], name)
+
+
+def barrier() -> None:
+    """Block until every rank has called :func:`barrier`."""
+    barrier_async().wait()
+
+
+def join() -> int:
+    """Declare that this rank has no more data for this epoch; block until every rank has.
+
+    While joined, this rank takes part in the other ranks' collectives without data: in
+    allreduce and reducescatter it contributes the op's identity (Average divides by the ranks
+    that contributed), in allgather zero rows. Broadcasts from a joined root and alltoall fail
+    with :class:`MismatchError`. Returns the rank that joined last.
+    """
+    return int(_submit(Kind.JOIN, [], default_engine().auto_name("join")).wait())
+
+
+def poll(handle: Handle) -> bool:
+    """True if ``handle`` has completed. Never blocks."""
+    return handle.poll()
+
+
+def synchronize(handle: Handle) -> Any:
+    """Wait for ``handle`` and return its result (raises its error)."""
+    return handle.wait()

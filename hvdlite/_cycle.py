@@ -1,0 +1,219 @@
+"""One negotiation cycle over MPI: the cached bit-vector round and the full round.
+
+Every cycle, every rank contributes one uint64 vector to a single BAND allreduce::
+
+    word 0        ~flags          (AND of inverted flags = OR of flags)
+    words 1..W    cache hit bits  (AND: a slot is ready when every rank has it pending)
+    words W+1..2W ~invalid bits   (OR: a slot any rank saw change is evicted everywhere)
+
+If any rank has a request the cache cannot express (new name, changed parameters, a join, a
+stall to report), a full round follows in the same cycle: the ranks' requests are gathered on
+the coordinator (rank 0), which decides the ready responses and broadcasts them. Both rounds
+produce identical results on every rank, so every rank's cache and execution order agree.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from mpi4py import MPI
+
+from hvdlite._negotiation import (
+    CoordinatorTable,
+    Kind,
+    Request,
+    Response,
+    ResponseCache,
+    pack_request,
+    pack_response,
+    unpack_request,
+    unpack_response,
+)
+from hvdlite._stall import StallInspector
+from hvdlite._work import Entry
+from hvdlite.config import Config
+from hvdlite.errors import HvdliteError, ShutdownError, StallError
+
+__all__ = ["Negotiator", "CycleResult"]
+
+UNCACHED, SHUTDOWN, JOINED, PENDING, ROUND = 1, 2, 4, 8, 16
+_SPINS = 64  # Test() calls with a bare GIL yield before the poll starts sleeping
+
+
+@dataclass(slots=True)
+class CycleResult:
+    responses: list[Response]
+    stop: HvdliteError | None = None
+
+
+class Negotiator:
+    """This rank's side of negotiation: cache state, pending hits and (on rank 0) the table."""
+
+    def __init__(self, comm: MPI.Intracomm, config: Config) -> None:
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.cache = ResponseCache(config.cache_capacity)
+        self.words = math.ceil(config.cache_capacity / 64)
+        self.table = CoordinatorTable(self.size) if self.rank == 0 else None
+        self.stall = StallInspector(config)
+        self.cycle_s = config.cycle_time_ms / 1e3
+        self.idle_max_s = max(config.idle_backoff_max_ms / 1e3, self.cycle_s)
+        # A cached request pending this long is sent in full so the stall inspector sees it.
+        self.patience_s = min(max(config.stall_check_time_s / 2, 0.5), 10.0)
+        self._wait_s = self.cycle_s
+        self._busy = True
+        self._uncached: list[Request] = []
+        self._invalid: set[int] = set()
+        self._hits: dict[int, tuple[str, float]] = {}  # slot -> (name, since)
+        self.cycles = 0
+        self.cache_hits = 0
+
+    # -- pacing ------------------------------------------------------------------------
+    def next_wait_s(self, has_pending: bool) -> float:
+        """How long the loop may sleep before the next cycle if nothing is enqueued."""
+        if has_pending or self._busy:
+            self._wait_s = self.cycle_s
+        else:
+            self._wait_s = min(self.idle_max_s, self._wait_s * 2)
+        return self._wait_s
+
+    # -- one cycle -----------------------------------------------------------------------
+    def cycle(self, new: list[Entry], entries: dict[str, Entry], stopping: bool) -> CycleResult:
+        now = time.monotonic()
+        self.cycles += 1
+        for e in new:
+            self._classify(e.request, now)
+        self._demote_stale(entries, now)
+        flags = self._local_flags(entries, stopping, now)
+        vec = self._vector(flags)
+        self._allreduce(vec)
+        seen = int(~vec[0])
+        if seen & SHUTDOWN:
+            return CycleResult([], self._shutdown_reason(stopping))
+        invalid = self._bits(~vec[1 + self.words:])
+        self._evict(invalid, entries)
+        responses: list[Response] = []
+        if seen & JOINED:
+            # Who contributes depends on who has joined: cached responses do not apply.
+            self._uncached.extend(entries[n].request for n, _ in self._hits.values())
+            self._hits.clear()
+        else:
+            responses = self._take_hits(self._bits(vec[1:1 + self.words]))
+        stop = None
+        if seen & (UNCACHED | JOINED | ROUND) or invalid:
+            full, fatal = self._full_round(entries, now)
+            responses.extend(full)
+            stop = StallError(fatal) if fatal else None
+        self._busy = bool(seen & PENDING) or bool(responses)
+        return CycleResult(responses, stop)
+
+    def _classify(self, req: Request, now: float) -> None:
+        if self.cache.capacity and req.kind not in (Kind.JOIN, Kind.BARRIER):
+            slot, same = self.cache.lookup(req)
+            if same:
+                self._hits[slot] = (req.name, now)
+                return
+            if slot >= 0:
+                self._invalid.add(slot)
+        self._uncached.append(req)
+
+    def _demote_stale(self, entries: dict[str, Entry], now: float) -> None:
+        for slot, (name, since) in list(self._hits.items()):
+            if now - since > self.patience_s:
+                del self._hits[slot]
+                self._invalid.add(slot)
+                self._uncached.append(entries[name].request)
+
+    def _local_flags(self, entries: dict[str, Entry], stopping: bool, now: float) -> int:
+        flags = UNCACHED if self._uncached else 0
+        if stopping:
+            flags |= SHUTDOWN
+        if entries:
+            flags |= PENDING
+        if any(e.request.kind is Kind.JOIN for e in entries.values()):
+            flags |= JOINED
+        if self.table is not None and self.stall.due(now):
+            flags |= ROUND
+        return flags
+
+    def _vector(self, flags: int) -> np.ndarray:
+        vec = np.zeros(1 + 2 * self.words, dtype=np.uint64)
+        vec[0] = ~np.uint64(flags)
+        if self.words:
+            vec[1:1 + self.words] = self._pack(self._hits.keys())
+            vec[1 + self.words:] = ~self._pack(self._invalid)
+        self._invalid = set()
+        return vec
+
+    def _pack(self, slots: object) -> np.ndarray:
+        bits = np.zeros(self.words * 64, dtype=bool)
+        bits[list(slots)] = True  # type: ignore[call-overload]
+        return np.packbits(bits, bitorder="little").view(np.uint64)
+
+    def _bits(self, words: np.ndarray) -> list[int]:
+        if not self.words:
+            return []
+        flat = np.unpackbits(np.ascontiguousarray(words).view(np.uint8), bitorder="little")
+        return [int(i) for i in np.flatnonzero(flat)]
+
+    def _allreduce(self, vec: np.ndarray) -> None:
+        # Poll instead of blocking: a blocking MPI wait spins a core (and with more ranks than
+        # cores starves the training threads); polling with growing sleeps keeps idle near zero.
+        req = self.comm.Iallreduce(MPI.IN_PLACE, [vec, MPI.UINT64_T], op=MPI.BAND)
+        spins, nap = 0, 10e-6
+        cap = self.cycle_s if self._busy else self.idle_max_s
+        while not req.Test():
+            spins += 1
+            if spins < _SPINS:
+                time.sleep(0)
+            else:
+                time.sleep(nap)
+                nap = min(nap * 2, cap)
+
+    def _evict(self, slots: list[int], entries: dict[str, Entry]) -> None:
+        for slot in slots:
+            hit = self._hits.pop(slot, None)
+            if hit is not None:
+                self._uncached.append(entries[hit[0]].request)
+            self.cache.evict(slot)
+
+    def _take_hits(self, slots: list[int]) -> list[Response]:
+        out = []
+        for slot in slots:
+            self._hits.pop(slot, None)
+            self.cache.touch(slot)
+            out.append(self.cache.response(slot))
+        self.cache_hits += len(out)
+        return out
+
+    def _full_round(self, entries: dict[str, Entry], now: float) -> tuple[list[Response], str]:
+        payload = [pack_request(r) for r in self._uncached]
+        self._uncached = []
+        gathered = self.comm.gather(payload, root=0)
+        decided = None
+        if self.table is not None:
+            for rank, reqs in enumerate(gathered):
+                self.table.add(rank, [unpack_request(t) for t in reqs], now)
+            fatal = self.stall.check(self.table, now) if self.stall.due(now) else ""
+            decided = ([pack_response(r) for r in self.table.pop_ready()], fatal)
+        packed, fatal = self.comm.bcast(decided, root=0)
+        responses = [unpack_response(t) for t in packed]
+        for resp in responses:
+            entry = entries.get(resp.name)
+            # Every rank must put, in the same order, so slots agree; a rank without the
+            # request stores None, which never matches and so forces renegotiation.
+            self.cache.put(resp, entry.request if entry is not None else None)
+        return responses, fatal
+
+    def _shutdown_reason(self, stopping: bool) -> ShutdownError:
+        first = self.comm.allreduce(self.rank if stopping else self.size, op=MPI.MIN)
+        if stopping and first == self.rank:
+            return ShutdownError("hvdlite.shutdown() was called before it completed")
+        return ShutdownError(
+            f"hvdlite was shut down by rank {first} (it called hvdlite.shutdown() or exited) "
+            "before this collective completed; make every rank run the same collectives "
+            "before shutting down"
+        )

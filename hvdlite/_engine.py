@@ -1,0 +1,306 @@
+"""The Engine: lifecycle, the request queue and the background loop.
+
+All of hvdlite's run-time state lives in one :class:`Engine`; the module-level functions
+(``init``, ``rank``, ...) are thin wrappers over the process's default engine, so tests can
+build engines of their own on any communicator.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from mpi4py import MPI
+
+from hvdlite._backends.mpi import MPIBackend, host_alloc
+from hvdlite._cycle import Negotiator
+from hvdlite._fusion import FusionBuffers, plan_buckets
+from hvdlite._negotiation import Kind, Response
+from hvdlite._work import Entry
+from hvdlite.config import Config, load_config
+from hvdlite.errors import (
+    HvdliteError,
+    MismatchError,
+    NotInitializedError,
+    ShutdownError,
+    StallError,
+)
+
+__all__ = ["Engine", "init", "shutdown", "is_initialized", "rank", "size", "local_rank",
+           "local_size", "cross_rank", "cross_size", "default_engine"]
+
+log = logging.getLogger("hvdlite")
+
+_SHUTDOWN_JOIN_S = 60.0  # how long shutdown() waits for the loop's last agreed cycle
+
+
+class Engine:
+    """One hvdlite instance: communicators, the background thread and all pending work.
+
+    Thread-safety: ``submit`` may be called from any thread; everything that talks to MPI
+    runs on the engine's background thread.
+    """
+
+    def __init__(self, comm: MPI.Intracomm | None = None, config: Config | None = None) -> None:
+        base = MPI.COMM_WORLD if comm is None else comm
+        self.config = config if config is not None else load_config()
+        _configure_logging(self.config.log_level)
+        # hvdlite's traffic runs on its own duplicates so it can never match user messages.
+        self._ctrl = base.Dup()
+        self._data = base.Dup()
+        self.rank = self._ctrl.Get_rank()
+        self.size = self._ctrl.Get_size()
+        local = base.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
+        cross = base.Split(color=self.local_rank, key=self.rank)
+        self.cross_rank, self.cross_size = cross.Get_rank(), cross.Get_size()
+        local.Free()
+        cross.Free()
+        if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+            log.warning("MPI provides thread level %d < THREAD_MULTIPLE: do not call MPI from "
+                        "other threads while hvdlite runs", MPI.Query_thread())
+
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._queue: list[Entry] = []
+        self._in_flight: set[str] = set()
+        self._counters: dict[str, itertools.count[int]] = {}
+        self._error: HvdliteError | None = None  # sticky: raised by every later call
+        self._stop_requested = False
+        self._stopped = False
+
+        self.fusion = FusionBuffers(self.config.fusion_threshold, host_alloc)
+        self.mpi = MPIBackend(self._data, self.fusion)
+        self.negotiator = Negotiator(self._ctrl, self.config)
+        self._entries: dict[str, Entry] = {}
+        self._thread = threading.Thread(target=self._run, name="hvdlite-background", daemon=True)
+        self._thread.start()
+
+    # -- submission (any thread) ------------------------------------------------------------
+    def check_usable(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._stopped or self._stop_requested:
+            raise ShutdownError("hvdlite is shut down; call hvdlite.init() again to use it")
+
+    def auto_name(self, kind: str) -> str:
+        """A name that agrees across ranks if every rank makes the same unnamed calls."""
+        with self._lock:
+            counter = self._counters.setdefault(kind, itertools.count())
+            return f"{kind}.noname.{next(counter)}"
+
+    def submit(self, entries: Sequence[Entry]) -> None:
+        """Queue ``entries`` atomically (one cycle sees all or none of them)."""
+        now = time.monotonic()
+        with self._lock:
+            self.check_usable()
+            names = [e.request.name for e in entries]
+            clash = next((n for n in names if n in self._in_flight), None)
+            if clash is not None or len(set(names)) != len(names):
+                clash = clash or next(n for n in names if names.count(n) > 1)
+                raise ValueError(
+                    f"tensor {clash!r}: a collective with this name is already in flight; "
+                    "wait for it first or pass a different name="
+                )
+            for e in entries:
+                e.enqueued_at = now
+                e.handle._keep.append(self)  # the engine stays alive while work is pending
+            self._in_flight.update(names)
+            self._queue.extend(entries)
+        self._wake.set()
+
+    # -- the background loop ---------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                self._wait_for_work()
+                new = self._drain()
+                cycle = self.negotiator.cycle(new, self._entries, self._stop_requested)
+                self._execute(cycle.responses)
+                if cycle.stop is not None:
+                    self._finish(cycle.stop)
+                    return
+        except BaseException as exc:  # noqa: BLE001 - any failure must reach every caller
+            err = exc if isinstance(exc, HvdliteError) else HvdliteError(
+                f"hvdlite background thread failed on rank {self.rank}: {exc!r}")
+            if err is not exc:
+                err.__cause__ = exc
+            log.error("%s", err, exc_info=exc)
+            self._finish(err)
+
+    def _wait_for_work(self) -> None:
+        if not self._queue and not self._stop_requested:
+            self._wake.wait(self.negotiator.next_wait_s(bool(self._entries)))
+        self._wake.clear()
+
+    def _drain(self) -> list[Entry]:
+        with self._lock:
+            new, self._queue = self._queue, []
+        for e in new:
+            self._entries[e.request.name] = e
+        return new
+
+    def _execute(self, responses: list[Response]) -> None:
+        for bucket in plan_buckets(responses, self.config.fusion_threshold):
+            entries = [self._entries.pop(r.name, None) for r in bucket]
+            try:
+                self._run_bucket(bucket, entries)
+            finally:
+                with self._lock:
+                    self._in_flight.difference_update(r.name for r in bucket)
+
+    def _run_bucket(self, bucket: list[Response], entries: list[Entry | None]) -> None:
+        head = bucket[0]
+        if head.error:
+            cls = StallError if head.error.startswith("stall:") else MismatchError
+            for e in entries:
+                if e is not None:
+                    e.fail(cls(head.error.removeprefix("stall: ")))
+            return
+        if head.kind is Kind.BARRIER:
+            for e in entries:
+                if e is not None:
+                    e.finish(None)
+            return
+        if head.kind is Kind.JOIN:
+            for e in entries:
+                if e is not None:
+                    e.finish(head.last_joined)
+            return
+        self.mpi.run(bucket, entries)
+
+    def _finish(self, reason: HvdliteError) -> None:
+        """Stop for good: fail everything pending with ``reason``.
+
+        Unless this rank asked for the stop, ``reason`` becomes sticky: every later call raises
+        it (a peer shut down, a stall timed out, or this loop failed).
+        """
+        with self._lock:
+            if self._error is None and not self._stop_requested:
+                self._error = reason
+            self._stopped = True
+            pending = list(self._entries.values()) + self._queue
+            self._entries.clear()
+            self._queue = []
+            self._in_flight.clear()
+        for e in pending:
+            exc = type(reason)(f"tensor {e.request.name!r}: {reason}")
+            exc.__cause__ = reason.__cause__ or reason
+            e.fail(exc)
+        self.fusion.release()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the loop on every rank (it tells the others) and free the communicators."""
+        if not self._stopped:
+            self._stop_requested = True
+            self._wake.set()
+            self._thread.join(_SHUTDOWN_JOIN_S)
+            if self._thread.is_alive():
+                log.error("hvdlite: background thread did not stop within %.0f s; other ranks "
+                          "are not responding", _SHUTDOWN_JOIN_S)
+                return
+        self._thread.join()
+        for comm in (self._ctrl, self._data):
+            if comm != MPI.COMM_NULL:
+                comm.Free()  # Free() resets the handle to COMM_NULL: a second call is a no-op
+
+
+def _configure_logging(level: str) -> None:
+    names = {"trace": logging.DEBUG, "fatal": logging.CRITICAL}
+    logger = logging.getLogger("hvdlite")
+    logger.setLevel(names.get(level, getattr(logging, level.upper(), logging.WARNING)))
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[hvdlite %(levelname)s] %(message)s"))
+        logger.addHandler(handler)
+
+
+# -- the process's default engine -----------------------------------------------------------
+_default: Engine | None = None
+_default_lock = threading.Lock()
+_atexit_registered = False
+
+
+def init(comm: MPI.Intracomm | None = None, *, config: str | None = None,
+         **overrides: Any) -> None:
+    """Start hvdlite on every rank of ``comm`` (default ``MPI.COMM_WORLD``).
+
+    Collective: every rank of ``comm`` must call it. Idempotent while running (later calls
+    return at once and ignore their arguments). After :func:`shutdown` it starts a fresh
+    engine. ``config`` is a YAML file; ``overrides`` are knob names from
+    :mod:`hvdlite.config` and win over the environment and the file. Raises
+    :class:`hvdlite.ConfigError` for unknown knobs or bad values.
+    """
+    global _default, _atexit_registered
+    with _default_lock:
+        if _default is not None and not _default._stopped and _default._error is None:
+            return
+        cfg = load_config(config, overrides)
+        _default = Engine(comm, cfg)
+        if not _atexit_registered:
+            # Registered after mpi4py's own exit hook, so it runs before MPI is finalised.
+            atexit.register(shutdown)
+            _atexit_registered = True
+
+
+def shutdown() -> None:
+    """Stop hvdlite on this rank and, through it, on every rank.
+
+    Blocks until the background thread agreed the stop with the other ranks. Pending handles
+    (here and on the other ranks) fail with :class:`hvdlite.ShutdownError`. Idempotent; also
+    runs at interpreter exit. Afterwards :func:`init` may be called again.
+    """
+    global _default
+    with _default_lock:
+        engine, _default = _default, None
+    if engine is not None:
+        engine.shutdown()
+
+
+def default_engine() -> Engine:
+    """The running default engine, or :class:`hvdlite.NotInitializedError`."""
+    engine = _default
+    if engine is None:
+        raise NotInitializedError("hvdlite is not initialized; call hvdlite.init() first")
+    return engine
+
+
+def is_initialized() -> bool:
+    """True between :func:`init` and :func:`shutdown` (even if a peer has stopped hvdlite)."""
+    return _default is not None
+
+
+def rank() -> int:
+    """This process's rank in hvdlite's communicator. Raises NotInitializedError before init."""
+    return default_engine().rank
+
+
+def size() -> int:
+    """Number of ranks. Raises NotInitializedError before init."""
+    return default_engine().size
+
+
+def local_rank() -> int:
+    """Rank among the processes on this host (the GPU index hvdlite uses)."""
+    return default_engine().local_rank
+
+
+def local_size() -> int:
+    """Number of ranks on this host."""
+    return default_engine().local_size
+
+
+def cross_rank() -> int:
+    """Index of this host among the hosts (rank among processes with the same local rank)."""
+    return default_engine().cross_rank
+
+
+def cross_size() -> int:
+    """Number of processes with this process's local rank (hosts, in a regular layout)."""
+    return default_engine().cross_size

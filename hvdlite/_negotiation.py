@@ -1,0 +1,346 @@
+"""Control plane: requests, responses, the coordinator's table and the response cache.
+
+Everything here is pure bookkeeping (no MPI), so unit tests drive it directly. The engine
+moves the data between ranks; this module decides what is ready, in which order, and what is
+wrong with it.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Kind", "Request", "Response", "CoordinatorTable", "ResponseCache", "StallReport",
+           "pack_request", "unpack_request", "pack_response", "unpack_response"]
+
+
+class Kind(enum.IntEnum):
+    ALLREDUCE = 0
+    ALLGATHER = 1
+    BROADCAST = 2
+    ALLTOALL = 3
+    REDUCESCATTER = 4
+    BARRIER = 5
+    JOIN = 6
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """What one rank says about one tensor it submitted. Small and hashable."""
+
+    name: str
+    kind: Kind
+    dtype: str = "uint8"
+    shape: tuple[int, ...] = ()
+    device: str = "cpu"
+    op: int = 0
+    root: int = -1
+    prescale: float = 1.0
+    postscale: float = 1.0
+    splits: tuple[int, ...] = ()
+    group: str = ""
+    group_size: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Response:
+    """What every rank executes for one tensor; identical on every rank.
+
+    ``sizes`` holds per-rank first-dimension sizes (allgather) or per-rank split vectors
+    flattened (alltoall); ``error`` is set when the ranks disagreed and nothing runs.
+    ``joined`` lists the ranks that had joined when the response was decided.
+    """
+
+    name: str
+    kind: Kind
+    dtype: str
+    shape: tuple[int, ...]
+    device: str
+    op: int
+    root: int
+    prescale: float
+    postscale: float
+    sizes: tuple[int, ...] = ()
+    group: str = ""
+    error: str = ""
+    joined: tuple[int, ...] = ()
+    last_joined: int = -1
+
+    def fusion_key(self) -> tuple[object, ...]:
+        """Responses with equal keys may share a fusion bucket."""
+        return (self.kind, self.dtype, self.device, self.op, self.prescale, self.postscale)
+
+
+# Fields compared across ranks, by collective: (field, label for the message).
+_COMMON = (("kind", "collective"), ("dtype", "dtype"), ("device", "device"))
+_CHECKS: dict[Kind, tuple[tuple[str, str], ...]] = {
+    Kind.ALLREDUCE: (
+        *_COMMON,
+        ("op", "reduce op"),
+        ("shape", "shape"),
+        ("prescale", "prescale_factor"),
+        ("postscale", "postscale_factor"),
+    ),
+    Kind.REDUCESCATTER: (*_COMMON, ("op", "reduce op"), ("shape", "shape")),
+    Kind.BROADCAST: (*_COMMON, ("root", "root rank"), ("shape", "shape")),
+    Kind.ALLGATHER: (*_COMMON, ("trailing", "shape after dim 0")),
+    Kind.ALLTOALL: (*_COMMON, ("trailing", "shape after dim 0")),
+    Kind.BARRIER: (("kind", "collective"),),
+    Kind.JOIN: (("kind", "collective"),),
+}
+
+_FIXES = {
+    "shape": "pass tensors of the same shape on every rank",
+    "dtype": "cast to one dtype on every rank",
+    "device": "keep the tensor on the same kind of device on every rank",
+    "root rank": "pass the same root_rank on every rank",
+    "collective": "use a tensor name for one collective only",
+}
+
+
+def _field(req: Request, name: str) -> object:
+    if name == "trailing":
+        return req.shape[1:] if req.shape else ()
+    value = getattr(req, name)
+    if name == "kind":
+        return Kind(value).name.lower()
+    if name == "op" and req.kind in (Kind.ALLREDUCE, Kind.REDUCESCATTER):
+        from hvdlite._ops import ReduceOp
+
+        return ReduceOp(value).name.title()
+    return value
+
+
+def mismatch_message(name: str, by_rank: dict[int, Request]) -> str:
+    """'' if the ranks agree on ``name``; else one line naming the field and each rank's value."""
+    first = by_rank[min(by_rank)]
+    for fld, label in _CHECKS[first.kind] if first.kind in _CHECKS else _COMMON:
+        values: dict[object, list[int]] = {}
+        for rank in sorted(by_rank):
+            values.setdefault(_field(by_rank[rank], fld), []).append(rank)
+        if len(values) > 1:
+            shown = "; ".join(f"{_ranks(r)} sent {v}" for v, r in values.items())
+            fix = _FIXES.get(label, f"pass the same {label} on every rank")
+            return f"tensor {name!r}: {label} differs across ranks: {shown}; {fix}"
+    if first.group and len({r.group_size for r in by_rank.values()}) > 1:
+        return f"tensor {name!r}: grouped call with differing group sizes across ranks"
+    return ""
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ",".join(map(str, ranks))
+
+
+def build_response(name: str, by_rank: dict[int, Request], size: int,
+                   joined: Sequence[int]) -> Response:
+    """The response for a tensor every member rank submitted (``by_rank`` excludes joined)."""
+    first = by_rank[min(by_rank)]
+    error = mismatch_message(name, by_rank)
+    sizes: tuple[int, ...] = ()
+    if not error and first.kind is Kind.ALLGATHER:
+        sizes = tuple(by_rank[r].shape[0] if r in by_rank else 0 for r in range(size))
+    elif not error and first.kind is Kind.ALLTOALL:
+        if joined:
+            error = f"tensor {name!r}: alltoall cannot run while ranks {list(joined)} have joined"
+        else:
+            sizes = tuple(s for r in range(size) for s in by_rank[r].splits)
+    if not error and first.kind is Kind.BROADCAST and first.root in joined:
+        error = f"tensor {name!r}: broadcast root rank {first.root} has already joined"
+    return Response(
+        name=name, kind=first.kind, dtype=first.dtype, shape=first.shape, device=first.device,
+        op=first.op, root=first.root, prescale=first.prescale, postscale=first.postscale,
+        sizes=sizes, group=first.group, error=error, joined=tuple(joined),
+    )
+
+
+@dataclass(slots=True)
+class _Pending:
+    by_rank: dict[int, Request] = field(default_factory=dict)
+    first_seen: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StallReport:
+    """One tensor the coordinator has waited on for too long."""
+
+    name: str
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    submitted: tuple[int, ...]
+    missing: tuple[int, ...]
+    waited_s: float
+
+
+class CoordinatorTable:
+    """Rank 0's table of tensors that some but not all member ranks have submitted.
+
+    ``add`` records one rank's requests; ``pop_ready`` returns the responses for every tensor
+    that became complete, in the order they completed (ties broken by rank, then by the order
+    the rank submitted them), which is the order every rank executes.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._pending: dict[str, _Pending] = {}
+        self._ready: list[str] = []
+        self._groups: dict[str, dict[str, _Pending]] = {}
+        self._joined: dict[int, None] = {}  # insertion order = join order
+
+    def add(self, rank: int, requests: Iterable[Request], now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        for req in requests:
+            if req.kind is Kind.JOIN:
+                self._joined[rank] = None
+            entry = self._pending.get(req.name)
+            if entry is None:
+                entry = self._pending[req.name] = _Pending(first_seen=now)
+            entry.by_rank[rank] = req
+            if self._complete(entry):
+                self._ready.append(req.name)
+            # A join changes who must submit: tensors waiting only on this rank are now ready.
+            if req.kind is Kind.JOIN:
+                self._ready.extend(n for n, e in self._pending.items()
+                                   if n not in self._ready and self._complete(e))
+
+    def _complete(self, entry: _Pending) -> bool:
+        first = next(iter(entry.by_rank.values()))
+        if first.kind is Kind.JOIN:
+            return len(entry.by_rank) == self.size
+        return all(r in entry.by_rank or r in self._joined for r in range(self.size))
+
+    def pop_ready(self) -> list[Response]:
+        out: list[Response] = []
+        for name in self._ready:
+            entry = self._pending.pop(name)
+            req = next(iter(entry.by_rank.values()))
+            if not req.group:
+                out.append(self._respond(name, entry))
+                continue
+            # Members of a grouped call are held until the whole group is ready, then emitted
+            # back to back so the fusion planner can keep them in one bucket.
+            held = self._groups.setdefault(req.group, {})
+            held[name] = entry
+            if len(held) >= req.group_size:
+                del self._groups[req.group]
+                out.extend(self._respond(n, e) for n, e in held.items())
+        self._ready = []
+        return out
+
+    def _respond(self, name: str, entry: _Pending) -> Response:
+        first = next(iter(entry.by_rank.values()))
+        if first.kind is Kind.JOIN:
+            last = next(reversed(self._joined))
+            self._joined.clear()
+            return Response(name=name, kind=Kind.JOIN, dtype="uint8", shape=(), device="cpu",
+                            op=0, root=-1, prescale=1.0, postscale=1.0, last_joined=last)
+        joined = tuple(r for r in self._joined if r not in entry.by_rank)
+        return build_response(name, entry.by_rank, self.size, joined)
+
+    def joined(self) -> tuple[int, ...]:
+        return tuple(self._joined)
+
+    def stalled(self, older_than_s: float, now: float | None = None) -> list[StallReport]:
+        now = time.monotonic() if now is None else now
+        reports = []
+        for name, entry in self._pending.items():
+            waited = now - entry.first_seen
+            if waited < older_than_s:
+                continue
+            req = next(iter(entry.by_rank.values()))
+            submitted = tuple(sorted(entry.by_rank))
+            missing = tuple(r for r in range(self.size)
+                            if r not in entry.by_rank and r not in self._joined)
+            reports.append(StallReport(name, req.kind.name.lower(), req.dtype, req.shape,
+                                       submitted, missing, waited))
+        return reports
+
+
+class ResponseCache:
+    """Responses seen before, each in a numbered slot, identical on every rank.
+
+    Every rank applies the same ``put``/``touch``/``evict`` calls in the same order (they come
+    from the broadcast response list and from the agreed hit bits), so slot numbers agree
+    everywhere and a hit is one bit. Least recently used slots are evicted when full.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._by_name: OrderedDict[str, int] = OrderedDict()  # LRU order: oldest first
+        self._slots: list[tuple[Response, Request | None] | None] = [None] * capacity
+        self._free = list(range(capacity - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def lookup(self, req: Request) -> tuple[int, bool]:
+        """(slot, matches): slot -1 if ``req.name`` is not cached; matches if params agree."""
+        slot = self._by_name.get(req.name, -1)
+        if slot < 0:
+            return -1, False
+        cached = self._slots[slot]
+        return slot, cached is not None and cached[1] == req
+
+    def response(self, slot: int) -> Response:
+        cached = self._slots[slot]
+        assert cached is not None, f"cache slot {slot} is empty"
+        return cached[0]
+
+    def put(self, response: Response, request: Request | None) -> None:
+        if self.capacity == 0 or response.error or response.kind in (Kind.JOIN, Kind.BARRIER):
+            return
+        if response.joined:
+            return  # depends on who had joined: not reusable later
+        old = self._by_name.pop(response.name, None)
+        if old is not None:
+            self._slots[old] = None
+            self._free.append(old)
+        if not self._free:
+            _, victim = self._by_name.popitem(last=False)
+            self._slots[victim] = None
+            self._free.append(victim)
+        slot = self._free.pop()
+        self._slots[slot] = (response, request)
+        self._by_name[response.name] = slot
+
+    def touch(self, slot: int) -> None:
+        cached = self._slots[slot]
+        if cached is not None:
+            self._by_name.move_to_end(cached[0].name)
+
+    def evict(self, slot: int) -> None:
+        cached = self._slots[slot]
+        if cached is None:
+            return
+        self._slots[slot] = None
+        del self._by_name[cached[0].name]
+        self._free.append(slot)
+
+    def occupied(self) -> list[int]:
+        return sorted(self._by_name.values())
+
+
+# Compact wire form for the uncached path: plain tuples pickle several times faster than
+# dataclass instances, and this path carries every new tensor's request.
+def pack_request(r: Request) -> tuple[object, ...]:
+    return (r.name, int(r.kind), r.dtype, r.shape, r.device, r.op, r.root, r.prescale,
+            r.postscale, r.splits, r.group, r.group_size)
+
+
+def unpack_request(t: tuple[Any, ...]) -> Request:
+    return Request(t[0], Kind(t[1]), *t[2:])
+
+
+def pack_response(r: Response) -> tuple[object, ...]:
+    return (r.name, int(r.kind), r.dtype, r.shape, r.device, r.op, r.root, r.prescale,
+            r.postscale, r.sizes, r.group, r.error, r.joined, r.last_joined)
+
+
+def unpack_response(t: tuple[Any, ...]) -> Response:
+    return Response(t[0], Kind(t[1]), *t[2:])

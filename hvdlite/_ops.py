@@ -1,0 +1,142 @@
+"""Reduce operations and the dtype table.
+
+Every dtype hvdlite carries is one row of :data:`DTYPES`; every reduce op one member of
+:class:`ReduceOp`. The collectives and both backends look things up here instead of branching on
+types, so adding a dtype is adding a row.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ReduceOp", "Sum", "Average", "Min", "Max", "Product", "DType", "DTYPES", "lookup_dtype"]
+
+
+class ReduceOp(enum.IntEnum):
+    """How :func:`hvdlite.allreduce` combines the ranks' tensors.
+
+    ``Average`` on integer tensors is ``floor(sum / n)`` (NumPy ``floor_divide``), where ``n`` is
+    the number of ranks that contributed (joined ranks do not). On ``bool`` tensors ``Sum`` and
+    ``Max`` are a logical or, ``Min`` and ``Product`` a logical and; ``Average`` is refused.
+    """
+
+    AVERAGE = 0
+    SUM = 1
+    MIN = 2
+    MAX = 3
+    PRODUCT = 4
+
+
+Average = ReduceOp.AVERAGE
+Sum = ReduceOp.SUM
+Min = ReduceOp.MIN
+Max = ReduceOp.MAX
+Product = ReduceOp.PRODUCT
+
+_ALL_OPS = frozenset(ReduceOp)
+_NO_ORDER = frozenset({ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.PRODUCT})
+_LOGICAL = frozenset({ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT})
+
+
+@dataclass(frozen=True)
+class DType:
+    """One carried dtype: its NumPy dtype, its family and the reduce ops it allows."""
+
+    name: str
+    np_dtype: np.dtype
+    kind: str  # "bool", "int", "float", "complex"
+    ops: frozenset[ReduceOp]
+    nccl_name: str | None  # name of the matching ncclDataType_t, None if NCCL has none
+
+    def identity(self, op: ReduceOp) -> object:
+        """The value a rank that has joined contributes, so it changes no result."""
+        if op in (ReduceOp.SUM, ReduceOp.AVERAGE):
+            return self.np_dtype.type(0)
+        if op is ReduceOp.PRODUCT:
+            return self.np_dtype.type(1)
+        if self.kind == "bool":
+            return op is ReduceOp.MIN
+        if self.kind == "int":
+            info = np.iinfo(self.np_dtype)
+            return info.max if op is ReduceOp.MIN else info.min
+        return np.inf if op is ReduceOp.MIN else -np.inf
+
+
+def _row(name: str, kind: str, nccl: str | None) -> DType:
+    ops = {"bool": _LOGICAL, "complex": _NO_ORDER}.get(kind, _ALL_OPS)
+    return DType(name, np.dtype(name), kind, ops, nccl)
+
+
+DTYPES: dict[str, DType] = {
+    row.name: row
+    for row in (
+        _row("bool", "bool", "uint8"),
+        _row("int8", "int", "int8"),
+        _row("int16", "int", None),
+        _row("int32", "int", "int32"),
+        _row("int64", "int", "int64"),
+        _row("uint8", "int", "uint8"),
+        _row("uint16", "int", None),
+        _row("uint32", "int", "uint32"),
+        _row("uint64", "int", "uint64"),
+        _row("float16", "float", "float16"),
+        _row("float32", "float", "float32"),
+        _row("float64", "float", "float64"),
+        _row("complex64", "complex", None),
+        _row("complex128", "complex", None),
+    )
+}
+
+
+def lookup_dtype(dtype: object, what: str) -> DType:
+    """The table row for ``dtype``; ``TypeError`` naming ``what`` and the carried dtypes if none."""
+    try:
+        key = np.dtype(dtype).name  # type: ignore[call-overload]
+    except TypeError:
+        key = str(dtype)
+    row = DTYPES.get(key)
+    if row is None:
+        raise TypeError(
+            f"{what}: dtype {key} is not supported; expected one of {', '.join(DTYPES)}"
+        )
+    return row
+
+
+def check_op(row: DType, op: object, what: str) -> ReduceOp:
+    """Validate ``op`` for ``row``: ``TypeError`` if it is no ReduceOp or the dtype refuses it."""
+    if not isinstance(op, ReduceOp):
+        raise TypeError(f"{what}: op must be a hvdlite.ReduceOp (Sum, Average, ...), got {op!r}")
+    if op not in row.ops:
+        allowed = ", ".join(o.name.title() for o in sorted(row.ops))
+        raise TypeError(
+            f"{what}: op {op.name.title()} is not defined for dtype {row.name}; use one of {allowed}"
+        )
+    return op
+
+
+def scale_into(xp: Any, dst: Any, src: Any, factor: float, row: DType) -> None:
+    """``dst[...] = src * factor`` with hvdlite's scaling rules, for NumPy or CuPy (``xp``).
+
+    Float and complex tensors scale in their own precision; integer tensors are scaled in
+    float64 and truncated toward zero; a factor of 1 is a plain copy (or nothing in place).
+    """
+    if factor == 1.0:
+        if dst is not src:
+            xp.copyto(dst, src)
+        return
+    xp.multiply(src, factor, out=dst, casting="unsafe")
+
+
+def finish_reduce(xp: Any, buf: Any, op: ReduceOp, contributors: int, postscale: float,
+                  row: DType) -> None:
+    """In place on the reduced ``buf``: divide for Average, then apply ``postscale``."""
+    if op is ReduceOp.AVERAGE and contributors > 1:
+        if row.kind == "int":
+            xp.floor_divide(buf, contributors, out=buf)
+        else:
+            xp.divide(buf, contributors, out=buf, casting="unsafe")
+    scale_into(xp, buf, buf, postscale, row)

@@ -1,0 +1,90 @@
+"""Adapters: NumPy, CuPy and torch tensors -> one internal view (array + device + converter).
+
+Only NumPy is imported eagerly; CuPy and torch are recognised by their module names, so
+importing hvdlite never imports them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["TensorRef", "wrap", "empty_like_ref"]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRef:
+    """A caller's tensor seen as an array hvdlite can move.
+
+    ``array`` is a NumPy array for host memory or a CuPy array for device memory (a torch
+    tensor is viewed without a copy); ``device`` is "cpu" or "cuda:<id>"; ``to_user`` turns an
+    array of the same kind back into the caller's framework type.
+    """
+
+    array: Any
+    device: str
+    framework: str
+    to_user: Callable[[Any], Any]
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device != "cpu"
+
+
+def _identity(a: Any) -> Any:
+    return a
+
+
+def _module_of(obj: Any) -> str:
+    return type(obj).__module__.split(".", 1)[0]
+
+
+def wrap(obj: Any, what: str) -> TensorRef:
+    """View ``obj`` as a :class:`TensorRef`; ``TypeError``/``ValueError`` naming ``what``."""
+    if isinstance(obj, np.ndarray):
+        _require_contiguous(obj.flags.c_contiguous, what, "np.ascontiguousarray(x)")
+        return TensorRef(obj, "cpu", "numpy", _identity)
+    module = _module_of(obj)
+    if module == "cupy":
+        _require_contiguous(obj.flags.c_contiguous, what, "cupy.ascontiguousarray(x)")
+        return TensorRef(obj, f"cuda:{obj.device.id}", "cupy", _identity)
+    if module == "torch":
+        return _wrap_torch(obj, what)
+    raise TypeError(
+        f"{what}: expected a numpy.ndarray, cupy.ndarray or torch.Tensor, "
+        f"got {type(obj).__name__}"
+    )
+
+
+def _require_contiguous(ok: bool, what: str, fix: str) -> None:
+    if not ok:
+        raise ValueError(f"{what}: tensor is not C-contiguous; pass {fix} instead")
+
+
+def _wrap_torch(t: Any, what: str) -> TensorRef:
+    import torch
+
+    _require_contiguous(t.is_contiguous(), what, "x.contiguous()")
+    if t.device.type == "cpu":
+        return TensorRef(t.detach().numpy(), "cpu", "torch", torch.from_numpy)
+    if t.device.type == "cuda":
+        import cupy
+
+        return TensorRef(cupy.from_dlpack(t.detach()), f"cuda:{t.device.index}", "torch",
+                         torch.from_dlpack)
+    raise TypeError(f"{what}: torch tensors on device {t.device} are not supported (cpu, cuda)")
+
+
+def empty_like_ref(ref: TensorRef, shape: tuple[int, ...] | None = None) -> Any:
+    """A new uninitialised array on the same device as ``ref``, of ``shape`` (default: same)."""
+    arr = ref.array
+    shape = arr.shape if shape is None else shape
+    if ref.is_cuda:
+        import cupy
+
+        with cupy.cuda.Device(arr.device.id):
+            return cupy.empty(shape, dtype=arr.dtype)
+    return np.empty(shape, dtype=arr.dtype)
