@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -40,7 +41,8 @@ from hvdlite.errors import HvdliteError, ShutdownError, StallError
 __all__ = ["Negotiator", "CycleResult"]
 
 UNCACHED, SHUTDOWN, JOINED, PENDING, ROUND = 1, 2, 4, 8, 16
-_SPINS = 64  # Test() calls with a bare GIL yield before the poll starts sleeping
+_HOT_POLL_S = 300e-6  # poll with bare GIL yields this long while work flows
+_BUSY_NAP_S = 100e-6  # longest nap between polls while work flows
 
 
 @dataclass(slots=True)
@@ -148,10 +150,15 @@ class Negotiator:
         self._invalid = set()
         return vec
 
-    def _pack(self, slots: object) -> np.ndarray:
-        bits = np.zeros(self.words * 64, dtype=bool)
-        bits[list(slots)] = True  # type: ignore[call-overload]
-        return np.packbits(bits, bitorder="little").view(np.uint64)
+    def _pack(self, slots: Collection[int]) -> np.ndarray:
+        if len(slots) > 32:
+            bits = np.zeros(self.words * 64, dtype=bool)
+            bits[list(slots)] = True
+            return np.packbits(bits, bitorder="little").view(np.uint64)
+        words = [0] * self.words
+        for slot in slots:
+            words[slot >> 6] |= 1 << (slot & 63)
+        return np.array(words, dtype=np.uint64)
 
     def _bits(self, words: np.ndarray) -> list[int]:
         if not self.words:
@@ -161,14 +168,18 @@ class Negotiator:
 
     def _allreduce(self, vec: np.ndarray) -> None:
         # Poll instead of blocking: a blocking MPI wait spins a core (and with more ranks than
-        # cores starves the training threads); polling with growing sleeps keeps idle near zero.
+        # cores starves the training threads). While work flows, poll hot for a short while
+        # (a late Test() delays every rank's next collective), then back off; idle, the naps
+        # grow to the idle backoff so an idle engine costs next to nothing.
         req = self.comm.Iallreduce(MPI.IN_PLACE, [vec, MPI.UINT64_T], op=MPI.BAND)
-        spins, nap = 0, 10e-6
-        cap = self.cycle_s if self._busy else self.idle_max_s
+        if req.Test():
+            return
+        busy = self._busy
+        hot_until = time.perf_counter() + (_HOT_POLL_S if busy else 0.0)
+        nap, cap = 10e-6, (_BUSY_NAP_S if busy else self.idle_max_s)
         while not req.Test():
-            spins += 1
-            if spins < _SPINS:
-                time.sleep(0)
+            if time.perf_counter() < hot_until:
+                time.sleep(0)  # yields the GIL to the training thread between polls
             else:
                 time.sleep(nap)
                 nap = min(nap * 2, cap)
