@@ -3,6 +3,10 @@
 validate the arguments, resolve the tensor (framework, device, stream), look up its dtype,
 build the request and its output, and submit to the engine. The ``*_async`` forms return a
 :class:`~hvdlite.Handle`; the plain forms wait on it.
+
+``stream=`` (device tensors only): the stream whose work produces the input; default the
+framework's current stream (CuPy's, or torch's for torch tensors). hvdlite records a READY event
+there and orders its own stream after it, so the caller never synchronises.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from typing import Any
 from hvdlite._engine import Engine, default_engine
 from hvdlite._handles import Handle
 from hvdlite._negotiation import Kind, Request
-from hvdlite._ops import Average, DType, ReduceOp, check_op, lookup_dtype
+from hvdlite._ops import Average, DType, ReduceOp, check_device_dtype, check_op, lookup_dtype
 from hvdlite._tensors import TensorRef, empty_like_ref, wrap
 from hvdlite._work import Entry
 
@@ -59,7 +63,7 @@ def _output(kind: Kind, ref: TensorRef, out: Any, inplace: bool, what: str) -> A
 def _submit(kind: Kind, tensors: Sequence[Any], name: str | None, *, op: ReduceOp = Average,
             root: int = -1, prescale: float = 1.0, postscale: float = 1.0,
             splits: Sequence[int] | None = None, outs: Sequence[Any] | None = None,
-            inplace: bool = False, group: bool = False) -> Handle:
+            inplace: bool = False, group: bool = False, stream: Any = None) -> Handle:
     engine = default_engine()
     engine.check_usable()
     _check_name(name)
@@ -80,10 +84,23 @@ def _submit(kind: Kind, tensors: Sequence[Any], name: str | None, *, op: ReduceO
         entry = Entry(req, ref, _output(kind, ref, user_out, inplace, what), handle, i)
         if inplace or user_out is not None:
             entry.extra["user"] = tensor if inplace else user_out
+        if ref.is_cuda:
+            _prepare_device(engine, entry, ref, handle, stream)
         entries.append(entry)
     handle._keep.extend(tensors)
     engine.submit(entries)
     return handle
+
+
+def _prepare_device(engine: Engine, entry: Entry, ref: TensorRef, handle: Handle,
+                    stream: Any) -> None:
+    # Record READY on the caller's stream now: the background thread orders hvdlite's stream
+    # after it (cudaStreamWaitEvent) instead of waiting for the producer on the CPU.
+    runtime = engine.gpu_runtime()
+    device_id = int(ref.device.split(":")[1])
+    entry.ready = runtime.record_ready(ref.framework, device_id, stream)
+    handle._waiter = runtime.stream_waiter(ref.framework, device_id)
+    handle._async = runtime.async_completion
 
 
 def _request(engine: Engine, kind: Kind, name: str, ref: TensorRef, row: DType, what: str,
@@ -101,6 +118,9 @@ def _request(engine: Engine, kind: Kind, name: str, ref: TensorRef, row: DType, 
     if kind in (Kind.ALLGATHER, Kind.ALLTOALL, Kind.REDUCESCATTER) and not shape:
         raise ValueError(f"{what}: needs at least one dimension, got a 0-d tensor; "
                          "reshape it to (1,)")
+    if ref.is_cuda:
+        check_device_dtype(row, ReduceOp(opv) if kind in (Kind.ALLREDUCE, Kind.REDUCESCATTER)
+                           else None, what)
     split_t: tuple[int, ...] = ()
     if kind is Kind.ALLTOALL:
         split_t = _splits(splits, shape[0], engine.size, what)
@@ -125,7 +145,7 @@ def _splits(splits: Sequence[int] | None, rows: int, size: int, what: str) -> tu
 # -- allreduce ---------------------------------------------------------------------------
 def allreduce_async(tensor: Any, name: str | None = None, op: ReduceOp = Average,
                     prescale_factor: float = 1.0, postscale_factor: float = 1.0, *,
-                    out: Any = None) -> Handle:
+                    out: Any = None, stream: Any = None) -> Handle:
     """Start reducing ``tensor`` across all ranks; return a :class:`Handle` at once.
 
     ``op`` is one of ``Sum``, ``Average``, ``Min``, ``Max``, ``Product``. The input is
@@ -140,59 +160,67 @@ def allreduce_async(tensor: Any, name: str | None = None, op: ReduceOp = Average
     :class:`NotInitializedError` before :func:`init`. Do not modify ``tensor`` until done.
     """
     return _submit(Kind.ALLREDUCE, [tensor], name, op=op, prescale=prescale_factor,
-                   postscale=postscale_factor, outs=[out])
+                   postscale=postscale_factor, outs=[out], stream=stream)
 
 
 def allreduce(tensor: Any, name: str | None = None, op: ReduceOp = Average,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0, *,
-              out: Any = None) -> Any:
+              out: Any = None, stream: Any = None) -> Any:
     """Blocking :func:`allreduce_async`: returns the reduced array."""
-    return allreduce_async(tensor, name, op, prescale_factor, postscale_factor, out=out).wait()
+    return allreduce_async(tensor, name, op, prescale_factor, postscale_factor, out=out,
+                           stream=stream).wait()
 
 
 def allreduce_async_(tensor: Any, name: str | None = None, op: ReduceOp = Average,
-                     prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+                     prescale_factor: float = 1.0, postscale_factor: float = 1.0, *,
+                     stream: Any = None) -> Handle:
     """In-place :func:`allreduce_async`: the result is written into ``tensor``."""
     return _submit(Kind.ALLREDUCE, [tensor], name, op=op, prescale=prescale_factor,
-                   postscale=postscale_factor, inplace=True)
+                   postscale=postscale_factor, inplace=True, stream=stream)
 
 
 def allreduce_(tensor: Any, name: str | None = None, op: ReduceOp = Average,
-               prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
+               prescale_factor: float = 1.0, postscale_factor: float = 1.0, *,
+               stream: Any = None) -> Any:
     """Blocking in-place allreduce; returns ``tensor``."""
-    return allreduce_async_(tensor, name, op, prescale_factor, postscale_factor).wait()
+    return allreduce_async_(tensor, name, op, prescale_factor, postscale_factor,
+                            stream=stream).wait()
 
 
 def grouped_allreduce_async(tensors: Sequence[Any], name: str | None = None,
                             op: ReduceOp = Average, prescale_factor: float = 1.0,
-                            postscale_factor: float = 1.0) -> Handle:
+                            postscale_factor: float = 1.0, *, stream: Any = None) -> Handle:
     """Allreduce a list of tensors as one unit: enqueued atomically, negotiated together and
     fused together (up to the fusion threshold). The handle's result is the list of results,
     in input order. Member ``i`` is named ``f"{name}.{i}"``. Same rules as
     :func:`allreduce_async` for each member."""
     return _submit(Kind.ALLREDUCE, _as_list(tensors), name, op=op, prescale=prescale_factor,
-                   postscale=postscale_factor, group=True)
+                   postscale=postscale_factor, group=True, stream=stream)
 
 
 def grouped_allreduce(tensors: Sequence[Any], name: str | None = None, op: ReduceOp = Average,
-                      prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[Any]:
+                      prescale_factor: float = 1.0, postscale_factor: float = 1.0, *,
+                      stream: Any = None) -> list[Any]:
     """Blocking :func:`grouped_allreduce_async`: returns the list of reduced arrays."""
-    handle = grouped_allreduce_async(tensors, name, op, prescale_factor, postscale_factor)
+    handle = grouped_allreduce_async(tensors, name, op, prescale_factor, postscale_factor,
+                                     stream=stream)
     return handle.wait()  # type: ignore[no-any-return]
 
 
 def grouped_allreduce_async_(tensors: Sequence[Any], name: str | None = None,
                              op: ReduceOp = Average, prescale_factor: float = 1.0,
-                             postscale_factor: float = 1.0) -> Handle:
+                             postscale_factor: float = 1.0, *, stream: Any = None) -> Handle:
     """In-place :func:`grouped_allreduce_async`."""
     return _submit(Kind.ALLREDUCE, _as_list(tensors), name, op=op, prescale=prescale_factor,
-                   postscale=postscale_factor, group=True, inplace=True)
+                   postscale=postscale_factor, group=True, inplace=True, stream=stream)
 
 
 def grouped_allreduce_(tensors: Sequence[Any], name: str | None = None, op: ReduceOp = Average,
-                       prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> list[Any]:
+                       prescale_factor: float = 1.0, postscale_factor: float = 1.0, *,
+                       stream: Any = None) -> list[Any]:
     """Blocking in-place grouped allreduce; returns the list of (updated) tensors."""
-    handle = grouped_allreduce_async_(tensors, name, op, prescale_factor, postscale_factor)
+    handle = grouped_allreduce_async_(tensors, name, op, prescale_factor, postscale_factor,
+                                      stream=stream)
     return handle.wait()  # type: ignore[no-any-return]
 
 
@@ -203,67 +231,71 @@ def _as_list(tensors: Sequence[Any]) -> list[Any]:
 
 
 # -- the other collectives ----------------------------------------------------------------
-def allgather_async(tensor: Any, name: str | None = None) -> Handle:
+def allgather_async(tensor: Any, name: str | None = None, *, stream: Any = None) -> Handle:
     """Start gathering ``tensor`` from every rank, concatenated along dim 0 in rank order.
 
     Dim 0 may differ per rank; the other dimensions, the dtype and the device must agree
     (else :class:`MismatchError` on every rank). Non-blocking, thread-safe."""
-    return _submit(Kind.ALLGATHER, [tensor], name)
+    return _submit(Kind.ALLGATHER, [tensor], name, stream=stream)
 
 
-def allgather(tensor: Any, name: str | None = None) -> Any:
+def allgather(tensor: Any, name: str | None = None, *, stream: Any = None) -> Any:
     """Blocking :func:`allgather_async`."""
-    return allgather_async(tensor, name).wait()
+    return allgather_async(tensor, name, stream=stream).wait()
 
 
-def broadcast_async(tensor: Any, root_rank: int, name: str | None = None) -> Handle:
+def broadcast_async(tensor: Any, root_rank: int, name: str | None = None, *,
+                    stream: Any = None) -> Handle:
     """Start copying ``root_rank``'s ``tensor`` to every rank; the result is a new array.
 
     Shape, dtype and root must agree across ranks. ``ValueError`` for a root outside
     ``[0, size)``. Non-blocking, thread-safe."""
-    return _submit(Kind.BROADCAST, [tensor], name, root=root_rank)
+    return _submit(Kind.BROADCAST, [tensor], name, root=root_rank, stream=stream)
 
 
-def broadcast(tensor: Any, root_rank: int, name: str | None = None) -> Any:
+def broadcast(tensor: Any, root_rank: int, name: str | None = None, *, stream: Any = None) -> Any:
     """Blocking :func:`broadcast_async`."""
-    return broadcast_async(tensor, root_rank, name).wait()
+    return broadcast_async(tensor, root_rank, name, stream=stream).wait()
 
 
-def broadcast_async_(tensor: Any, root_rank: int, name: str | None = None) -> Handle:
+def broadcast_async_(tensor: Any, root_rank: int, name: str | None = None, *,
+                     stream: Any = None) -> Handle:
     """In-place :func:`broadcast_async`: non-root ranks receive into ``tensor``."""
-    return _submit(Kind.BROADCAST, [tensor], name, root=root_rank, inplace=True)
+    return _submit(Kind.BROADCAST, [tensor], name, root=root_rank, inplace=True, stream=stream)
 
 
-def broadcast_(tensor: Any, root_rank: int, name: str | None = None) -> Any:
+def broadcast_(tensor: Any, root_rank: int, name: str | None = None, *, stream: Any = None) -> Any:
     """Blocking in-place broadcast; returns ``tensor``."""
-    return broadcast_async_(tensor, root_rank, name).wait()
+    return broadcast_async_(tensor, root_rank, name, stream=stream).wait()
 
 
 def alltoall_async(tensor: Any, splits: Sequence[int] | None = None,
-                   name: str | None = None) -> Handle:
+                   name: str | None = None, *, stream: Any = None) -> Handle:
     """Start an all-to-all: rows ``splits[j]`` of dim 0 go to rank ``j`` (default: equal
     parts); the result concatenates what every rank sent here, in rank order. Not allowed
     while ranks have joined. Non-blocking, thread-safe."""
-    return _submit(Kind.ALLTOALL, [tensor], name, splits=splits)
+    return _submit(Kind.ALLTOALL, [tensor], name, splits=splits, stream=stream)
 
 
-def alltoall(tensor: Any, splits: Sequence[int] | None = None, name: str | None = None) -> Any:
+def alltoall(tensor: Any, splits: Sequence[int] | None = None, name: str | None = None, *,
+             stream: Any = None) -> Any:
     """Blocking :func:`alltoall_async`."""
-    return alltoall_async(tensor, splits, name).wait()
+    return alltoall_async(tensor, splits, name, stream=stream).wait()
 
 
 def reducescatter_async(tensor: Any, name: str | None = None,
-                        op: ReduceOp = Average) -> Handle:
+                        op: ReduceOp = Average, *, stream: Any = None) -> Handle:
     """Start reducing ``tensor`` across ranks and keep this rank's part of dim 0.
 
     Rank ``r`` gets rows ``[start_r, start_r + n_r)`` where the ``n_r`` differ by at most one
     and the lower ranks get the extra rows. Non-blocking, thread-safe."""
-    return _submit(Kind.REDUCESCATTER, [tensor], name, op=op)
+    return _submit(Kind.REDUCESCATTER, [tensor], name, op=op, stream=stream)
 
 
-def reducescatter(tensor: Any, name: str | None = None, op: ReduceOp = Average) -> Any:
+def reducescatter(tensor: Any, name: str | None = None, op: ReduceOp = Average, *,
+                  stream: Any = None) -> Any:
     """Blocking :func:`reducescatter_async`."""
-    return reducescatter_async(tensor, name, op).wait()
+    return reducescatter_async(tensor, name, op, stream=stream).wait()
 
 
 def barrier_async(name: str | None = None) -> Handle:

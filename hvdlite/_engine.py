@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mpi4py import MPI
 
@@ -33,6 +33,10 @@ from hvdlite.errors import (
 
 __all__ = ["Engine", "init", "shutdown", "is_initialized", "rank", "size", "local_rank",
            "local_size", "cross_rank", "cross_size", "default_engine"]
+
+if TYPE_CHECKING:
+    from hvdlite._backends.nccl import NcclBackend
+    from hvdlite._gpu.runtime import GpuRuntime
 
 log = logging.getLogger("hvdlite")
 
@@ -78,10 +82,29 @@ class Engine:
         self.mpi = MPIBackend(self._data, self.fusion)
         self.negotiator = Negotiator(self._ctrl, self.config)
         self._entries: dict[str, Entry] = {}
+        self._gpu: GpuRuntime | None = None  # created at the first device tensor
+        self._nccl: NcclBackend | None = None  # created by the loop at the first device bucket
         self._thread = threading.Thread(target=self._run, name="hvdlite-background", daemon=True)
         self._thread.start()
 
     # -- submission (any thread) ------------------------------------------------------------
+    def gpu_runtime(self) -> GpuRuntime:
+        """The device runtime, created on first use (imports CuPy; any thread)."""
+        with self._lock:
+            if self._gpu is None:
+                from hvdlite._gpu.runtime import GpuRuntime
+
+                cpu_sync = bool(self.config.timeline)
+                if cpu_sync:
+                    log.warning("hvdlite: timeline is on, so device inputs and completions are "
+                                "waited on the CPU (the timeline shows true times; GPU overlap "
+                                "is reduced)")
+                import cupy
+
+                default = self.local_rank % max(cupy.cuda.runtime.getDeviceCount(), 1)
+                self._gpu = GpuRuntime(default, self.config.async_completion, cpu_sync)
+            return self._gpu
+
     def check_usable(self) -> None:
         if self._error is not None:
             raise self._error
@@ -172,7 +195,18 @@ class Engine:
                 if e is not None:
                     e.finish(head.last_joined)
             return
-        self.mpi.run(bucket, entries)
+        if head.device == "cuda":
+            self._nccl_backend().run(bucket, entries)
+        else:
+            self.mpi.run(bucket, entries)
+
+    def _nccl_backend(self) -> NcclBackend:
+        if self._nccl is None:
+            from hvdlite._backends.nccl import NcclBackend
+
+            self._nccl = NcclBackend(self._data, self.gpu_runtime(),
+                                     self.config.fusion_threshold)
+        return self._nccl
 
     def _finish(self, reason: HvdliteError) -> None:
         """Stop for good: fail everything pending with ``reason``.
@@ -206,6 +240,10 @@ class Engine:
                           "are not responding", _SHUTDOWN_JOIN_S)
                 return
         self._thread.join()
+        if self._nccl is not None:
+            self._nccl.shutdown()
+        if self._gpu is not None:
+            self._gpu.shutdown()
         for comm in (self._ctrl, self._data):
             if comm != MPI.COMM_NULL:
                 comm.Free()  # Free() resets the handle to COMM_NULL: a second call is a no-op

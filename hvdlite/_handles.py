@@ -2,11 +2,33 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = ["Handle"]
+
+_callback_queue: queue.SimpleQueue[tuple[Handle, Callable[[Any], Any], Handle]] | None = None
+_callback_lock = threading.Lock()
+
+
+def _callbacks() -> queue.SimpleQueue[tuple[Handle, Callable[[Any], Any], Handle]]:
+    """The queue of ``then`` callbacks, served by one daemon thread started on first use."""
+    global _callback_queue
+    with _callback_lock:
+        if _callback_queue is None:
+            q: queue.SimpleQueue[tuple[Handle, Callable[[Any], Any], Handle]] = (
+                queue.SimpleQueue())
+
+            def serve() -> None:
+                while True:
+                    parent, fn, child = q.get()
+                    parent._run_then(fn, child)
+
+            threading.Thread(target=serve, name="hvdlite-callbacks", daemon=True).start()
+            _callback_queue = q
+        return _callback_queue
 
 
 class Handle:
@@ -24,6 +46,8 @@ class Handle:
     __slots__ = (
         "name",
         "_as_list",
+        "_async",
+        "_unenqueued",
         "_cond",
         "_events",
         "_exc",
@@ -38,6 +62,8 @@ class Handle:
         self._as_list = as_list
         self._cond = threading.Condition(threading.Lock())
         self._remaining = parts
+        self._unenqueued = parts  # parts whose device work is not yet enqueued
+        self._async = False  # device handle completing at enqueue (async completion)
         self._results: list[Any] = [None] * parts
         self._exc: BaseException | None = None
         # Completion events (one per device) when the work was only enqueued on a device.
@@ -48,6 +74,17 @@ class Handle:
         self._waiter: Callable[[Handle, Any], None] | None = None
 
     # -- completion, called by hvdlite's threads ------------------------------------------
+    def _enqueued(self, events: Sequence[Any]) -> None:
+        """One part's device work is enqueued; ``events`` complete when it has run."""
+        with self._cond:
+            self._events.extend(events)
+            self._unenqueued -= 1
+            if self._unenqueued == 0:
+                self._cond.notify_all()
+
+    def _is_enqueued(self) -> bool:
+        return self._unenqueued <= 0 or self._remaining <= 0
+
     def _set_part(self, index: int, value: Any, events: Sequence[Any] = ()) -> None:
         with self._cond:
             if self._remaining <= 0:
@@ -92,6 +129,65 @@ class Handle:
         return self._results if self._as_list else self._results[0]
 
     synchronize = wait
+
+    def wait_stream(self, stream: Any = None) -> None:
+        """Make ``stream`` (default: the caller's current stream) wait for this collective.
+
+        Never waits for the device: it returns as soon as the collective has been enqueued on
+        hvdlite's stream (a short CPU wait while it is still being negotiated), after a
+        ``cudaStreamWaitEvent`` on its DONE events; work the caller then puts on ``stream``
+        sees the result. On host tensors it is :meth:`wait` without a return value.
+        """
+        with self._cond:
+            self._cond.wait_for(self._is_enqueued)
+        if self._exc is not None:
+            raise self._exc
+        if self._waiter is None:
+            self.wait()
+            return
+        self._waiter(self, stream)
+
+    def then(self, fn: Callable[[Any], Any]) -> Handle:
+        """Run ``fn(result)`` after this collective; return a handle for ``fn``'s result.
+
+        ``fn`` runs on hvdlite's callback thread. For device tensors it runs with a side
+        stream current that is ordered after the collective (seed: a CUDA-aware future), so
+        kernels it launches see the result without a CPU wait; the new handle's completion
+        covers that work, with the same completion mode as this one. An exception in ``fn``
+        (or in this collective) becomes the new handle's error.
+        """
+        child = Handle(f"{self.name}.then")
+        child._waiter, child._async = self._waiter, self._async
+        _callbacks().put((self, fn, child))
+        return child
+
+    def _run_then(self, fn: Callable[[Any], Any], child: Handle) -> None:
+        try:
+            if self._waiter is None:
+                child._set_part(0, fn(self.wait()))
+                return
+            import cupy
+
+            value = self.wait() if not self._async else self._value_when_enqueued()
+            stream = cupy.cuda.Stream(non_blocking=True)
+            self._waiter(self, stream)
+            with stream:
+                out = fn(value)
+            done = cupy.cuda.Event(block=False, disable_timing=True)
+            done.record(stream)
+            child._enqueued((done,))
+            if not self._async:
+                done.synchronize()
+            child._set_part(0, out)
+        except BaseException as exc:  # noqa: BLE001 - delivered through the child handle
+            child._fail(exc)
+
+    def _value_when_enqueued(self) -> Any:
+        with self._cond:
+            self._cond.wait_for(self.poll)
+        if self._exc is not None:
+            raise self._exc
+        return self._results if self._as_list else self._results[0]
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """Wait like :meth:`wait`, then return the failure (``None`` on success)."""

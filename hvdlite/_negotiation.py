@@ -118,7 +118,7 @@ def _field(req: Request, name: str) -> object:
 def mismatch_message(name: str, by_rank: dict[int, Request]) -> str:
     """'' if the ranks agree on ``name``; else one line naming the field and each rank's value."""
     first = by_rank[min(by_rank)]
-    for fld, label in _CHECKS[first.kind] if first.kind in _CHECKS else _COMMON:
+    for fld, label in _CHECKS.get(first.kind, _COMMON):
         values: dict[object, list[int]] = {}
         for rank in sorted(by_rank):
             values.setdefault(_field(by_rank[rank], fld), []).append(rank)

@@ -113,7 +113,8 @@ def check_op(row: DType, op: object, what: str) -> ReduceOp:
     if op not in row.ops:
         allowed = ", ".join(o.name.title() for o in sorted(row.ops))
         raise TypeError(
-            f"{what}: op {op.name.title()} is not defined for dtype {row.name}; use one of {allowed}"
+            f"{what}: op {op.name.title()} is not defined for dtype {row.name}; "
+            f"use one of {allowed}"
         )
     return op
 
@@ -140,3 +141,26 @@ def finish_reduce(xp: Any, buf: Any, op: ReduceOp, contributors: int, postscale:
         else:
             xp.divide(buf, contributors, out=buf, casting="unsafe")
     scale_into(xp, buf, buf, postscale, row)
+
+
+# NCCL carries these element types; complex travels as pairs of its real type.
+_NCCL_WIRE = {"complex64": ("float32", 2), "complex128": ("float64", 2)}
+
+
+def nccl_wire(row: DType) -> tuple[str, int]:
+    """(NCCL element type name, elements per value) for ``row``; KeyError if NCCL has none."""
+    if row.name in _NCCL_WIRE:
+        return _NCCL_WIRE[row.name]
+    if row.nccl_name is None:
+        raise KeyError(row.name)
+    return row.nccl_name, 1
+
+
+def check_device_dtype(row: DType, op: ReduceOp | None, what: str) -> None:
+    """``TypeError`` if NCCL cannot carry ``row`` (or reduce it with ``op``) on the device."""
+    if row.name not in _NCCL_WIRE and row.nccl_name is None:
+        raise TypeError(f"{what}: dtype {row.name} is not supported for device tensors (NCCL "
+                        "has no 16-bit integers); cast to int32/uint32 or use a host tensor")
+    if op is ReduceOp.PRODUCT and row.kind == "complex":
+        raise TypeError(f"{what}: Product of complex device tensors is not supported by NCCL; "
+                        "use a host tensor")

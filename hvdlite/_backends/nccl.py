@@ -1,0 +1,251 @@
+"""NCCL data plane for device (CuPy) memory, through CuPy's NCCL binding.
+
+Runs only on the background thread, in the agreed order, so every rank issues the same NCCL
+calls in the same sequence (NCCL deadlocks otherwise). Everything is enqueued on hvdlite's
+own stream of the device, after a stream wait on each input's READY event; nothing here waits
+for the device on the CPU (except with the timeline on: see ``_gpu/runtime.py``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from hvdlite._fusion import FusionBuffers
+from hvdlite._gpu.kernels import batched_copy
+from hvdlite._gpu.runtime import DeviceContext, GpuRuntime
+from hvdlite._negotiation import Kind, Response
+from hvdlite._ops import DTYPES, DType, ReduceOp, finish_reduce, nccl_wire, scale_into
+from hvdlite._work import Entry
+
+__all__ = ["NcclBackend"]
+
+
+class NcclBackend:
+    """Executes agreed device responses; one cached NCCL communicator per device."""
+
+    def __init__(self, comm: MPI.Intracomm, runtime: GpuRuntime, threshold: int) -> None:
+        from cupy.cuda import nccl
+
+        self.nccl = nccl
+        self.cupy = runtime.cupy
+        self.mpi = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.runtime = runtime
+        self.fusion = FusionBuffers(threshold, self._alloc)
+        self._comms: dict[int, Any] = {}
+        self._ops = {ReduceOp.SUM: nccl.NCCL_SUM, ReduceOp.AVERAGE: nccl.NCCL_SUM,
+                     ReduceOp.MIN: nccl.NCCL_MIN, ReduceOp.MAX: nccl.NCCL_MAX,
+                     ReduceOp.PRODUCT: nccl.NCCL_PROD}
+        self._run: dict[Kind, Callable[[DeviceContext, Any, list[Response], list[Entry | None]],
+                                       list[Any]]] = {
+            Kind.ALLREDUCE: self._allreduce, Kind.ALLGATHER: self._allgather,
+            Kind.BROADCAST: self._broadcast, Kind.ALLTOALL: self._alltoall,
+            Kind.REDUCESCATTER: self._reducescatter,
+        }
+
+    def _alloc(self, device: str, nbytes: int) -> Any:
+        with self.cupy.cuda.Device(int(device.split(":")[1])):
+            return self.cupy.empty(max(nbytes, 0), dtype=np.uint8)
+
+    def communicator(self, device_id: int) -> Any:
+        """The NCCL communicator of ``device_id``, created once (collective over MPI)."""
+        comm = self._comms.get(device_id)
+        if comm is None:
+            uid = self.nccl.get_unique_id() if self.rank == 0 else None
+            uid = self.mpi.bcast(uid, root=0)
+            with self.cupy.cuda.Device(device_id):
+                comm = self._comms[device_id] = self.nccl.NcclCommunicator(self.size, uid,
+                                                                           self.rank)
+        return comm
+
+    def run(self, bucket: list[Response], entries: list[Entry | None]) -> None:
+        """Enqueue one bucket on the device and hand its completion to the runtime."""
+        live = [e for e in entries if e is not None]
+        device_id = live[0].tensor.array.device.id if live and live[0].tensor else \
+            self.runtime.default_device
+        ctx = self.runtime.context(device_id)
+        comm = self.communicator(device_id)
+        with self.cupy.cuda.Device(device_id), ctx.stream:
+            self.runtime.wait_ready(ctx, [e.ready for e in live if e.ready is not None])
+            outputs = self._run[bucket[0].kind](ctx, comm, bucket, entries)
+
+        def done() -> None:
+            for entry, out in zip(entries, outputs, strict=True):
+                if entry is not None:
+                    entry.finish(out)
+
+        self.runtime.complete(ctx, [e.handle for e in live], done, (entries, outputs))
+
+    # -- helpers --------------------------------------------------------------------------
+    def _wire(self, row: DType) -> tuple[int, int]:
+        name, per = nccl_wire(row)
+        return getattr(self.nccl, f"NCCL_{name.upper()}"), per
+
+    def _op(self, row: DType, op: ReduceOp) -> int:
+        if row.kind == "bool":  # or / and on 0-1 bytes
+            big = op in (ReduceOp.SUM, ReduceOp.MAX)
+            return self.nccl.NCCL_MAX if big else self.nccl.NCCL_MIN
+        return self._ops[op]  # type: ignore[no-any-return]
+
+    def _identity(self, resp: Response, row: DType) -> Any:
+        return self.cupy.full(resp.shape, row.identity(ReduceOp(resp.op)), dtype=row.np_dtype)
+
+    # -- allreduce ------------------------------------------------------------------------
+    def _allreduce(self, ctx: DeviceContext, comm: Any, bucket: list[Response],
+                   entries: list[Entry | None]) -> list[Any]:
+        head = bucket[0]
+        row = DTYPES[head.dtype]
+        op = ReduceOp(head.op)
+        dtype, per = self._wire(row)
+        contributors = self.size - len(head.joined)
+        if len(bucket) == 1:
+            entry = entries[0]
+            out = self._identity(head, row) if entry is None else entry.output
+            src = out if entry is None else entry.tensor.array  # type: ignore[union-attr]
+            if head.prescale != 1.0:
+                scale_into(self.cupy, out, src, head.prescale, row)
+                src = out
+            comm.allReduce(src.data.ptr, out.data.ptr, out.size * per, dtype,
+                           self._op(row, op), ctx.stream.ptr)
+            finish_reduce(self.cupy, out, op, contributors, head.postscale, row)
+            return [out]
+        return self._fused_allreduce(ctx, comm, bucket, entries, row, op, contributors)
+
+    def _fused_allreduce(self, ctx: DeviceContext, comm: Any, bucket: list[Response],
+                         entries: list[Entry | None], row: DType, op: ReduceOp,
+                         contributors: int) -> list[Any]:
+        head = bucket[0]
+        dtype, per = self._wire(row)
+        wire_name = nccl_wire(row)[0]
+        wire_np = np.dtype(wire_name)
+        srcs, outs = [], []
+        for resp, entry in zip(bucket, entries, strict=True):
+            if entry is None:
+                scratch = self._identity(resp, row)
+                srcs.append(scratch)
+                outs.append(scratch)
+            else:
+                srcs.append(entry.tensor.array)  # type: ignore[union-attr]
+                outs.append(entry.output)
+        counts = [a.size * per for a in srcs]
+        offs = np.zeros(len(counts) + 1, dtype=np.int64)
+        np.cumsum(counts, out=offs[1:])
+        total = int(offs[-1])
+        buf = self.fusion.get(f"cuda:{ctx.device_id}", wire_np, total)
+        n = len(srcs)
+        meta = ctx.upload_meta(np.concatenate([
+            offs, np.fromiter((a.data.ptr for a in srcs), np.int64, n),
+            offs, np.fromiter((a.data.ptr for a in outs), np.int64, n)]))
+        divisor = contributors if op is ReduceOp.AVERAGE else 1
+        batched_copy(wire_name if row.kind != "bool" else "uint8", meta[:2 * n + 1], n, buf,
+                     total, mode=0, scale=head.prescale, divisor=1, stream=ctx.stream)
+        comm.allReduce(buf.data.ptr, buf.data.ptr, total, dtype, self._op(row, op),
+                       ctx.stream.ptr)
+        batched_copy(wire_name if row.kind != "bool" else "uint8", meta[2 * n + 1:], n, buf,
+                     total, mode=1, scale=head.postscale, divisor=divisor, stream=ctx.stream)
+        return [None if e is None else o for e, o in zip(entries, outs, strict=True)]
+
+    # -- the other collectives -------------------------------------------------------------
+    def _allgather(self, ctx: DeviceContext, comm: Any, bucket: list[Response],
+                   entries: list[Entry | None]) -> list[Any]:
+        resp, entry = bucket[0], entries[0]
+        row = DTYPES[resp.dtype]
+        dtype, per = self._wire(row)
+        trailing = resp.shape[1:]
+        per_row = math.prod(trailing) * per
+        out = self.cupy.empty((sum(resp.sizes), *trailing), dtype=row.np_dtype)
+        send = entry.tensor.array if entry is not None and entry.tensor is not None else out
+        if len(set(resp.sizes)) == 1:
+            comm.allGather(send.data.ptr, out.data.ptr, resp.sizes[0] * per_row, dtype,
+                           ctx.stream.ptr)
+            return [out]
+        # Uneven first dimensions: one broadcast per rank, fused by NCCL into one launch.
+        itemsize = row.np_dtype.itemsize // per
+        self.nccl.groupStart()
+        offset = 0
+        for r, rows in enumerate(resp.sizes):
+            dst = out.data.ptr + offset * per_row * itemsize
+            comm.broadcast(send.data.ptr if r == self.rank else dst, dst, rows * per_row,
+                           dtype, r, ctx.stream.ptr)
+            offset += rows
+        self.nccl.groupEnd()
+        return [out]
+
+    def _broadcast(self, ctx: DeviceContext, comm: Any, bucket: list[Response],
+                   entries: list[Entry | None]) -> list[Any]:
+        resp, entry = bucket[0], entries[0]
+        row = DTYPES[resp.dtype]
+        dtype, per = self._wire(row)
+        out = (self.cupy.empty(resp.shape, dtype=row.np_dtype) if entry is None
+               else entry.output)
+        src = entry.tensor.array if entry is not None and entry.tensor is not None else out
+        comm.broadcast(src.data.ptr, out.data.ptr, out.size * per, dtype, resp.root,
+                       ctx.stream.ptr)
+        return [out]
+
+    def _alltoall(self, ctx: DeviceContext, comm: Any, bucket: list[Response],
+                  entries: list[Entry | None]) -> list[Any]:
+        resp, entry = bucket[0], entries[0]
+        assert entry is not None and entry.tensor is not None  # no alltoall with joined ranks
+        row = DTYPES[resp.dtype]
+        dtype, per = self._wire(row)
+        src = entry.tensor.array
+        trailing = src.shape[1:]
+        row_bytes = math.prod(trailing) * row.np_dtype.itemsize
+        splits = np.asarray(resp.sizes, dtype=np.int64).reshape(self.size, self.size)
+        recv_rows = splits[:, self.rank]
+        out = self.cupy.empty((int(recv_rows.sum()), *trailing), dtype=row.np_dtype)
+        elems = math.prod(trailing) * per
+        self.nccl.groupStart()
+        s_off = r_off = 0
+        for peer in range(self.size):
+            n_send, n_recv = int(splits[self.rank, peer]), int(recv_rows[peer])
+            comm.send(src.data.ptr + s_off * row_bytes, n_send * elems, dtype, peer,
+                      ctx.stream.ptr)
+            comm.recv(out.data.ptr + r_off * row_bytes, n_recv * elems, dtype, peer,
+                      ctx.stream.ptr)
+            s_off += n_send
+            r_off += n_recv
+        self.nccl.groupEnd()
+        return [out]
+
+    def _reducescatter(self, ctx: DeviceContext, comm: Any, bucket: list[Response],
+                       entries: list[Entry | None]) -> list[Any]:
+        resp, entry = bucket[0], entries[0]
+        row = DTYPES[resp.dtype]
+        op = ReduceOp(resp.op)
+        dtype, per = self._wire(row)
+        src = (self._identity(resp, row) if entry is None or entry.tensor is None
+               else entry.tensor.array)
+        trailing = resp.shape[1:]
+        base, extra = divmod(resp.shape[0], self.size)
+        rows = [base + (1 if r < extra else 0) for r in range(self.size)]
+        out = self.cupy.empty((rows[self.rank], *trailing), dtype=row.np_dtype)
+        elems = math.prod(trailing) * per
+        row_bytes = math.prod(trailing) * row.np_dtype.itemsize
+        if extra == 0:
+            comm.reduceScatter(src.data.ptr, out.data.ptr, base * elems, dtype,
+                               self._op(row, op), ctx.stream.ptr)
+        else:  # uneven parts: one reduce per rank, grouped into one launch
+            self.nccl.groupStart()
+            offset = 0
+            for r, n in enumerate(rows):
+                comm.reduce(src.data.ptr + offset * row_bytes,
+                            out.data.ptr if r == self.rank else src.data.ptr, n * elems,
+                            dtype, self._op(row, op), r, ctx.stream.ptr)
+                offset += n
+            self.nccl.groupEnd()
+        finish_reduce(self.cupy, out, op, self.size - len(resp.joined), 1.0, row)
+        return [out]
+
+    def shutdown(self) -> None:
+        """Destroy the communicators (after the background thread stopped using them)."""
+        for comm in self._comms.values():
+            comm.destroy()
+        self._comms.clear()
+        self.fusion.release()

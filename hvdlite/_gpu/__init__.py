@@ -1,0 +1,5 @@
+"""Device support: streams, events, batched copy kernels and the finalizer thread.
+
+Nothing here is imported until a device tensor is submitted, so hvdlite imports and runs on
+the host without CuPy, NCCL or a GPU.
+"""

@@ -1,0 +1,230 @@
+"""Device runtime: hvdlite's streams, the event pool, metadata uploads and the finalizer.
+
+How the streams meet (one device; time flows down)::
+
+    caller stream        hvdlite stream (high priority, non-blocking)     finalizer thread
+    -------------        --------------------------------------------     ----------------
+    producer kernel
+    record READY ----+
+                     +--> wait READY   (cudaStreamWaitEvent: no CPU wait)
+                          copy-in kernel (one launch per bucket)
+                          NCCL collective
+                          copy-out kernel (Average / postscale fused in)
+                          record DONE -------------------------------+--> async off: sync DONE,
+    async on:                                                        |    then complete handle
+    wait DONE <------------------------------------------------------+    (both modes: release
+    consumer kernel                                                        inputs after DONE)
+
+With the timeline on, READY and DONE are waited on the CPU instead, so host timestamps
+bracket the device work.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from hvdlite.errors import BackendUnavailableError
+
+__all__ = ["GpuRuntime", "import_cupy", "current_stream"]
+
+log = logging.getLogger("hvdlite")
+
+_META_SLOTS = 64  # pinned staging slots for bucket metadata, reused round robin
+_META_SLOT_BYTES = 64 * 1024  # room for 4095 tensors per bucket
+
+
+def import_cupy() -> Any:
+    """CuPy, or :class:`BackendUnavailableError` saying why device tensors cannot work."""
+    try:
+        import cupy
+        import cupy.cuda.nccl  # noqa: F401 - fails here if CuPy was built without NCCL
+    except Exception as exc:  # ImportError, or a CUDA/NCCL load failure inside it
+        raise BackendUnavailableError(
+            f"device tensors need CuPy with NCCL (pip install 'hvdlite[gpu]'); import failed: "
+            f"{exc}") from exc
+    return cupy
+
+
+def current_stream(framework: str, device_id: int) -> Any:
+    """The caller's current stream on ``device_id`` as a CuPy stream object."""
+    import cupy
+
+    if framework == "torch":
+        import torch
+
+        ts = torch.cuda.current_stream(device_id)
+        return cupy.cuda.ExternalStream(ts.cuda_stream, device_id)
+    with cupy.cuda.Device(device_id):
+        return cupy.cuda.get_current_stream()
+
+
+class DeviceContext:
+    """Per-device state: the hvdlite stream, READY events, metadata staging."""
+
+    def __init__(self, cupy: Any, device_id: int) -> None:
+        self.cupy = cupy
+        self.device_id = device_id
+        with cupy.cuda.Device(device_id):
+            _, greatest = cupy.cuda.runtime.deviceGetStreamPriorityRange()
+            # High priority: collectives and their copies should not queue behind compute.
+            self.stream = cupy.cuda.Stream(non_blocking=True, priority=greatest)
+            self._pinned = cupy.cuda.alloc_pinned_memory(_META_SLOTS * _META_SLOT_BYTES)
+            self._meta_dev = cupy.empty(_META_SLOTS * _META_SLOT_BYTES // 8, dtype=np.int64)
+        self._host = np.frombuffer(self._pinned, dtype=np.int64)
+        self._slot_events: list[Any] = [None] * _META_SLOTS
+        self._slot = 0
+        self._events: collections.deque[Any] = collections.deque()
+
+    def event(self) -> Any:
+        """A READY event from the pool (no timing: cheaper to record and wait on)."""
+        try:
+            return self._events.pop()
+        except IndexError:
+            with self.cupy.cuda.Device(self.device_id):
+                return self.cupy.cuda.Event(block=False, disable_timing=True)
+
+    def recycle(self, event: Any) -> None:
+        # Safe once a stream wait on it was enqueued: the wait captured the recorded work.
+        self._events.append(event)
+
+    def upload_meta(self, values: np.ndarray) -> Any:
+        """Copy int64 ``values`` to device memory in stream order; returns the device view.
+
+        Staged through pinned memory so the copy is truly asynchronous (a pageable copy may
+        synchronise with the stream). A slot is reused only after its last copy finished.
+        """
+        n = values.size
+        if n * 8 > _META_SLOT_BYTES:
+            raise ValueError(f"bucket metadata of {n} words exceeds {_META_SLOT_BYTES // 8}")
+        slot, self._slot = self._slot, (self._slot + 1) % _META_SLOTS
+        pending = self._slot_events[slot]
+        if pending is not None:
+            pending.synchronize()
+        words = _META_SLOT_BYTES // 8
+        self._host[slot * words:slot * words + n] = values
+        dev = self._meta_dev[slot * words:slot * words + n]
+        self.cupy.cuda.runtime.memcpyAsync(
+            dev.data.ptr, self._pinned.ptr + slot * _META_SLOT_BYTES, n * 8,
+            self.cupy.cuda.runtime.memcpyHostToDevice, self.stream.ptr)
+        ev = self._slot_events[slot] or self.cupy.cuda.Event(block=False, disable_timing=True)
+        ev.record(self.stream)
+        self._slot_events[slot] = ev
+        return dev
+
+
+class Finalizer:
+    """A thread that waits for DONE events on the CPU and then runs completion callbacks.
+
+    In both completion modes it holds the objects the device still reads or writes (inputs,
+    outputs, fusion slices) until their DONE event has completed: CuPy has no
+    ``record_stream``, so dropping the last reference earlier would return the memory to the
+    pool while the hvdlite stream still uses it.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Any, Callable[[], None] | None, Any] | None] = (
+            queue.SimpleQueue())
+        self._thread = threading.Thread(target=self._run, name="hvdlite-finalizer", daemon=True)
+        self._thread.start()
+
+    def track(self, event: Any, on_done: Callable[[], None] | None, keep: Any) -> None:
+        self._queue.put((event, on_done, keep))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            event, on_done, keep = item
+            try:
+                event.synchronize()
+                if on_done is not None:
+                    on_done()
+            except Exception:  # a failed callback must not stop later completions
+                log.exception("hvdlite finalizer: completion callback failed")
+            del keep, item
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+
+class GpuRuntime:
+    """All device state of one engine: contexts per device and the finalizer thread."""
+
+    def __init__(self, default_device: int, async_completion: bool, cpu_sync: bool) -> None:
+        self.cupy = import_cupy()
+        self.default_device = default_device
+        self.cpu_sync = cpu_sync
+        self.async_completion = async_completion and not cpu_sync
+        self._contexts: dict[int, DeviceContext] = {}
+        self._lock = threading.Lock()
+        self.finalizer = Finalizer()
+
+    def context(self, device_id: int) -> DeviceContext:
+        ctx = self._contexts.get(device_id)
+        if ctx is None:
+            with self._lock:
+                ctx = self._contexts.get(device_id)
+                if ctx is None:
+                    ctx = self._contexts[device_id] = DeviceContext(self.cupy, device_id)
+        return ctx
+
+    def record_ready(self, framework: str, device_id: int, stream: Any) -> Any:
+        """Record a READY event on the caller's stream (caller thread, at enqueue)."""
+        ctx = self.context(device_id)
+        if stream is None:
+            stream = current_stream(framework, device_id)
+        event = ctx.event()
+        event.record(stream)
+        return event
+
+    def wait_ready(self, ctx: DeviceContext, events: Sequence[Any]) -> None:
+        """Order hvdlite's stream after every input's producer (background thread)."""
+        for event in events:
+            if self.cpu_sync:
+                event.synchronize()
+            else:
+                ctx.stream.wait_event(event)
+            ctx.recycle(event)
+
+    def complete(self, ctx: DeviceContext, handles: Sequence[Any],
+                 done_cb: Callable[[], None], keep: Any) -> None:
+        """Record DONE after the enqueued work; complete now (async) or after DONE (sync).
+
+        Either way the handles get the DONE event at once, so ``wait_stream`` never waits
+        for the device, and the finalizer keeps ``keep`` alive until DONE has completed.
+        """
+        done = self.cupy.cuda.Event(block=False, disable_timing=True)
+        done.record(ctx.stream)
+        for handle in handles:
+            handle._enqueued((done,))
+        if self.async_completion:
+            done_cb()
+            self.finalizer.track(done, None, keep)
+        else:
+            self.finalizer.track(done, done_cb, keep)
+
+    @staticmethod
+    def stream_waiter(framework: str, device_id: int) -> Callable[[Any, Any], None]:
+        """For Handle.wait: make the caller's stream (default: current) wait on the events."""
+
+        def wait(handle: Any, stream: Any) -> None:
+            target = stream if stream is not None else current_stream(framework, device_id)
+            for event in handle._events:
+                target.wait_event(event)
+
+        return wait
+
+    def shutdown(self) -> None:
+        self.finalizer.stop()
+        for ctx in self._contexts.values():
+            ctx.stream.synchronize()
+        self._contexts.clear()
