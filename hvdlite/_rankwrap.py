@@ -101,7 +101,9 @@ def main(argv: list[str] | None = None) -> None:
     _signal_on_parent_death(signal.SIGTERM)
     parent = os.getpid()
     try:
-        child = subprocess.Popen(command, preexec_fn=lambda: _die_with_parent(parent))
+        child = subprocess.Popen(
+            command, preexec_fn=lambda: _die_with_parent(parent), close_fds=False
+        )
     except OSError as exc:
         print(f"hvdliterun: rank {rank}: cannot run {command[0]!r}: {exc}", file=sys.stderr)
         _write_report(rank, 127, signalled=False)
