@@ -191,6 +191,7 @@ def run_metadata(comm: MPI.Comm, args: argparse.Namespace) -> dict[str, Any]:
         "numpy": np.__version__,
         "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
         "ranks": comm.Get_size(),
+        "load_average_1_5_15min": list(os.getloadavg()),
         "git_commit": _git("rev-parse", "--short", "HEAD"),
         "git_tracked_changes": bool(dirty and dirty != "unknown"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
@@ -221,7 +222,7 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
 
 def _fmt(v: object) -> str:
     if isinstance(v, float):
-        return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.0f}"
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
     return str(v)
 
 

@@ -12,6 +12,7 @@ from N=10 to N=1000.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ HVD_CACHED = "hvdlite, cache on"
 HVD_NOCACHE = "hvdlite, cache off"
 CTRL = "MPI gather+bcast (control only)"
 CTRL_DATA = "MPI gather+bcast + fused Allreduce"
+SUBMIT = "[submit calls only]"
 
 # A request as a coordinator needs it: name, dtype, op, shape, scale factors, root.
 REQUEST = np.dtype(
@@ -66,12 +68,15 @@ class Case:
         self.gathered = np.zeros(n * size, REQUEST) if comm.Get_rank() == 0 else None
         self.response = np.zeros(n, REQUEST)
         self.agreed = True
+        self.submit_s: list[float] = []
 
     def hvd_step(self) -> None:
+        t0 = time.perf_counter()
         handles = [
             hvd.allreduce_async(t, name=k, op=hvd.Sum, out=o)
             for t, k, o in zip(self.inputs, self.names, self.outs, strict=True)
         ]
+        self.submit_s.append(time.perf_counter() - t0)
         for h in handles:
             h.wait()
 
@@ -132,9 +137,12 @@ def measure(comm: MPI.Comm, args: Any, label: str) -> dict[int, dict[str, np.nda
         case = Case(comm, args.seed, n)
         case.check(f"{label}, before timing")
         steps = steps_for(n, args.quick)
+        case.submit_s.clear()
         blocks = bl.time_interleaved(comm, case.blocks(steps, label), args.reps, args.warmup)
+        submit = bl.max_over_ranks(comm, np.asarray(case.submit_s))
         case.check(f"{label}, after timing")
         out[n] = {k: v / steps for k, v in blocks.items()}
+        out[n][f"{label} {SUBMIT}"] = submit
     return out
 
 
@@ -145,7 +153,9 @@ def summarise(
     res: dict[str, Any] = {}
     for n in cached:
         row: dict[str, Any] = {}
-        merged = {**cached[n], HVD_NOCACHE: nocache[n][HVD_NOCACHE]}
+        merged = {**cached[n]}
+        for k in (HVD_NOCACHE, f"{HVD_NOCACHE} {SUBMIT}"):
+            merged[k] = nocache[n][k]
         for k in (CTRL, CTRL_DATA):
             merged[f"{k} [cache-off phase]"] = nocache[n][k]
         base = float(np.median(cached[n][CTRL_DATA]))
@@ -211,9 +221,12 @@ def main() -> None:
     rows = []
     for n, row in res.items():
         for k in (HVD_CACHED, HVD_NOCACHE, CTRL, CTRL_DATA):
-            r = row[k]
-            rows.append([n, k, bl.us(r["median_s"]), bl.us(r["per_tensor_s"]), r["x_ctrl_data"]])
-    heads = ["N", "variant", "step median us", "per tensor us", "x ctrl+data"]
+            r, sub = row[k], row.get(f"{k} {SUBMIT}")
+            submit = bl.us(sub["per_tensor_s"]) if sub else "-"
+            rows.append(
+                [n, k, bl.us(r["median_s"]), bl.us(r["per_tensor_s"]), submit, r["x_ctrl_data"]]
+            )
+    heads = ["N", "variant", "step median us", "per tensor us", "of which submit", "x ctrl+data"]
     title = (
         f"C2 negotiation scaling: 4-byte float32 tensors, {comm.Get_size()} ranks, "
         f"{args.reps} timed blocks per variant (max over ranks)"
