@@ -1,0 +1,41 @@
+"""Kernels and helpers for the GPU tests: a producer that spins, then writes."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import cupy
+
+_SPIN = r"""
+extern "C" __global__ void spin_then_fill(long long cycles, int* flag, double* out,
+                                          long long n, double value) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        long long t0 = clock64();
+        while (clock64() - t0 < cycles) { }
+        flag[0] = 1;
+    }
+    __syncthreads();
+    // Only block 0 spins; the single block below writes everything after the spin.
+    for (long long i = threadIdx.x; i < n; i += blockDim.x) out[i] = value;
+}
+"""
+
+
+@functools.cache
+def _kernel() -> Any:
+    return cupy.RawKernel(_SPIN, "spin_then_fill")
+
+
+def cycles_for(ms: float) -> int:
+    dev = cupy.cuda.Device()
+    khz = cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrClockRate, dev.id)
+    return int(khz * ms)
+
+
+def slow_fill(out: Any, value: float, ms: float, stream: Any) -> None:
+    """Enqueue on ``stream``: spin about ``ms`` milliseconds, then fill float64 ``out``."""
+    assert out.dtype == cupy.float64 and out.flags.c_contiguous
+    flag = cupy.zeros(1, dtype=cupy.int32)
+    _kernel()((1,), (256,), (cupy.int64(cycles_for(ms)), flag, out, cupy.int64(out.size),
+                             cupy.float64(value)), stream=stream)

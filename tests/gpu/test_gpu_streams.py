@@ -1,0 +1,153 @@
+"""Stream semantics on the device: READY events instead of CPU syncs, memory lifetime,
+asynchronous completion, wait_stream and then()."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+if cupy.cuda.runtime.getDeviceCount() == 0:
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from gpu_util import slow_fill  # noqa: E402
+
+N = 1 << 16  # elements per canary tensor
+
+
+def _expect_sum(hvd: Any, value_of_rank: Any) -> float:
+    return float(sum(value_of_rank(k) for k in range(hvd.size())))
+
+
+@pytest.fixture(params=["sync", "async"])
+def completion(request: pytest.FixtureRequest, hvd: Any) -> Any:
+    hvd.shutdown()
+    hvd.init(async_completion=request.param == "async")
+    yield request.param
+    hvd.shutdown()
+    hvd.init()
+
+
+def test_race_canary_producer_on_side_stream(hvd: Any, completion: str) -> None:
+    """A producer spins ~50 ms on a side stream, then writes the input; allreduce_async is
+    called at once, with no host sync. The result must be exact: the collective waited."""
+    side = cupy.cuda.Stream(non_blocking=True)
+    for trial in range(3):
+        x = cupy.zeros(N, dtype=cupy.float64)
+        side.synchronize()
+        slow_fill(x, hvd.rank() + 1 + trial, ms=50, stream=side)
+        h = hvd.allreduce_async(x, name=f"race.{completion}.{trial}", op=hvd.Sum, stream=side)
+        got = h.wait()
+        cupy.cuda.get_current_stream().synchronize()
+        want = _expect_sum(hvd, lambda k, t=trial: k + 1 + t)
+        assert float(got.min()) == want and float(got.max()) == want, (trial, want)
+
+
+def test_use_after_free_canary(hvd: Any, completion: str) -> None:
+    """Submit, drop every reference to the input, refill the pool with a sentinel: the
+    sentinel must never reach the result (hvdlite keeps the input until the device is done)."""
+    stream = cupy.cuda.get_current_stream()
+    sentinel = -12345.0
+    for trial in range(3):
+        x = cupy.empty(N, dtype=cupy.float64)
+        slow_fill(x, hvd.rank() + 1, ms=30, stream=stream)
+        h = hvd.allreduce_async(x, name=f"uaf.{completion}.{trial}", op=hvd.Sum)
+        del x
+        junk = [cupy.full(N, sentinel, dtype=cupy.float64) for _ in range(8)]
+        got = h.wait()
+        stream.synchronize()
+        del junk
+        host = cupy.asnumpy(got)
+        assert not np.any(host == sentinel), "input memory reused before the device finished"
+        assert np.all(host == _expect_sum(hvd, lambda k: k + 1))
+
+
+def test_background_thread_does_not_block_on_inputs(hvd: Any, completion: str) -> None:
+    """While a 50 ms producer spins under collective X, a host collective Y submitted
+    afterwards completes first: the background thread moved on instead of waiting."""
+    side = cupy.cuda.Stream(non_blocking=True)
+    x = cupy.zeros(N, dtype=cupy.float64)
+    slow_fill(x, 1.0, ms=200, stream=side)
+    hx = hvd.allreduce_async(x, name=f"nb.x.{completion}", op=hvd.Sum, stream=side)
+    y = np.full(8, hvd.rank() + 1, dtype=np.int64)
+    hy = hvd.allreduce_async(y, name=f"nb.y.{completion}", op=hvd.Sum)
+    got_y = hy.wait(timeout=30)
+    # Y is done; X's producer (200 ms) is still spinning, so X cannot have finished.
+    assert not side.done, "the producer finished before Y completed; the check proves nothing"
+    if completion == "sync":
+        assert not hx.poll(), "X completed before its input was written"
+    np.testing.assert_array_equal(got_y, np.full(8, _expect_sum(hvd, lambda k: k + 1)))
+    got_x = hx.wait()
+    cupy.cuda.get_current_stream().synchronize()
+    assert float(got_x.min()) == hvd.size()
+
+
+def test_async_completion_wait_returns_before_device(hvd: Any, completion: str) -> None:
+    """With async completion on, wait() returns while the collective is still pending on the
+    device, and a consumer kernel on the caller's stream still reads the right result."""
+    if completion != "async":
+        pytest.skip("async completion only")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        x = cupy.zeros(N, dtype=cupy.float64)
+        slow_fill(x, hvd.rank() + 1, ms=100, stream=stream)
+        h = hvd.allreduce_async(x, name="acw", op=hvd.Sum)
+        t0 = time.perf_counter()
+        got = h.wait()
+        waited_us = (time.perf_counter() - t0) * 1e6
+        (done,) = h._events
+        pending = not done.done
+        consumer = got * 2.0 + 1.0  # on `stream`, ordered after DONE by wait()
+    stream.synchronize()
+    print(f"[rank {hvd.rank()}] async wait() returned after {waited_us:.1f} us; "
+          f"collective still pending then: {pending}")
+    assert pending, "wait() returned only after the device finished"
+    want = _expect_sum(hvd, lambda k: k + 1)
+    assert float(consumer.min()) == 2 * want + 1 and float(consumer.max()) == 2 * want + 1
+
+
+def test_wait_stream_orders_a_fresh_stream(hvd: Any, completion: str) -> None:
+    side = cupy.cuda.Stream(non_blocking=True)
+    x = cupy.zeros(N, dtype=cupy.float64)
+    slow_fill(x, hvd.rank() + 1, ms=50, stream=side)
+    h = hvd.allreduce_async(x, name=f"ws.{completion}", op=hvd.Sum, stream=side)
+    consumer_stream = cupy.cuda.Stream(non_blocking=True)
+    h.wait_stream(consumer_stream)
+    with consumer_stream:
+        y = h._results[0] + 0.0 if h.poll() else None
+    if y is None:  # sync mode, not yet complete: read through wait() instead
+        got = h.wait()
+        with consumer_stream:
+            y = got + 0.0
+    consumer_stream.synchronize()
+    assert float(y.min()) == _expect_sum(hvd, lambda k: k + 1)
+
+
+def test_then_runs_after_the_collective(hvd: Any, completion: str) -> None:
+    side = cupy.cuda.Stream(non_blocking=True)
+    x = cupy.zeros(N, dtype=cupy.float64)
+    slow_fill(x, hvd.rank() + 1, ms=50, stream=side)
+    h = hvd.allreduce_async(x, name=f"then.{completion}", op=hvd.Sum, stream=side)
+    child = h.then(lambda r: r * 3.0)
+    out = child.wait()
+    cupy.cuda.get_current_stream().synchronize()
+    assert float(out.min()) == 3 * _expect_sum(hvd, lambda k: k + 1)
+
+    def boom(_: Any) -> None:
+        raise RuntimeError("callback failed")
+
+    with pytest.raises(RuntimeError, match="callback failed"):
+        hvd.allreduce_async(cupy.ones(4), name=f"then-err.{completion}").then(boom).wait()
+
+
+def test_torch_cuda_tensors(hvd: Any, completion: str) -> None:
+    torch = pytest.importorskip("torch")
+    dev = torch.device("cuda", cupy.cuda.Device().id)
+    t = torch.full((5, 3), float(hvd.rank() + 1), device=dev)
+    got = hvd.allreduce(t, name=f"torch.{completion}", op=hvd.Sum)
+    torch.cuda.current_stream(dev).synchronize()
+    assert isinstance(got, torch.Tensor) and got.device == dev
+    assert torch.all(got == _expect_sum(hvd, lambda k: k + 1))
