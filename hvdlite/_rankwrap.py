@@ -1,4 +1,8 @@
-"""Per-rank wrapper used by ``hvdliterun``: ``python -m hvdlite._rankwrap <command...>``.
+"""Per-rank wrapper used by ``hvdliterun``: ``python -I .../hvdlite/_rankwrap.py <command...>``.
+
+It is run by path in isolated mode, not with ``-m hvdlite._rankwrap``: importing the hvdlite
+package loads mpi4py, and a wrapper that initialised MPI would take the rank's place in the job.
+It uses the standard library only.
 
 It runs the user's command as a child, forwards signals to it, and when the child fails
 (non-zero exit or killed by a signal) prints one tagged line to stderr and drops a small JSON

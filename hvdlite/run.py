@@ -28,7 +28,7 @@ from types import FrameType
 from typing import Any
 
 from hvdlite import _rankwrap
-from hvdlite.config import CONFIG_ENV, KNOBS, Knob, default_yaml_text, resolve
+from hvdlite.config import CONFIG_ENV, KNOBS, Config, Knob, default_yaml_text, resolve
 from hvdlite.errors import ConfigError
 
 __all__ = ["build_command", "build_parser", "find_mpiexec", "main", "mpi_flavor"]
@@ -334,12 +334,12 @@ def _conclude(outcome: _Outcome, report_dir: str, np: int, timeout: float | None
 # ---------------------------------------------------------------------------------------------
 
 
-def _prepare(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str], Any, dict[str, str]]:
+def _parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
     launcher_args, command = _split_argv(argv)
-    parser = build_parser()
     ns = parser.parse_args(launcher_args)
+    ns.command = command
     if ns.print_default_config:
-        return ns, command, None, {}
+        return ns
     if ns.np is None or ns.np < 1:
         parser.error("-np N is required and N must be >= 1")
     if not command:
@@ -347,16 +347,27 @@ def _prepare(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str], Any, d
     if ns.timeout is not None and ns.timeout <= 0:
         parser.error(f"--timeout must be > 0 seconds, got {ns.timeout:g}")
     try:
+        ns.mpi_args = shlex.split(ns.mpi_args)
+    except ValueError as exc:
+        parser.error(f"--mpi-args: {exc}: {ns.mpi_args!r}")
+    return ns
+
+
+def _resolve(
+    parser: argparse.ArgumentParser, ns: argparse.Namespace
+) -> tuple[Config, dict[str, str]]:
+    """Resolve the settings once: flags > environment > --config / HVDLITE_CONFIG > defaults."""
+    try:
         config, sources = resolve(ns.config, _overrides(ns), os.environ)
     except ConfigError as exc:
         parser.error(str(exc))
     for k in KNOBS:
         if getattr(ns, k.name) is not None:
             sources[k.name] = k.flag
-    return ns, command, config, sources
+    return config, sources
 
 
-def _print_verbose(cmd: list[str], config: Any, sources: dict[str, str]) -> None:
+def _print_verbose(cmd: list[str], config: Config, sources: dict[str, str]) -> None:
     print(f"hvdliterun: command: {shlex.join(cmd)}", flush=True)
     for k in KNOBS:
         print(f"hvdliterun: {k.name} = {getattr(config, k.name)!r}  [{sources[k.name]}]")
@@ -365,10 +376,12 @@ def _print_verbose(cmd: list[str], config: Any, sources: dict[str, str]) -> None
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``hvdliterun``; returns the process exit code."""
-    ns, command, config, sources = _prepare(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    ns = _parse(parser, sys.argv[1:] if argv is None else argv)
     if ns.print_default_config:
         sys.stdout.write(default_yaml_text())
         return 0
+    config, sources = _resolve(parser, ns)
     mpiexec = find_mpiexec(ns.mpiexec)
     if mpiexec is None:
         _say(
@@ -388,11 +401,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             mpiexec=mpiexec,
             flavor=flavor,
             np=ns.np,
-            command=tuple(command),
+            command=tuple(ns.command),
             forward_env=tuple(forward.items()),
             hosts=ns.hosts,
             hostfile=ns.hostfile,
-            mpi_args=tuple(shlex.split(ns.mpi_args)),
+            mpi_args=tuple(ns.mpi_args),
             is_root=os.geteuid() == 0,
         )
         cmd = build_command(spec)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from hvdlite.config import KNOBS, Config, load_config
+from hvdlite.run import find_mpiexec, mpi_flavor
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
@@ -284,7 +285,7 @@ def test_every_knob_has_a_working_flag(tmp_path: Path) -> None:
 
 
 def test_verbose_prints_command_and_settings(tmp_path: Path) -> None:
-    script = _script(tmp_path, "noop.py", "pass\n")
+    script = _script(tmp_path, "check.py", "import os, sys\nassert sys.argv[1] == 'a b'\n")
     result = hvdliterun(
         "-np", "2", "--verbose", "--cycle-time-ms", "3", "--", sys.executable, script, "a b"
     )
@@ -314,6 +315,7 @@ def test_verbose_prints_command_and_settings(tmp_path: Path) -> None:
         (["-np", "2", "--", "true"], {"HVDLITE_NVTX": "maybe"}, "HVDLITE_NVTX: bad value"),
         (["-np", "2", "--", "true"], {"HOROVOD_CYCLE_TIME": "x"}, "HOROVOD_CYCLE_TIME: bad"),
         (["-np", "2", "--config", "/nonexistent.yaml", "--", "true"], {}, "cannot be read"),
+        (["-np", "2", "--mpi-args=-v 'x", "--", "true"], {}, "--mpi-args: No closing"),
     ],
 )
 def test_bad_usage_exits_2(args: list[str], env: dict[str, str], message: str) -> None:
@@ -366,3 +368,13 @@ def test_allreduce_job_end_to_end(tmp_path: Path) -> None:
     data = [np.random.default_rng((1234, r)).integers(-1000, 1000, 37, np.int64) for r in (0, 1)]
     total = int(sum(d.sum() for d in data))
     assert lines == [f"allreduce ok 0 2 {total}", f"allreduce ok 1 2 {total}"]
+
+
+def test_mpi_args_reach_the_mpi_launcher(tmp_path: Path) -> None:
+    found = find_mpiexec()
+    assert found is not None
+    if mpi_flavor(found) != "hydra":
+        pytest.skip("uses the Hydra flag -genv")
+    script = _script(tmp_path, "mark.py", "import os\nassert os.environ['MY_MARK'] == 'a b'\n")
+    result = hvdliterun("-np", "2", "--mpi-args=-genv MY_MARK 'a b'", "--", sys.executable, script)
+    assert result.returncode == 0, result.stderr
