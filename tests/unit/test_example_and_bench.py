@@ -76,6 +76,15 @@ def test_mlp_example_trains_and_ends_with_identical_weights() -> None:
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 30)
+def test_mlp_example_exits_nonzero_when_its_check_fails() -> None:
+    # Three steps cannot cut the loss by 30%: the example must say so and fail, not print OK.
+    rc, out = _run_job(2, "examples/mlp_numpy.py", "--steps", "3")
+    assert rc == 1, out[-6000:]
+    assert "FAILED: loss did not go down" in out
+    assert "OK:" not in out
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 30)
 def test_bench_c1_quick_checks_and_reports(tmp_path: Path) -> None:
     path = tmp_path / "c1.json"
     rc, out = _run_job(2, "scripts/bench_c1.py", "--np", "2", "--quick", "--json", str(path))
