@@ -15,10 +15,6 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from mpi4py import MPI
-
-from hvdlite._backends.mpi import MPIBackend, host_alloc
-from hvdlite._cycle import Negotiator
 from hvdlite._fusion import FusionBuffers, plan_buckets
 from hvdlite._negotiation import Kind, Response
 from hvdlite._work import Entry
@@ -35,6 +31,8 @@ __all__ = ["Engine", "init", "shutdown", "is_initialized", "rank", "size", "loca
            "local_size", "cross_rank", "cross_size", "default_engine"]
 
 if TYPE_CHECKING:
+    from mpi4py import MPI
+
     from hvdlite._backends.nccl import NcclBackend
     from hvdlite._gpu.runtime import GpuRuntime
 
@@ -51,6 +49,13 @@ class Engine:
     """
 
     def __init__(self, comm: MPI.Intracomm | None = None, config: Config | None = None) -> None:
+        # Imported here, not at module level: importing mpi4py.MPI initialises MPI, and
+        # importing hvdlite must have no side effects (the launcher imports it, too).
+        from mpi4py import MPI
+
+        from hvdlite._backends.mpi import MPIBackend, host_alloc
+        from hvdlite._cycle import Negotiator
+
         base = MPI.COMM_WORLD if comm is None else comm
         self.config = config if config is not None else load_config()
         _configure_logging(self.config.log_level)
@@ -240,6 +245,11 @@ class Engine:
                           "are not responding", _SHUTDOWN_JOIN_S)
                 return
         self._thread.join()
+        from mpi4py import MPI
+
+        # Device work must drain before its communicators go away.
+        if self._gpu is not None:
+            self._gpu.synchronize()
         if self._nccl is not None:
             self._nccl.shutdown()
         if self._gpu is not None:

@@ -139,7 +139,7 @@ def finish_reduce(xp: Any, buf: Any, op: ReduceOp, contributors: int, postscale:
         if row.kind == "int":
             xp.floor_divide(buf, contributors, out=buf)
         else:
-            xp.divide(buf, contributors, out=buf, casting="unsafe")
+            xp.divide(buf, contributors, out=buf)
     scale_into(xp, buf, buf, postscale, row)
 
 

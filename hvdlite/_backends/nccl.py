@@ -143,11 +143,11 @@ class NcclBackend:
             offs, np.fromiter((a.data.ptr for a in outs), np.int64, n)]))
         divisor = contributors if op is ReduceOp.AVERAGE else 1
         batched_copy(wire_name if row.kind != "bool" else "uint8", meta[:2 * n + 1], n, buf,
-                     total, mode=0, scale=head.prescale, divisor=1, stream=ctx.stream)
+                     total, mode=0, scale=head.prescale, divisor=1)
         comm.allReduce(buf.data.ptr, buf.data.ptr, total, dtype, self._op(row, op),
                        ctx.stream.ptr)
         batched_copy(wire_name if row.kind != "bool" else "uint8", meta[2 * n + 1:], n, buf,
-                     total, mode=1, scale=head.postscale, divisor=divisor, stream=ctx.stream)
+                     total, mode=1, scale=head.postscale, divisor=divisor)
         return [None if e is None else o for e, o in zip(entries, outs, strict=True)]
 
     # -- the other collectives -------------------------------------------------------------

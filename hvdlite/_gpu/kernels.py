@@ -38,8 +38,8 @@ template <> __device__ __forceinline__ __half scale_in<__half>(__half x, double 
     return __float2half(__half2float(x) * (float)f);
 }
 
-template <typename T> __device__ __forceinline__ T finish(T x, long long d, double f, bool fl) {
-    if (d > 1 && fl) {  // signed integer Average: floor division, as numpy.floor_divide
+template <typename T> __device__ __forceinline__ T finish(T x, long long d, double f, bool sgn) {
+    if (d > 1 && sgn) {  // signed integer Average: floor division, as numpy.floor_divide
         long long v = (long long)x, q = v / d;
         if (v % d != 0 && v < 0) q -= 1;
         x = (T)q;
@@ -69,7 +69,7 @@ __device__ __forceinline__ __half finish<__half>(__half x, long long d, double f
 // mode 0: fused[i] = scale_in(src_t[i - offs[t]]); mode 1: dst_t[...] = finish(fused[i]).
 template <typename T>
 __device__ void batched(const long long* meta, int n, T* fused, long long per_block,
-                        double scale, long long divisor, int mode) {
+                        double scale, long long divisor, int mode, int sgn) {
     const long long* offs = meta;
     const long long* ptrs = meta + n + 1;
     long long total = offs[n];
@@ -81,7 +81,6 @@ __device__ void batched(const long long* meta, int n, T* fused, long long per_bl
         int mid = (lo + hi) / 2;
         if (offs[mid] <= begin) lo = mid; else hi = mid;
     }
-    bool fl = ((T)-1) < (T)0;
     for (int t = lo; t < n && offs[t] < end; ++t) {
         long long a = max(offs[t], begin), b = min(offs[t + 1], end);
         T* p = (T*)ptrs[t] - offs[t];
@@ -90,7 +89,7 @@ __device__ void batched(const long long* meta, int n, T* fused, long long per_bl
                 fused[i] = scale_in(p[i], scale);
         } else {
             for (long long i = a + threadIdx.x; i < b; i += blockDim.x)
-                p[i] = finish(fused[i], divisor, scale, fl);
+                p[i] = finish(fused[i], divisor, scale, sgn != 0);
         }
     }
 }
@@ -98,11 +97,12 @@ __device__ void batched(const long long* meta, int n, T* fused, long long per_bl
 
 _ENTRY = """
 extern "C" __global__ void hvd_batched_{name}(const long long* meta, int n, {ctype}* fused,
-        long long per_block, double scale, long long divisor, int mode) {{
-    batched<{ctype}>(meta, n, fused, per_block, scale, divisor, mode);
+        long long per_block, double scale, long long divisor, int mode, int sgn) {{
+    batched<{ctype}>(meta, n, fused, per_block, scale, divisor, mode, sgn);
 }}
 """
 
+_SIGNED = frozenset({"int8", "int32", "int64"})
 _THREADS = 256
 _PER_BLOCK = 16384  # elements per block: long enough to amortise the search, short for balance
 
@@ -120,8 +120,9 @@ def _kernel(wire: str) -> Any:
 
 
 def batched_copy(wire: str, meta: Any, n: int, fused: Any, total: int, *, mode: int,
-                 scale: float, divisor: int, stream: Any) -> None:
-    """Launch one batched copy over ``total`` elements of the fused buffer on ``stream``.
+                 scale: float, divisor: int) -> None:
+    """Launch one batched copy over ``total`` elements of the fused buffer on the current
+    stream (the caller makes hvdlite's stream current).
 
     ``meta`` is a device int64 array ``[offsets(n+1) | pointers(n)]``; ``mode`` 0 copies in
     (with ``scale`` = prescale), 1 copies out (``divisor`` for Average, ``scale`` = postscale).
@@ -133,4 +134,4 @@ def batched_copy(wire: str, meta: Any, n: int, fused: Any, total: int, *, mode: 
     blocks = (total + _PER_BLOCK - 1) // _PER_BLOCK
     _kernel(wire)((blocks,), (_THREADS,),
                   (meta, cupy.int32(n), fused, cupy.int64(_PER_BLOCK), cupy.float64(scale),
-                   cupy.int64(divisor), cupy.int32(mode)), stream=stream)
+                   cupy.int64(divisor), cupy.int32(mode), cupy.int32(wire in _SIGNED)))

@@ -36,6 +36,7 @@ __all__ = ["GpuRuntime", "import_cupy", "current_stream"]
 
 log = logging.getLogger("hvdlite")
 
+_HIGHEST_PRIORITY = -1000
 _META_SLOTS = 64  # pinned staging slots for bucket metadata, reused round robin
 _META_SLOT_BYTES = 64 * 1024  # room for 4095 tensors per bucket
 
@@ -72,9 +73,9 @@ class DeviceContext:
         self.cupy = cupy
         self.device_id = device_id
         with cupy.cuda.Device(device_id):
-            _, greatest = cupy.cuda.runtime.deviceGetStreamPriorityRange()
             # High priority: collectives and their copies should not queue behind compute.
-            self.stream = cupy.cuda.Stream(non_blocking=True, priority=greatest)
+            # CUDA clamps an out-of-range priority to the greatest the device has.
+            self.stream = cupy.cuda.Stream(non_blocking=True, priority=_HIGHEST_PRIORITY)
             self._pinned = cupy.cuda.alloc_pinned_memory(_META_SLOTS * _META_SLOT_BYTES)
             self._meta_dev = cupy.empty(_META_SLOTS * _META_SLOT_BYTES // 8, dtype=np.int64)
         self._host = np.frombuffer(self._pinned, dtype=np.int64)
@@ -223,8 +224,12 @@ class GpuRuntime:
 
         return wait
 
-    def shutdown(self) -> None:
-        self.finalizer.stop()
+    def synchronize(self) -> None:
+        """Wait for everything hvdlite enqueued on its streams (used at shutdown)."""
         for ctx in self._contexts.values():
             ctx.stream.synchronize()
+
+    def shutdown(self) -> None:
+        self.synchronize()
+        self.finalizer.stop()
         self._contexts.clear()

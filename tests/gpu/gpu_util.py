@@ -36,6 +36,7 @@ def cycles_for(ms: float) -> int:
 def slow_fill(out: Any, value: float, ms: float, stream: Any) -> None:
     """Enqueue on ``stream``: spin about ``ms`` milliseconds, then fill float64 ``out``."""
     assert out.dtype == cupy.float64 and out.flags.c_contiguous
-    flag = cupy.zeros(1, dtype=cupy.int32)
-    _kernel()((1,), (256,), (cupy.int64(cycles_for(ms)), flag, out, cupy.int64(out.size),
-                             cupy.float64(value)), stream=stream)
+    with stream:
+        flag = cupy.zeros(1, dtype=cupy.int32)
+        _kernel()((1,), (256,), (cupy.int64(cycles_for(ms)), flag, out, cupy.int64(out.size),
+                                 cupy.float64(value)))
