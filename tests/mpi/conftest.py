@@ -9,69 +9,41 @@ fails on every rank, naming the ranks where it failed. Each test also gets a pyt
 
 from __future__ import annotations
 
-import faulthandler
 import json
 import os
 import sys
-import time
 import zlib
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 from mpi4py import MPI
+from mpi_util import allgather_ints, timed_barrier
 
 TEST_TIMEOUT_S = 60.0
-# Longer than the per-test timeout: a rank stuck in a test first gets that test failed by
-# pytest-timeout and then still reaches the barrier; only a rank that is truly gone trips this.
-BARRIER_TIMEOUT_S = 150.0
-_POLL_SLEEP_S = 0.002
 
 _outcomes = pytest.StashKey[dict[str, str]]()
 _counts: dict[str, int] = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "xfailed": 0}
 
 
-def _wait_or_abort(request: MPI.Request, what: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
-    """Wait on ``request`` until a deadline; on timeout dump stacks and abort the whole job."""
-    deadline = time.monotonic() + timeout_s
-    while not request.Test():
-        if time.monotonic() > deadline:
-            rank = MPI.COMM_WORLD.Get_rank()
-            print(
-                f"\n[rank {rank}] shared-fate timeout after {timeout_s:.0f}s: {what}; "
-                "another rank never arrived. Aborting the job.",
-                file=sys.stderr,
-                flush=True,
-            )
-            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-            MPI.COMM_WORLD.Abort(1)
-        time.sleep(_POLL_SLEEP_S)
-
-
-def timed_barrier(what: str) -> None:
-    """Barrier on COMM_WORLD that aborts the job if not every rank arrives in time."""
-    _wait_or_abort(MPI.COMM_WORLD.Ibarrier(), f"barrier {what}")
-
-
-def _gather_flags(flag: int, what: str) -> np.ndarray:
-    comm = MPI.COMM_WORLD
-    send = np.array([flag], dtype=np.int32)
-    recv = np.zeros(comm.Get_size(), dtype=np.int32)
-    _wait_or_abort(comm.Iallgather(send, recv), what)
-    return recv
+def pytest_configure(config: pytest.Config) -> None:
+    """Register this suite's marker."""
+    config.addinivalue_line(
+        "markers", "before_init: needs hvdlite never initialised in this process (runs first)"
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Give each test a timeout and check every rank collected the same tests."""
+    """Run ``before_init`` tests first, give each test a timeout, check ranks agree on tests."""
+    items.sort(key=lambda item: item.get_closest_marker("before_init") is None)
     for item in items:
         if item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(TEST_TIMEOUT_S, func_only=True))
     digest = zlib.crc32("\n".join(item.nodeid for item in items).encode())
-    digests = _gather_flags(digest & 0x7FFFFFFF, "comparing collected tests")
-    if len(set(digests.tolist())) != 1:
-        print(f"ranks collected different tests: {digests.tolist()}", file=sys.stderr, flush=True)
+    digests = allgather_ints(digest, "comparing collected tests")
+    if len(set(digests)) != 1:
+        print(f"ranks collected different tests: {digests}", file=sys.stderr, flush=True)
         MPI.COMM_WORLD.Abort(1)
 
 
@@ -91,8 +63,8 @@ def pytest_runtest_makereport(
     outcomes[report.when] = report.outcome
     if report.when == "teardown":
         failed_here = any(o == "failed" for o in outcomes.values())
-        flags = _gather_flags(int(failed_here), f"agreeing on the outcome of {item.nodeid}")
-        bad = [r for r, f in enumerate(flags.tolist()) if f]
+        flags = allgather_ints(int(failed_here), f"agreeing on the outcome of {item.nodeid}")
+        bad = [r for r, f in enumerate(flags) if f]
         if bad and not failed_here:
             report.outcome = "failed"
             report.longrepr = f"shared fate: {item.nodeid} failed on rank(s) {bad}"
@@ -138,3 +110,20 @@ def hvd() -> Iterator[Any]:
     hvdlite.init()
     yield hvdlite
     hvdlite.shutdown()
+
+
+@pytest.fixture
+def restart(hvd: Any) -> Iterator[Callable[..., Any]]:
+    """``restart(**overrides)``: shut hvdlite down and init it again with config overrides.
+
+    Whatever the test did, hvdlite is left initialised with the defaults afterwards.
+    """
+
+    def _restart(**overrides: Any) -> Any:
+        hvd.shutdown()
+        hvd.init(**overrides)
+        return hvd
+
+    yield _restart
+    hvd.shutdown()
+    hvd.init()

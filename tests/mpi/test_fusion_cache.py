@@ -1,0 +1,95 @@
+"""Fusion and the response cache: same results whichever path the engine takes.
+
+The same mixed workload runs unfused (threshold 0), with tiny buckets (64 bytes: most tensors
+alone, a few small ones together) and with everything fusable in one bucket. The cache tests
+repeat named tensors for many steps with the cache on, off and nearly full, and change a
+cached tensor's parameters between steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from mpi_util import (
+    all_inputs,
+    assert_equal_result,
+    make_input,
+    reference_allreduce,
+    seed_for,
+)
+
+from hvdlite._engine import default_engine
+
+# (shape, dtype, op, prescale, postscale) of each tensor in one step of the workload.
+WORKLOAD = [
+    ((3,), "int8", "Sum", 1.0, 1.0),
+    ((100,), "float64", "Average", 1.0, 1.0),
+    ((2, 2), "float32", "Sum", 0.5, 2.0),
+    ((5,), "float32", "Sum", 0.5, 2.0),
+    ((7,), "float32", "Sum", 1.0, 1.0),
+    ((300,), "int32", "Max", 1.0, 1.0),
+    ((1,), "uint16", "Min", 1.0, 1.0),
+    ((8, 4), "complex64", "Sum", 1.0, 1.0),
+    ((6,), "int64", "Sum", 2.0, 1.0),
+]
+
+
+def _run_workload(hvd: Any, tag: str, steps: int) -> None:
+    rank, size = hvd.rank(), hvd.size()
+    for step in range(steps):
+        handles = []
+        for i, (shape, dtype, op, pre, post) in enumerate(WORKLOAD):
+            x = make_input(seed_for(tag, step, i), rank, shape, dtype)
+            handles.append(hvd.allreduce_async(
+                x, name=f"{tag}.{i}", op=getattr(hvd, op), prescale_factor=pre,
+                postscale_factor=post,
+            ))  # fmt: skip
+        group = [
+            make_input(seed_for(tag, step, "g", j), rank, (j + 1,), "float64") for j in range(3)
+        ]
+        grouped = hvd.grouped_allreduce_async(group, name=f"{tag}.group", op=hvd.Sum)
+        for i, ((shape, dtype, op, pre, post), handle) in enumerate(
+            zip(WORKLOAD, handles, strict=True)
+        ):
+            inputs = all_inputs(seed_for(tag, step, i), size, shape, dtype)
+            want = reference_allreduce(inputs, op, pre, post)
+            assert_equal_result(handle.wait(timeout=50), want, f"{tag} step {step} tensor {i}")
+        for j, got in enumerate(grouped.wait(timeout=50)):
+            inputs = all_inputs(seed_for(tag, step, "g", j), size, (j + 1,), "float64")
+            assert_equal_result(got, reference_allreduce(inputs, "Sum"), f"{tag} group part {j}")
+
+
+@pytest.mark.parametrize("threshold", [0, 64, "1GiB"])
+def test_fusion_thresholds(hvd: Any, restart: Callable[..., Any], threshold: int | str) -> None:
+    restart(fusion_threshold=threshold)
+    expected = threshold if isinstance(threshold, int) else 1 << 30
+    assert default_engine().config.fusion_threshold == expected
+    _run_workload(hvd, f"fusion{expected}", steps=3)
+
+
+@pytest.mark.parametrize("capacity", [None, 0, 3])
+def test_repeated_steps(hvd: Any, restart: Callable[..., Any], capacity: int | None) -> None:
+    """Nine named tensors for 12 steps: cache on (default), off, and smaller than the set."""
+    if capacity is not None:
+        restart(cache_capacity=capacity)
+    engine = default_engine()
+    _run_workload(hvd, f"cache{capacity}", steps=12)
+    if capacity == 0:
+        assert engine.negotiator.cache_hits == 0
+    elif capacity is None:
+        assert engine.negotiator.cache_hits > 0, "repeated tensors never hit the response cache"
+
+
+def test_cached_name_changes_parameters(hvd: Any) -> None:
+    """A cached name whose shape, dtype or op changes is renegotiated, not served stale."""
+    rank, size = hvd.rank(), hvd.size()
+    steps = [((3,), "float32", "Sum")] * 3 + [((5,), "float32", "Sum")] * 2
+    steps += [((5,), "int32", "Sum"), ((5,), "int32", "Max"), ((3,), "float32", "Sum")]
+    for step, (shape, dtype, op) in enumerate(steps):
+        seed = seed_for("changing", step)
+        x = make_input(seed, rank, shape, dtype)
+        got = hvd.allreduce(x, name="cache.changing", op=getattr(hvd, op))
+        want = reference_allreduce(all_inputs(seed, size, shape, dtype), op)
+        assert_equal_result(got, want, f"step {step}: {op} {dtype}{shape}")

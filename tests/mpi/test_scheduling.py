@@ -1,0 +1,106 @@
+"""Scheduling: per-rank submission orders, many requests in flight, automatic names."""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import numpy as np
+from mpi_util import (
+    all_inputs,
+    allgather_ints,
+    assert_equal_result,
+    make_input,
+    reference_allreduce,
+    seed_for,
+)
+
+DTYPES = ["float32", "int32", "float64", "uint8"]
+
+
+def _case(i: int) -> tuple[tuple[int, ...], str, str]:
+    """Shape, dtype and op of tensor ``i`` of a workload (varied to mix fusion buckets)."""
+    shape = (i % 4 + 1, 3) if i % 3 else (17 * (i % 5 + 1),)
+    return shape, DTYPES[i % len(DTYPES)], ("Sum", "Max", "Min")[i % 3]
+
+
+def test_rank_dependent_submission_order(hvd: Any) -> None:
+    """Every rank submits the same 20 tensors in its own order; all complete correctly."""
+    rank, size = hvd.rank(), hvd.size()
+    order = np.random.default_rng([7, rank]).permutation(20)
+    handles = {}
+    for i in order.tolist():
+        shape, dtype, op = _case(i)
+        x = make_input(seed_for("perm", i), rank, shape, dtype)
+        handles[i] = hvd.allreduce_async(x, name=f"perm.{i}", op=getattr(hvd, op))
+    for i, handle in sorted(handles.items()):
+        shape, dtype, op = _case(i)
+        want = reference_allreduce(all_inputs(seed_for("perm", i), size, shape, dtype), op)
+        assert_equal_result(hvd.synchronize(handle), want, f"perm.{i}")
+
+
+def test_mixed_collectives_in_rank_dependent_order(hvd: Any) -> None:
+    rank, size = hvd.rank(), hvd.size()
+    seed = seed_for("mixed")
+    x = make_input(seed, rank, (rank + 2, 2), "int64")
+    submit = {
+        "allreduce": lambda: hvd.allreduce_async(x[:2], name="mixed.ar", op=hvd.Sum),
+        "allgather": lambda: hvd.allgather_async(x, name="mixed.ag"),
+        "broadcast": lambda: hvd.broadcast_async(x[:2], size - 1, name="mixed.bc"),
+        "grouped": lambda: hvd.grouped_allreduce_async([x[:1], x[:2]], name="mixed.gr", op=hvd.Max),
+    }
+    keys = list(submit)
+    order = np.random.default_rng([8, rank]).permutation(len(keys)).tolist()
+    handles = {keys[k]: submit[keys[k]]() for k in order}
+    inputs = [make_input(seed, r, (r + 2, 2), "int64") for r in range(size)]
+    want_sum = reference_allreduce([a[:2] for a in inputs], "Sum")
+    assert_equal_result(handles["allreduce"].wait(), want_sum)
+    assert_equal_result(handles["allgather"].wait(), np.concatenate(inputs))
+    assert_equal_result(handles["broadcast"].wait(), inputs[size - 1][:2])
+    grouped = handles["grouped"].wait()
+    assert_equal_result(grouped[0], reference_allreduce([a[:1] for a in inputs], "Max"))
+    assert_equal_result(grouped[1], reference_allreduce([a[:2] for a in inputs], "Max"))
+
+
+def test_many_requests_in_flight(hvd: Any) -> None:
+    """200 async allreduces: some are seen still pending, all finish with the right values."""
+    rank, size = hvd.rank(), hvd.size()
+    count = 200
+    handles = [
+        hvd.allreduce_async(make_input(seed_for("flight", i), rank, (4,), "float32"),
+                            name=f"flight.{i}", op=hvd.Sum)
+        for i in range(count)
+    ]  # fmt: skip
+    # Polled newest first, right after submission: the background thread cannot have
+    # negotiated the last ones yet.
+    states = [hvd.poll(h) for h in reversed(handles)]
+    assert not all(states), "every one of 200 just-submitted allreduces was already done"
+    for i, handle in enumerate(handles):
+        want = reference_allreduce(all_inputs(seed_for("flight", i), size, (4,), "float32"), "Sum")
+        assert_equal_result(handle.wait(timeout=50), want, f"flight.{i}")
+        assert handle.poll() and handle.done() and hvd.poll(handle)
+        assert handle.exception() is None
+
+
+def test_unnamed_requests_get_matching_names(hvd: Any) -> None:
+    """Unnamed allreduces submitted in the same order on every rank pair up correctly."""
+    rank, size = hvd.rank(), hvd.size()
+    handles = []
+    for i in range(10):
+        shape, dtype, op = _case(i)
+        x = make_input(seed_for("unnamed", i), rank, shape, dtype)
+        handles.append(hvd.allreduce_async(x, op=getattr(hvd, op)))
+    names = [h.name for h in handles]
+    assert len(set(names)) == len(names), f"automatic names repeat: {names}"
+    digest = zlib.crc32("\n".join(names).encode())
+    assert allgather_ints(digest, "comparing automatic names") == [digest] * size
+    for i, handle in enumerate(handles):
+        shape, dtype, op = _case(i)
+        want = reference_allreduce(all_inputs(seed_for("unnamed", i), size, shape, dtype), op)
+        assert_equal_result(handle.wait(), want, f"unnamed #{i} ({names[i]})")
+    for step in range(3):
+        x = make_input(seed_for("unnamed_sync", step), rank, (3,), "int32")
+        want = reference_allreduce(
+            all_inputs(seed_for("unnamed_sync", step), size, (3,), "int32"), "Sum"
+        )
+        assert_equal_result(hvd.allreduce(x, op=hvd.Sum), want, f"unnamed blocking #{step}")
