@@ -21,7 +21,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 MPI_TESTS = REPO / "tests" / "mpi"
-JOB_TIMEOUT_S = {1: 240, 2: 300, 4: 420}
+JOB_TIMEOUT_S = {1: 150, 2: 200, 4: 300}
 TAIL_CHARS = 12_000
 # A pytest -q summary line, e.g. "12 passed, 1 skipped in 3.21s" (maybe framed by "=").
 SUMMARY = re.compile(r"^=*\s*(\d+ \w+(?:, \d+ \w+)* in [\d.]+s)\b", re.MULTILINE)

@@ -221,7 +221,7 @@ def test_barrier_waits_for_every_rank(hvd: Any, use_async: bool) -> None:
     (shared / f"rank{rank}").write_text("here")
     try:
         if use_async:
-            hvd.barrier_async().wait(timeout=50)
+            hvd.barrier_async().wait(timeout=20)
         else:
             hvd.barrier()
         present = sorted(p.name for p in shared.iterdir())

@@ -35,7 +35,7 @@ def _check_still_works(hvd: Any, name: str) -> None:
 def _mismatch(hvd: Any, name: str, submit: Callable[[int], Any], *expected: str) -> None:
     """``submit(rank)`` raises MismatchError here, naming ``name`` and every expected value."""
     with pytest.raises(hvd.MismatchError) as info:
-        submit(hvd.rank()).wait(timeout=50)
+        submit(hvd.rank()).wait(timeout=20)
     message = str(info.value)
     assert name in message, message
     for text in expected:
@@ -105,7 +105,7 @@ def test_blocking_call_raises_mismatch_and_other_tensors_are_unaffected(hvd: Any
     with pytest.raises(hvd.MismatchError, match="mismatch.blocking"):
         hvd.allreduce(np.ones(rank + 1), name="mismatch.blocking")
     want = reference_allreduce(all_inputs(seed, size, (6,), "int64"), "Sum")
-    assert_equal_result(bystander.wait(timeout=50), want)
+    assert_equal_result(bystander.wait(timeout=20), want)
     _check_still_works(hvd, "mismatch.blocking")
 
 
@@ -188,4 +188,4 @@ def test_duplicate_name_in_flight(hvd: Any) -> None:
     if first is None:
         first = hvd.allreduce_async(x, name=name, op=hvd.Sum)
     want = reference_allreduce(all_inputs(seed, size, (4,), "int32"), "Sum")
-    assert_equal_result(first.wait(timeout=50), want, "the first submission")
+    assert_equal_result(first.wait(timeout=20), want, "the first submission")

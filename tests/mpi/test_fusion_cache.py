@@ -55,8 +55,8 @@ def _run_workload(hvd: Any, tag: str, steps: int) -> None:
         ):
             inputs = all_inputs(seed_for(tag, step, i), size, shape, dtype)
             want = reference_allreduce(inputs, op, pre, post)
-            assert_equal_result(handle.wait(timeout=50), want, f"{tag} step {step} tensor {i}")
-        for j, got in enumerate(grouped.wait(timeout=50)):
+            assert_equal_result(handle.wait(timeout=20), want, f"{tag} step {step} tensor {i}")
+        for j, got in enumerate(grouped.wait(timeout=20)):
             inputs = all_inputs(seed_for(tag, step, "g", j), size, (j + 1,), "float64")
             assert_equal_result(got, reference_allreduce(inputs, "Sum"), f"{tag} group part {j}")
 
@@ -93,3 +93,19 @@ def test_cached_name_changes_parameters(hvd: Any) -> None:
         got = hvd.allreduce(x, name="cache.changing", op=getattr(hvd, op))
         want = reference_allreduce(all_inputs(seed, size, shape, dtype), op)
         assert_equal_result(got, want, f"step {step}: {op} {dtype}{shape}")
+
+
+def test_group_larger_than_the_cache(hvd: Any, restart: Callable[..., Any]) -> None:
+    """A grouped call with more parts than cache slots: some parts cached, some not."""
+    restart(cache_capacity=2)
+    rank, size = hvd.rank(), hvd.size()
+    shapes = [(1,), (2,), (3,)]
+    for step in range(4):
+        seeds = [seed_for("big_group", step, j) for j in range(len(shapes))]
+        parts = [
+            make_input(s, rank, shape, "int32") for s, shape in zip(seeds, shapes, strict=True)
+        ]
+        got = hvd.grouped_allreduce_async(parts, name="big_group", op=hvd.Sum).wait(timeout=20)
+        for j, (s, shape) in enumerate(zip(seeds, shapes, strict=True)):
+            want = reference_allreduce(all_inputs(s, size, shape, "int32"), "Sum")
+            assert_equal_result(got[j], want, f"step {step} part {j}")

@@ -74,7 +74,7 @@ def test_completed_handle_survives_shutdown(hvd: Any, restart: Callable[..., Any
     seed = seed_for("survivor")
     handle = hvd.allreduce_async(make_input(seed, rank, (3,), "int32"), name="survivor", op=hvd.Sum)
     want = reference_allreduce(all_inputs(seed, size, (3,), "int32"), "Sum")
-    assert_equal_result(handle.wait(timeout=50), want)
+    assert_equal_result(handle.wait(timeout=20), want)
     hvd.shutdown()
     assert_equal_result(handle.wait(), want, "result read after shutdown")
 
