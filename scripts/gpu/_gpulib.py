@@ -1,0 +1,593 @@
+"""Shared plumbing for the GPU benchmarks (``scripts/gpu/bench_g*.py``).
+
+Every benchmark follows the rules of the project's benchmark spec: the launch must have the
+rank count given by ``--np`` (checked before CuPy is even imported); each rank drives the GPU of
+its local rank; every variant's result is checked against a reference rebuilt from every rank's
+inputs before anything is timed (integer-valued float data, so results are exact; never zeros);
+warm-up first, then many repeats; a repeat's time is the slowest rank's; medians (and p99) are
+reported; baselines run in the same process on the same buffers; rank 0 prints a short table
+last and ``--json PATH`` gets everything. A benchmark that cannot vouch for its numbers exits
+with status 2 and a ``REFUSED:`` line instead of reporting.
+
+This module imports neither CuPy nor torch at import time, so the pure helpers (argument
+parsing, data formulas on NumPy, statistics, tables) run and are tested on machines without a
+GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import ModuleType, TracebackType
+from typing import Any
+
+import numpy as np
+
+# The GPU machine's rule: NVLink multicast stays off, whatever the caller's environment says.
+# Set before CuPy, torch or NCCL are loaded by any benchmark.
+SAFE_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+os.environ.update(SAFE_ENV)
+
+from mpi4py import MPI  # noqa: E402 - after the environment above, before any NCCL user
+
+GPU_DIR = Path(__file__).resolve().parent
+REPO_ROOT = GPU_DIR.parent.parent
+DATA_DIR = GPU_DIR.parent / "data"
+REFUSED_EXIT = 2
+MIB = 1024 * 1024
+
+
+# -- launch, refusal, agreement --------------------------------------------------------------
+def base_parser(description: str) -> argparse.ArgumentParser:
+    """An argument parser with the options every GPU benchmark shares."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument(
+        "--np",
+        type=int,
+        default=2,
+        help="rank count the launch must have (default 2); refuses otherwise",
+    )
+    p.add_argument("--json", metavar="PATH", help="write the full results as JSON to PATH")
+    p.add_argument("--quick", action="store_true", help="small configuration that runs in seconds")
+    p.add_argument("--seed", type=int, default=1234, help="base seed of every rank's inputs")
+    return p
+
+
+def install_abort_hook() -> None:
+    """Abort the whole MPI job on an uncaught exception so no rank is left waiting."""
+
+    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        sys.stderr.write(f"[rank {MPI.COMM_WORLD.Get_rank()}] uncaught exception, aborting:\n")
+        traceback.print_exception(kind, value, tb)
+        sys.stderr.flush()
+        MPI.COMM_WORLD.Abort(1)
+
+    sys.excepthook = hook
+
+
+def refuse(comm: MPI.Comm, reason: str) -> None:
+    """Exit every rank with status 2; rank 0 says why. Call collectively."""
+    if comm.Get_rank() == 0:
+        sys.stderr.write(f"REFUSED: {reason}\n")
+        sys.stderr.flush()
+    comm.Barrier()
+    sys.exit(REFUSED_EXIT)
+
+
+def check_all(comm: MPI.Comm, ok: bool, what: str, detail: str = "") -> None:
+    """Agree across ranks that ``ok`` holds everywhere; refuse (collectively) if not."""
+    details = comm.allgather(None if ok else (detail or "failed"))
+    bad = [(r, d) for r, d in enumerate(details) if d is not None]
+    if bad:
+        lines = "; ".join(f"rank {r}: {d}" for r, d in bad)
+        refuse(comm, f"correctness check failed for {what}: {lines}")
+
+
+def print0(comm: MPI.Comm, text: str) -> None:
+    """Print on rank 0 only, flushed."""
+    if comm.Get_rank() == 0:
+        print(text, flush=True)
+
+
+class Gpu:
+    """One rank's view of the launch: the communicator, its GPU and its compute stream.
+
+    Construct it first thing in ``main``: it checks the launch size before CuPy is imported,
+    selects the GPU of this rank's local rank and makes a fresh non-blocking stream current, so
+    every benchmark's "caller stream" is an ordinary stream, not the legacy default stream.
+    """
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        install_abort_hook()
+        self.args = args
+        self.comm = MPI.COMM_WORLD.Dup()
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        if self.size != args.np:
+            refuse(
+                self.comm,
+                f"launched with {self.size} ranks but --np {args.np} was asked "
+                f"(a launcher/MPI mismatch gives N singletons of size 1); run it as: "
+                f"mpirun -n {args.np} python3 {' '.join(sys.argv)}",
+            )
+        local = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
+        local.Free()
+        self.cupy = _import_cupy(self.comm)
+        count = self.cupy.cuda.runtime.getDeviceCount()
+        check_all(
+            self.comm,
+            count >= self.local_size,
+            "GPU count",
+            f"{count} GPUs visible for {self.local_size} ranks on this host",
+        )
+        self.device_id = self.local_rank
+        self.cupy.cuda.Device(self.device_id).use()
+        self.stream = self.cupy.cuda.Stream(non_blocking=True)
+        self.stream.use()
+
+    def barrier(self) -> None:
+        """An MPI barrier (host only: device work is not waited for)."""
+        self.comm.Barrier()
+
+    def sync(self) -> None:
+        """Wait on the CPU until this rank's compute stream has finished."""
+        self.stream.synchronize()
+
+    def device_name(self) -> str:
+        props = self.cupy.cuda.runtime.getDeviceProperties(self.device_id)
+        name = props["name"]
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def _import_cupy(comm: MPI.Comm) -> ModuleType:
+    ok, detail = True, ""
+    try:
+        import cupy
+        import cupy.cuda.nccl  # noqa: F401 - the raw NCCL baselines need it
+    except Exception as exc:  # ImportError, or a CUDA/NCCL load failure inside it
+        ok, detail = False, f"cannot import cupy with NCCL: {exc!r}"
+    check_all(comm, ok, "CuPy import", detail)
+    return cupy
+
+
+def hvd_start(hvd: ModuleType, gpu: Gpu, **knobs: Any) -> None:
+    """(Re)start hvdlite with ``knobs`` (after a shutdown if it runs) and check its size."""
+    if hvd.is_initialized():
+        hvd.shutdown()
+    hvd.init(gpu.comm, **knobs)
+    check_all(
+        gpu.comm,
+        hvd.size() == gpu.size,
+        "hvdlite size",
+        f"hvd.size() {hvd.size()} != MPI size {gpu.size}",
+    )
+    check_all(
+        gpu.comm,
+        hvd.local_rank() == gpu.local_rank,
+        "hvdlite local rank",
+        f"hvd.local_rank() {hvd.local_rank()} != MPI local rank {gpu.local_rank}",
+    )
+
+
+# -- data: integer-valued floats, rebuildable on any rank ---------------------------------------
+_GOLD = 0x9E3779B97F4A7C15
+_M1 = 0xBF58476D1CE4E5B9
+_M2 = 0x94D049BB133111EB
+_CHUNK = 1 << 24  # elements generated per step
+
+
+def mix64(xp: ModuleType, start: int, stop: int, key: int) -> Any:
+    """Well-mixed uint64 words for indices ``start..stop-1`` (splitmix64 of index + ``key``)."""
+    z = xp.arange(start, stop, dtype=xp.uint64) + xp.uint64((key * _GOLD) & 0xFFFFFFFFFFFFFFFF)
+    z = (z ^ (z >> xp.uint64(30))) * xp.uint64(_M1)
+    z = (z ^ (z >> xp.uint64(27))) * xp.uint64(_M2)
+    return z ^ (z >> xp.uint64(31))
+
+
+def data_key(seed: int, rank: int, salt: int = 0) -> int:
+    """The key of one rank's data of one kind (``salt``) under ``seed``."""
+    return (seed * 1_000_003 + rank) * 1_000_033 + salt
+
+
+def int_values(
+    xp: ModuleType,
+    n: int,
+    seed: int,
+    rank: int,
+    salt: int = 0,
+    bound: int = 1024,
+    dtype: Any = np.float32,
+) -> Any:
+    """``n`` integer-valued floats in ``[-bound, bound]`` without 0, from (seed, rank, salt).
+
+    Any rank can rebuild any other rank's values, so references are computed from every
+    rank's inputs; sums of a few of them are exact in float32. Built in chunks, so the
+    temporaries stay small next to the result.
+    """
+    out = xp.empty(n, dtype=dtype)
+    key = data_key(seed, rank, salt)
+    for start in range(0, n, _CHUNK):
+        stop = min(n, start + _CHUNK)
+        m = mix64(xp, start, stop, key) % xp.uint64(2 * bound)
+        v = m.astype(xp.int64) - bound  # [-bound, bound - 1]
+        out[start:stop] = xp.where(v >= 0, v + 1, v)  # [-bound, bound] without 0
+    return out
+
+
+def reference_sum(
+    xp: ModuleType, n: int, seed: int, size: int, salt: int = 0, bound: int = 1024
+) -> Any:
+    """Float64 sum over every rank's :func:`int_values` (exact)."""
+    acc = xp.zeros(n, dtype=xp.float64)
+    for r in range(size):
+        acc += int_values(xp, n, seed, r, salt, bound, xp.float64)
+    return acc
+
+
+def mismatch(xp: ModuleType, got: Any, ref: Any) -> str:
+    """Empty if ``got`` equals ``ref`` exactly (after casting ``ref``), else the first miss."""
+    if tuple(got.shape) != tuple(ref.shape):
+        return f"shape {tuple(got.shape)} != expected {tuple(ref.shape)}"
+    want = ref.astype(got.dtype)
+    bad = xp.flatnonzero(got.ravel() != want.ravel())
+    if int(bad.size) == 0:
+        return ""
+    i = int(bad[0])
+    return (
+        f"{int(bad.size)} of {got.size} elements differ; first at {i}: got "
+        f"{float(got.ravel()[i])!r}, expected {float(want.ravel()[i])!r}"
+    )
+
+
+def check_equal(gpu: Gpu, got: Any, ref: Any, what: str) -> None:
+    """Refuse on every rank unless ``got`` equals ``ref`` exactly on every rank."""
+    problem = mismatch(gpu.cupy, got, ref)
+    check_all(gpu.comm, not problem, what, problem)
+
+
+def poison(arr: Any) -> None:
+    """Fill a float array with NaN so an unwritten output cannot pass a check."""
+    arr.fill(float("nan"))
+
+
+# -- raw NCCL (CuPy) and torch.distributed baselines --------------------------------------------
+class RawNccl:
+    """A plain NCCL communicator over the launch, built through CuPy (unique id over MPI)."""
+
+    def __init__(self, gpu: Gpu) -> None:
+        from cupy.cuda import nccl
+
+        self.nccl = nccl
+        self.gpu = gpu
+        uid = nccl.get_unique_id() if gpu.rank == 0 else None
+        uid = gpu.comm.bcast(uid, root=0)
+        with gpu.cupy.cuda.Device(gpu.device_id):
+            self.comm = nccl.NcclCommunicator(gpu.size, uid, gpu.rank)
+        self.has_avg = hasattr(nccl, "NCCL_AVG")
+
+    def allreduce(self, src: Any, dst: Any, op: str = "sum", stream: Any = None) -> None:
+        """Enqueue ``dst = reduce(src)`` (float32) on ``stream`` (default: the bench stream).
+
+        ``op`` is "sum" or "avg"; without ncclAvg in this NCCL binding, "avg" is a sum followed
+        by an in-place scale on the same stream.
+        """
+        s = self.gpu.stream if stream is None else stream
+        if src.dtype != np.float32 or dst.dtype != np.float32 or src.size != dst.size:
+            raise ValueError(
+                f"raw NCCL baseline takes float32 src/dst of one size, got "
+                f"{src.dtype}[{src.size}] -> {dst.dtype}[{dst.size}]"
+            )
+        code = self.nccl.NCCL_SUM
+        if op == "avg" and self.has_avg:
+            code = self.nccl.NCCL_AVG
+        elif op not in ("sum", "avg"):
+            raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
+        self.comm.allReduce(
+            src.data.ptr, dst.data.ptr, src.size, self.nccl.NCCL_FLOAT32, code, s.ptr
+        )
+        if op == "avg" and not self.has_avg:
+            with s:
+                dst *= np.float32(1.0 / self.gpu.size)
+
+    def close(self) -> None:
+        self.gpu.stream.synchronize()
+        self.comm.destroy()
+
+
+def free_port() -> int:
+    """A TCP port that was free on this host a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def torch_dist(gpu: Gpu, timeout_s: float = 30.0) -> tuple[Any, str]:
+    """torch.distributed with NCCL over the launch, or ``(None, why not)``.
+
+    env:// rendezvous on 127.0.0.1 with a port picked by rank 0; ranks from MPI. Any failure
+    on any rank drops the torch baselines on every rank (with the reason) instead of failing
+    the benchmark. Returns ``(torch, "")`` when usable.
+    """
+    port = gpu.comm.bcast(free_port() if gpu.rank == 0 else None, root=0)
+    mod: Any = None
+    why = ""
+    try:
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        mod = torch
+
+        os.environ.update(
+            {
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "RANK": str(gpu.rank),
+                "WORLD_SIZE": str(gpu.size),
+                "LOCAL_RANK": str(gpu.local_rank),
+            }
+        )
+        torch.cuda.set_device(gpu.device_id)
+        dist.init_process_group(
+            "nccl",
+            init_method="env://",
+            rank=gpu.rank,
+            world_size=gpu.size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        t = torch.full((4,), float(gpu.rank + 1), device=f"cuda:{gpu.device_id}")
+        dist.all_reduce(t)
+        want = float(gpu.size * (gpu.size + 1) // 2)
+        if not bool((t == want).all()):
+            why = f"torch all_reduce check: got {t.tolist()}, expected {want}"
+    except Exception as exc:  # any failure only drops the torch baselines
+        why = f"torch.distributed NCCL unusable: {exc!r}"
+    whys = gpu.comm.allgather(why)
+    if any(whys):
+        if mod is not None and not why:
+            try:
+                mod.distributed.destroy_process_group()
+            except Exception as exc:  # only cleanup; the reason is already recorded
+                why = f"(cleanup failed: {exc!r})"
+        reasons = "; ".join(f"rank {r}: {w}" for r, w in enumerate(whys) if w)
+        print0(gpu.comm, f"NOTE: torch baselines dropped: {reasons}")
+        return None, reasons
+    return mod, ""
+
+
+def torch_close(torch: Any) -> None:
+    """Tear down torch.distributed (no-op without torch)."""
+    if torch is not None:
+        torch.cuda.synchronize()
+        torch.distributed.destroy_process_group()
+
+
+# -- timing -----------------------------------------------------------------------------------
+def max_over_ranks(comm: MPI.Comm, values: np.ndarray) -> np.ndarray:
+    """Element-wise maximum of a float64 array across ranks."""
+    src = np.ascontiguousarray(values, dtype=np.float64)
+    out = np.empty_like(src)
+    comm.Allreduce(src, out, op=MPI.MAX)
+    return out
+
+
+def time_round_robin(
+    gpu: Gpu,
+    fns: Mapping[str, Callable[[], object]],
+    reps: int,
+    warmup: int,
+    after: Callable[[], object] | None = None,
+) -> dict[str, np.ndarray]:
+    """Time each variant ``reps`` times, one repeat of each in turn, so drift hits all alike.
+
+    A repeat is: barrier, host clock, ``fn()``, host clock. ``fn`` must leave nothing pending
+    on the device that its result depends on (synchronise inside it where the variant's
+    semantics do not already). ``after`` runs untimed after every repeat (e.g. a stream
+    synchronise for variants timed only to "result usable"). Returns per-repeat seconds, the
+    slowest rank's, per variant.
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+            if after is not None:
+                after()
+    times = {name: np.empty(reps, dtype=np.float64) for name in fns}
+    clock = time.perf_counter
+    for i in range(reps):
+        for name, fn in fns.items():
+            gpu.barrier()
+            t0 = clock()
+            fn()
+            times[name][i] = clock() - t0
+            if after is not None:
+                after()
+    return {name: max_over_ranks(gpu.comm, t) for name, t in times.items()}
+
+
+def device_time(gpu: Gpu, fn: Callable[[], object], reps: int, warmup: int) -> np.ndarray:
+    """Per-repeat device time of ``fn``'s work on the bench stream, by CUDA events (seconds).
+
+    Only for work enqueued entirely on the bench stream (raw NCCL, kernels). Each repeat starts
+    after a stream synchronise and a barrier; the slowest rank's time is returned.
+    """
+    cp = gpu.cupy
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    for _ in range(warmup):
+        fn()
+    gpu.sync()
+    out = np.empty(reps, dtype=np.float64)
+    for i in range(reps):
+        gpu.barrier()
+        start.record(gpu.stream)
+        fn()
+        end.record(gpu.stream)
+        end.synchronize()
+        out[i] = cp.cuda.get_elapsed_time(start, end) * 1e-3
+    return max_over_ranks(gpu.comm, out)
+
+
+def stats(seconds: np.ndarray) -> dict[str, float]:
+    """Summary of a sample of durations (seconds): median, p99, min, max, mean, n."""
+    if seconds.size == 0 or not bool(np.all(seconds > 0)):
+        raise ValueError("timing sample is empty or holds non-positive durations")
+    return {
+        "median_s": float(np.median(seconds)),
+        "p99_s": float(np.percentile(seconds, 99)),
+        "min_s": float(seconds.min()),
+        "max_s": float(seconds.max()),
+        "mean_s": float(seconds.mean()),
+        "n": int(seconds.size),
+    }
+
+
+def us(seconds: float) -> float:
+    """Seconds to microseconds, rounded to 0.1."""
+    return round(seconds * 1e6, 1)
+
+
+def ms(seconds: float) -> float:
+    """Seconds to milliseconds, rounded to 0.001."""
+    return round(seconds * 1e3, 3)
+
+
+def ratio(a: float, b: float) -> float:
+    """``a / b`` rounded to 0.001 (``b`` > 0)."""
+    return round(a / b, 3)
+
+
+def human_bytes(n: int) -> str:
+    """4 -> '4 B', 4096 -> '4 KiB', 16777216 -> '16 MiB' (exact powers only get a unit)."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
+
+
+# -- reporting --------------------------------------------------------------------------------
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A fixed-width text table that is also valid Markdown."""
+    cells = [[str(h) for h in headers]] + [[_fmt(v) for v in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = [
+        "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in cells
+    ]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def _fmt(v: object) -> str:
+    if isinstance(v, bool) or v is None:
+        return "-" if v is None else str(v)
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return str(v)
+
+
+def target(name: str, value: float, limit: float, unit: str = "") -> dict[str, Any]:
+    """One target line: ``value <= limit`` decides ``met``."""
+    return {
+        "target": name,
+        "value": value,
+        "limit": limit,
+        "unit": unit,
+        "met": bool(value <= limit),
+    }
+
+
+def format_targets(targets: Sequence[Mapping[str, Any]]) -> str:
+    """One ``target ...: value (<= limit) -> met/MISSED`` line per target."""
+    return "\n".join(
+        f"target {t['target']}: {t['value']}{t['unit']} (limit {t['limit']}{t['unit']}) -> "
+        f"{'met' if t['met'] else 'MISSED'}"
+        for t in targets
+    )
+
+
+def _git(*args: str) -> str:
+    try:
+        out = subprocess.run(
+            ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 else "unknown"
+
+
+def metadata(gpu: Gpu) -> dict[str, Any]:
+    """Facts about this run: date, machine, GPU, library versions, commit, exact command."""
+    cp = gpu.cupy
+    meta: dict[str, Any] = {
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
+        "ranks": gpu.size,
+        "gpu": gpu.device_name(),
+        "cupy": cp.__version__,
+        "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(),
+        "cuda_driver": cp.cuda.runtime.driverGetVersion(),
+        "nccl_cupy": cp.cuda.nccl.get_version(),
+        "git_commit": _git("rev-parse", "--short", "HEAD"),
+        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "args": vars(gpu.args),
+        "env": {
+            k: v
+            for k, v in os.environ.items()
+            if k.startswith(
+                ("NCCL_", "HVDLITE_", "HOROVOD_", "CUPY_", "TORCH_", "NVSHMEM_", "CUDA_VISIBLE")
+            )
+        },
+    }
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        meta["torch"] = torch.__version__
+        nccl_v = getattr(torch.cuda, "nccl", None)
+        meta["nccl_torch"] = str(nccl_v.version()) if nccl_v is not None else "unknown"
+    return meta
+
+
+def finish(
+    gpu: Gpu,
+    name: str,
+    results: dict[str, Any],
+    table: str,
+    targets: Sequence[Mapping[str, Any]],
+    notes: Sequence[str] = (),
+) -> None:
+    """Rank 0: write the JSON (``--json``), then print notes, targets and the table last."""
+    if gpu.rank != 0:
+        return
+    text = "\n".join([*(f"note: {n}" for n in notes), format_targets(targets), table])
+    meta = metadata(gpu)
+    payload = {
+        "benchmark": name,
+        "meta": meta,
+        "results": results,
+        "targets": list(targets),
+        "notes": list(notes),
+        "table": text,
+    }
+    if gpu.args.json:
+        path = Path(gpu.args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+    print(f"\n== {name} ({gpu.size} ranks, {meta['gpu']}, commit {meta['git_commit']})", flush=True)
+    print(text, flush=True)

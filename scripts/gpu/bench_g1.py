@@ -1,0 +1,156 @@
+"""G1: one-tensor allreduce, 4 B .. 256 MiB (powers of 4), sync: hvdlite vs raw CuPy NCCL.
+
+Per size, on the same float32 input and output buffers of each rank: ``hvd.allreduce(x,
+op=Sum, out=y)`` (returns once the device finished, async completion off) against a raw NCCL
+``allReduce(x -> y)`` on the caller's stream followed by a stream synchronise (the same call ->
+result-on-the-host-side semantics). Both are timed call to return on the host clock, one repeat
+of each in turn after a barrier, slowest rank per repeat, median reported; the raw NCCL device
+time (CUDA events) is recorded too. Target: ratio hvdlite / raw <= 1.03 for sizes >= 16 MiB.
+
+    mpirun -n 2 python3 scripts/gpu/bench_g1.py --json g1.json
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import _gpulib as gl
+import numpy as np
+
+import hvdlite as hvd
+
+HVD = "hvdlite allreduce (sync)"
+RAW = "raw NCCL + stream sync"
+ALL_SIZES = [4 * 4**k for k in range(14)]  # 4 B .. 256 MiB
+QUICK_SIZES = [4, 4096, 256 * 1024, 16 * gl.MIB, 256 * gl.MIB]
+TARGET_FROM = 16 * gl.MIB
+TARGET_RATIO = 1.03
+
+
+def parse_args(argv: list[str] | None = None) -> Any:
+    """Command-line options (``--quick``: five sizes, 10 repeats)."""
+    p = gl.base_parser(__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=100, help="timed repeats per size and variant")
+    p.add_argument("--warmup", type=int, default=10, help="untimed repeats per variant")
+    p.add_argument(
+        "--sizes",
+        type=int,
+        nargs="+",
+        metavar="BYTES",
+        help="message sizes in bytes (multiples of 4); default 4 B .. 256 MiB",
+    )
+    p.add_argument(
+        "--async-completion",
+        action="store_true",
+        help="run hvdlite with async completion (then a stream sync ends each call)",
+    )
+    args = p.parse_args(argv)
+    if args.quick:
+        args.repeats, args.warmup = 10, 2
+    if args.sizes is None:
+        args.sizes = QUICK_SIZES if args.quick else ALL_SIZES
+    bad = [s for s in args.sizes if s <= 0 or s % 4]
+    if bad:
+        p.error(f"--sizes must be positive multiples of 4 bytes (float32), got {bad}")
+    return args
+
+
+def bus_bandwidth(nbytes: int, seconds: float, size: int) -> float:
+    """NCCL's allreduce bus bandwidth in GB/s: 2 (n-1)/n bytes per rank over the time."""
+    return round(2 * (size - 1) / size * nbytes / seconds / 1e9, 2)
+
+
+def one_size(gpu: gl.Gpu, raw: gl.RawNccl, nbytes: int) -> dict[str, Any]:
+    """Check, then time, hvdlite and raw NCCL at one message size."""
+    cp, args = gpu.cupy, gpu.args
+    n = nbytes // 4
+    x = gl.int_values(cp, n, args.seed, gpu.rank, salt=nbytes)
+    ref = gl.reference_sum(cp, n, args.seed, gpu.size, salt=nbytes)
+    y = cp.empty(n, dtype=np.float32)
+    gpu.sync()
+    name = f"g1.{nbytes}"
+
+    def run_hvd() -> None:
+        hvd.allreduce(x, name=name, op=hvd.Sum, out=y)
+        if args.async_completion:
+            gpu.sync()
+
+    def run_raw() -> None:
+        raw.allreduce(x, y)
+        gpu.sync()
+
+    fns: dict[str, Callable[[], None]] = {HVD: run_hvd, RAW: run_raw}
+    check(gpu, fns, y, ref, f"{gl.human_bytes(nbytes)}, before timing")
+    times = gl.time_round_robin(gpu, fns, args.repeats, args.warmup)
+    check(gpu, fns, y, ref, f"{gl.human_bytes(nbytes)}, after timing")
+    dev = gl.device_time(gpu, lambda: raw.allreduce(x, y), args.repeats, args.warmup)
+    res = {k: gl.stats(v) for k, v in times.items()}
+    res["raw NCCL device time (events)"] = gl.stats(dev)
+    return {
+        "bytes": nbytes,
+        "times": res,
+        "ratio_median": gl.ratio(res[HVD]["median_s"], res[RAW]["median_s"]),
+    }
+
+
+def check(gpu: gl.Gpu, fns: dict[str, Callable[[], None]], out: Any, ref: Any, when: str) -> None:
+    """Poison the output, run each variant once, compare with the every-rank reference."""
+    for name, fn in fns.items():
+        gl.poison(out)
+        gpu.sync()
+        fn()
+        gpu.sync()
+        gl.check_equal(gpu, out, ref, f"{name} ({when})")
+
+
+def report(gpu: gl.Gpu, rows: list[dict[str, Any]]) -> None:
+    """Print the table and targets (rank 0) and write the JSON."""
+    table_rows, targets = [], []
+    for r in rows:
+        t = r["times"]
+        dev = t["raw NCCL device time (events)"]["median_s"]
+        table_rows.append(
+            [
+                gl.human_bytes(r["bytes"]),
+                gl.us(t[HVD]["median_s"]),
+                gl.us(t[RAW]["median_s"]),
+                r["ratio_median"],
+                gl.us(dev),
+                bus_bandwidth(r["bytes"], dev, gpu.size),
+            ]
+        )
+        if r["bytes"] >= TARGET_FROM:
+            targets.append(
+                gl.target(
+                    f"G1 {gl.human_bytes(r['bytes'])} hvdlite/raw",
+                    r["ratio_median"],
+                    TARGET_RATIO,
+                    "x",
+                )
+            )
+    table = gl.format_table(
+        ["size", "hvdlite us", "raw+sync us", "ratio", "raw device us", "raw busbw GB/s"],
+        table_rows,
+    )
+    mode = "async completion + stream sync" if gpu.args.async_completion else "sync completion"
+    notes = [
+        f"hvdlite mode: {mode}; op Sum, out= preallocated; medians of "
+        f"{gpu.args.repeats} repeats, slowest rank per repeat, host clock"
+    ]
+    gl.finish(gpu, "G1 one-tensor allreduce", {"sizes": rows}, table, targets, notes)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    gpu = gl.Gpu(args)
+    gl.hvd_start(hvd, gpu, async_completion=bool(args.async_completion))
+    raw = gl.RawNccl(gpu)
+    rows = [one_size(gpu, raw, nbytes) for nbytes in args.sizes]
+    raw.close()
+    hvd.shutdown()
+    report(gpu, rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,289 @@
+"""G3: a real gradient set (ResNet-50: 161 float32 tensors, 102 MB), averaged over the ranks.
+
+Variants, all op Average on the same per-tensor float32 gradients of each rank, one repeat of
+each in turn after a barrier, host clock until the results are usable (a stream synchronise
+ends every variant), slowest rank per repeat, median reported:
+
+- hvdlite: every tensor ``allreduce_async(out=)`` then wait all; ``grouped_allreduce`` of the
+  set; both with async completion off and (second block) on;
+- raw CuPy NCCL on one pre-fused buffer holding the same data (the limit: no negotiation, no
+  fusion copies); raw NCCL per tensor; torch.distributed NCCL ``all_reduce`` per tensor
+  (``async_op=True``, then wait all; in place on copies of the gradients).
+
+Targets: ``grouped_allreduce`` <= 1.5x the limit; 161 x ``allreduce_async`` <= 2.0 ms and
+<= 0.5x torch per tensor. ``--set bert_large`` runs the BERT-large set (G6: hvdlite vs the
+limit, target <= 1.15x). CuPy pool memory is recorded after warm-up and after timing.
+
+    mpirun -n 2 python3 scripts/gpu/bench_g3.py --json g3.json
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
+import _gpulib as gl
+import numpy as np
+
+import hvdlite as hvd
+
+ASYNC = "hvdlite allreduce_async x N, wait all"
+GROUPED = "hvdlite grouped_allreduce"
+ASYNC_AC = "hvdlite allreduce_async x N (async completion)"
+GROUPED_AC = "hvdlite grouped_allreduce (async completion)"
+LIMIT = "raw NCCL, one pre-fused buffer (limit)"
+LIMIT_AC = f"{LIMIT}, async-completion block"
+RAW_PER = "raw NCCL per tensor"
+TORCH_PER = "torch all_reduce per tensor"
+
+
+def parse_args(argv: list[str] | None = None) -> Any:
+    """Command-line options (``--quick``: 10 repeats)."""
+    p = gl.base_parser(__doc__.splitlines()[0])
+    p.add_argument(
+        "--set",
+        default="resnet50",
+        choices=["resnet50", "bert_large"],
+        help="gradient set in scripts/data/<set>_grads.json",
+    )
+    p.add_argument("--repeats", type=int, default=50, help="timed repeats per variant")
+    p.add_argument("--warmup", type=int, default=5, help="untimed repeats per variant")
+    p.add_argument("--no-torch", action="store_true", help="skip the torch.distributed baseline")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.repeats, args.warmup = 10, 2
+    return args
+
+
+def load_shapes(name: str) -> list[tuple[str, tuple[int, ...]]]:
+    """(tensor name, shape) of a gradient set, checked against the file's element count."""
+    path = gl.DATA_DIR / f"{name}_grads.json"
+    if not path.exists():
+        raise FileNotFoundError(
+            f"gradient set {path} is missing; copy it from the shared data "
+            "folder into scripts/data/"
+        )
+    spec = json.loads(path.read_text(encoding="utf-8"))
+    if spec.get("dtype", "float32") != "float32":
+        raise ValueError(f"{path}: expected float32 tensors, file says {spec['dtype']}")
+    shapes = [(t["name"], tuple(int(d) for d in t["shape"])) for t in spec["tensors"]]
+    total = sum(math.prod(s) for _, s in shapes)
+    if total != spec["total_elements"]:
+        raise ValueError(f"{path}: shapes sum to {total}, file says {spec['total_elements']}")
+    return shapes
+
+
+def split_views(flat: Any, shapes: list[tuple[str, tuple[int, ...]]]) -> list[Any]:
+    """Separate contiguous copies of consecutive slices of ``flat`` (like framework grads)."""
+    out, off = [], 0
+    for _, shape in shapes:
+        n = math.prod(shape)
+        out.append(flat[off : off + n].reshape(shape).copy())
+        off += n
+    return out
+
+
+class GradSet:
+    """One rank's gradients (per tensor and pre-fused), outputs, reference and torch copies."""
+
+    def __init__(self, gpu: gl.Gpu, torch: Any, shapes: list[tuple[str, tuple[int, ...]]]) -> None:
+        cp = gpu.cupy
+        self.shapes = shapes
+        self.total = sum(math.prod(s) for _, s in shapes)
+        seed = gpu.args.seed
+        self.fused_in = gl.int_values(cp, self.total, seed, gpu.rank)
+        self.fused_out = cp.empty_like(self.fused_in)
+        self.ref = (gl.reference_sum(cp, self.total, seed, gpu.size) / gpu.size).astype(np.float32)
+        self.inputs = split_views(self.fused_in, shapes)
+        self.outs = [cp.empty_like(t) for t in self.inputs]
+        self.torch_bufs = [t.copy() for t in self.inputs] if torch is not None else []
+        gpu.sync()
+        self.torch_ts = [torch.from_dlpack(t) for t in self.torch_bufs]
+        self.names = [f"g3.{i}.{n}" for i, (n, _) in enumerate(shapes)]
+        self.grouped_result: list[Any] = []
+
+
+def variants(
+    gpu: gl.Gpu, raw: gl.RawNccl, torch: Any, g: GradSet, async_block: bool
+) -> dict[str, Callable[[], object]]:
+    """The variants of one block (hvdlite's completion mode is per block)."""
+    sync = gpu.sync
+
+    def hvd_async() -> None:
+        handles = [
+            hvd.allreduce_async(t, name=n, op=hvd.Average, out=o)
+            for t, n, o in zip(g.inputs, g.names, g.outs, strict=True)
+        ]
+        for h in handles:
+            h.wait()
+        sync()
+
+    def hvd_grouped() -> None:
+        g.grouped_result = hvd.grouped_allreduce(g.inputs, name="g3.group", op=hvd.Average)
+        sync()
+
+    def limit() -> None:
+        raw.allreduce(g.fused_in, g.fused_out, op="avg")
+        sync()
+
+    def raw_per() -> None:
+        for t, o in zip(g.inputs, g.outs, strict=True):
+            raw.allreduce(t, o, op="avg")
+        sync()
+
+    fns: dict[str, Callable[[], object]] = {}
+    if async_block:
+        fns[ASYNC_AC], fns[GROUPED_AC] = hvd_async, hvd_grouped
+    else:
+        fns[ASYNC], fns[GROUPED] = hvd_async, hvd_grouped
+    fns[LIMIT] = limit
+    if not async_block:
+        fns[RAW_PER] = raw_per
+        if torch is not None:
+            dist, avg = torch.distributed, torch.distributed.ReduceOp.AVG
+
+            def torch_per() -> None:
+                works = [dist.all_reduce(t, op=avg, async_op=True) for t in g.torch_ts]
+                for w in works:
+                    w.wait()
+                torch.cuda.current_stream().synchronize()
+
+            fns[TORCH_PER] = torch_per
+    return fns
+
+
+def check(
+    gpu: gl.Gpu, torch: Any, fns: dict[str, Callable[[], object]], g: GradSet, when: str
+) -> None:
+    """Run every variant once on poisoned outputs and compare with the every-rank reference."""
+    cp = gpu.cupy
+    for name, fn in fns.items():
+        if name == TORCH_PER:
+            for src, dst in zip(g.inputs, g.torch_bufs, strict=True):
+                dst[...] = src  # fresh inputs: the timed runs average in place
+        elif name == LIMIT:
+            gl.poison(g.fused_out)
+        else:
+            for o in g.outs:
+                gl.poison(o)
+        gpu.sync()
+        fn()
+        if torch is not None:
+            torch.cuda.synchronize()
+        gpu.sync()
+        if name == LIMIT:
+            got = g.fused_out
+        elif name in (GROUPED, GROUPED_AC):
+            got = cp.concatenate([r.ravel() for r in g.grouped_result])
+        elif name == TORCH_PER:
+            got = cp.concatenate([b.ravel() for b in g.torch_bufs])
+        else:
+            got = cp.concatenate([o.ravel() for o in g.outs])
+        gl.check_equal(gpu, got, g.ref, f"{name} ({when})")
+        del got
+
+
+def run_block(
+    gpu: gl.Gpu, raw: gl.RawNccl, torch: Any, g: GradSet, async_block: bool
+) -> tuple[dict[str, Any], dict[str, int]]:
+    """Check, time and re-check one block; also the pool's memory after warm-up and timing."""
+    fns = variants(gpu, raw, torch, g, async_block)
+    check(gpu, torch, fns, g, "before timing")
+    pool = gpu.cupy.get_default_memory_pool()
+    mem = {
+        "pool_used_bytes_after_check": int(pool.used_bytes()),
+        "pool_total_bytes_after_check": int(pool.total_bytes()),
+    }
+    times = gl.time_round_robin(gpu, fns, gpu.args.repeats, gpu.args.warmup)
+    mem["pool_used_bytes_after_timing"] = int(pool.used_bytes())
+    mem["pool_total_bytes_after_timing"] = int(pool.total_bytes())
+    check(gpu, torch, fns, g, "after timing")
+    return {k: gl.stats(v) for k, v in times.items()}, mem
+
+
+def summarise(res: dict[str, Any], n: int, set_name: str) -> list[dict[str, Any]]:
+    """Ratios into ``res['ratios']``; the target lines."""
+    med = {k: v["median_s"] for k, v in res.items() if isinstance(v, dict) and "median_s" in v}
+    # Each block's variants against the limit timed in the same block (drift hits both alike).
+    limit_ac = med.get(LIMIT_AC, med[LIMIT])
+    ratios = {
+        f"{k} / limit": gl.ratio(v, limit_ac if k in (ASYNC_AC, GROUPED_AC) else med[LIMIT])
+        for k, v in med.items()
+        if k not in (LIMIT, LIMIT_AC)
+    }
+    if TORCH_PER in med:
+        for k in (ASYNC, ASYNC_AC, GROUPED):
+            if k in med:
+                ratios[f"{k} / torch per tensor"] = gl.ratio(med[k], med[TORCH_PER])
+    res["ratios"] = ratios
+    if set_name != "resnet50":
+        return [
+            gl.target(f"G6 {set_name} {GROUPED} / limit", ratios[f"{GROUPED} / limit"], 1.15, "x"),
+            gl.target(f"G6 {set_name} {ASYNC} / limit", ratios[f"{ASYNC} / limit"], 1.15, "x"),
+        ]
+    out = [
+        gl.target(f"G3 {GROUPED} / limit", ratios[f"{GROUPED} / limit"], 1.5, "x"),
+        gl.target(f"G3 {n} x allreduce_async", gl.ms(med[ASYNC]), 2.0, " ms"),
+    ]
+    if ASYNC_AC in med:
+        out.append(
+            gl.target(
+                f"G3 {n} x allreduce_async (async completion)", gl.ms(med[ASYNC_AC]), 2.0, " ms"
+            )
+        )
+    if TORCH_PER in med:
+        out.append(
+            gl.target(
+                f"G3 {ASYNC} / torch per tensor", ratios[f"{ASYNC} / torch per tensor"], 0.5, "x"
+            )
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    shapes = load_shapes(args.set)
+    gpu = gl.Gpu(args)
+    torch, torch_note = (
+        (None, "torch baseline skipped (--no-torch)") if args.no_torch else gl.torch_dist(gpu)
+    )
+    raw = gl.RawNccl(gpu)
+    g = GradSet(gpu, torch, shapes)
+    gl.hvd_start(hvd, gpu, async_completion=False)
+    res, mem = run_block(gpu, raw, torch, g, async_block=False)
+    gl.hvd_start(hvd, gpu, async_completion=True)
+    res_ac, mem_ac = run_block(gpu, raw, torch, g, async_block=True)
+    hvd.shutdown()
+    raw.close()
+    gl.torch_close(torch)
+    res[LIMIT_AC] = res_ac.pop(LIMIT)
+    res.update(res_ac)
+    targets = summarise(res, len(shapes), args.set)
+    rows = [
+        [k, gl.ms(v["median_s"]), gl.ms(v["p99_s"]), res["ratios"].get(f"{k} / limit", 1.0)]
+        for k, v in res.items()
+        if k != "ratios"
+    ]
+    table = gl.format_table(["variant", "median ms", "p99 ms", "x limit"], rows)
+    notes = [
+        f"{args.set}: {len(shapes)} float32 tensors, {g.total * 4 / 1e6:.1f} MB, op "
+        f"Average; {args.repeats} repeats; raw ncclAvg: {raw.has_avg}"
+    ]
+    if torch_note:
+        notes.append(torch_note)
+    results = {
+        "set": args.set,
+        "tensors": len(shapes),
+        "bytes": g.total * 4,
+        "times": res,
+        "memory_sync_block": mem,
+        "memory_async_block": mem_ac,
+    }
+    name = "G3 ResNet-50 gradient set" if args.set == "resnet50" else f"G6 {args.set} set"
+    gl.finish(gpu, name, results, table, targets, notes)
+
+
+if __name__ == "__main__":
+    main()

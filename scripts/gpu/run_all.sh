@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# One command for the GPU machine (2 GPUs, system Open MPI): the GPU test suite, the CuPy
+# training example, then benchmarks G1-G5 (and G6: bench_g3.py --set bert_large), each under
+# `timeout`, all output tee'd to $OUT/run_all.log, each benchmark's JSON to $OUT/gN.json, and a
+# summary of every table printed last.
+#
+#   scripts/gpu/run_all.sh [--quick]        # OUT defaults to /tmp/hvdlite_gpu_out
+#
+# Exits 0 only if every step exited 0. The whole run stays under BUDGET_S seconds: a step gets
+# at most what is left, and steps are skipped once less than 20 s remain.
+set -uo pipefail
+
+QUICK=()
+case "${1:-}" in
+  --quick) QUICK=(--quick) ;;
+  "") ;;
+  *) echo "usage: $0 [--quick]" >&2; exit 2 ;;
+esac
+
+cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2
+OUT="${OUT:-/tmp/hvdlite_gpu_out}"
+mkdir -p "$OUT" || exit 2
+exec > >(tee -a "$OUT/run_all.log") 2>&1
+
+# The machine's rule: NVLink multicast stays off.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
+# Forwarded with -x below, so they must be set; bench_g4.py turns TF32 on for itself.
+export CUPY_TF32="${CUPY_TF32:-0}"
+export HVDLITE_ENABLE_ASYNC_COMPLETION="${HVDLITE_ENABLE_ASYNC_COMPLETION:-0}"
+export PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+MPIRUN=(mpirun --allow-run-as-root --oversubscribe -n 2
+        -x PATH -x LD_LIBRARY_PATH -x PYTHONPATH -x NCCL_NVLS_ENABLE
+        -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS -x CUPY_TF32
+        -x HVDLITE_ENABLE_ASYNC_COMPLETION -x PYTHONUNBUFFERED)
+BUDGET_S="${BUDGET_S:-510}"
+STATUS=()
+FAILED=0
+
+run_step() {  # run_step NAME TIMEOUT_S COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  local left=$((BUDGET_S - SECONDS))
+  if ((left < 20)); then
+    STATUS+=("$name: SKIPPED (time budget spent)")
+    FAILED=$((FAILED + 1))
+    return
+  fi
+  ((limit > left)) && limit=$left
+  echo "=== $name (limit ${limit} s, at ${SECONDS} s)"
+  local t0=$SECONDS rc
+  timeout --kill-after=10 "$limit" "$@"
+  rc=$?
+  ((rc == 124 || rc == 137)) && STATUS+=("$name: TIMED OUT after ${limit} s") \
+    || STATUS+=("$name: exit $rc ($((SECONDS - t0)) s)")
+  ((rc != 0)) && FAILED=$((FAILED + 1))
+  return 0
+}
+
+set -x
+date -u
+timeout 30 nvidia-smi -L
+timeout 30 nvidia-smi topo -m
+timeout 60 "$PY" -c 'import sys, cupy, mpi4py; from mpi4py import MPI; import cupy.cuda.nccl as n
+print(sys.version.split()[0], "cupy", cupy.__version__, "nccl", n.get_version(), "mpi4py",
+      mpi4py.__version__, MPI.Get_library_version().splitlines()[0])'
+git log -1 --oneline 2>/dev/null
+
+if compgen -G "tests/gpu/test_*.py" >/dev/null; then
+  run_step "GPU tests" 150 "${MPIRUN[@]}" "$PY" -m mpi4py -m pytest tests/gpu -q -x \
+    -p no:cacheprovider
+else
+  STATUS+=("GPU tests: none in tests/gpu")
+fi
+run_step "example mlp_cupy" 45 "${MPIRUN[@]}" "$PY" examples/mlp_cupy.py
+run_step "example mlp_cupy --grouped" 45 "${MPIRUN[@]}" "$PY" examples/mlp_cupy.py --grouped \
+  --steps 100
+run_step G1 60 "${MPIRUN[@]}" "$PY" scripts/gpu/bench_g1.py "${QUICK[@]}" --json "$OUT/g1.json"
+run_step G2 60 "${MPIRUN[@]}" "$PY" scripts/gpu/bench_g2.py "${QUICK[@]}" --json "$OUT/g2.json"
+run_step G3 60 "${MPIRUN[@]}" "$PY" scripts/gpu/bench_g3.py "${QUICK[@]}" --json "$OUT/g3.json"
+run_step G4 90 "${MPIRUN[@]}" "$PY" scripts/gpu/bench_g4.py "${QUICK[@]}" --json "$OUT/g4.json"
+run_step G5 45 "${MPIRUN[@]}" "$PY" scripts/gpu/bench_g5.py "${QUICK[@]}" --json "$OUT/g5.json"
+run_step G6 60 "${MPIRUN[@]}" "$PY" scripts/gpu/bench_g3.py --set bert_large "${QUICK[@]}" \
+  --json "$OUT/g6.json"
+set +x
+
+echo
+echo "=============================== summary (${SECONDS} s) ==============================="
+"$PY" scripts/gpu/summarize.py "$OUT"/g1.json "$OUT"/g2.json "$OUT"/g3.json "$OUT"/g4.json \
+  "$OUT"/g5.json "$OUT"/g6.json
+echo
+printf '%s\n' "${STATUS[@]}"
+echo "failed steps: $FAILED; log: $OUT/run_all.log"
+exit $((FAILED > 0))
