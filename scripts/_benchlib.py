@@ -179,24 +179,39 @@ def _git(*args: str) -> str:
     return out.stdout.strip() if out.returncode == 0 else "unknown"
 
 
+_START: dict[str, Any] = {}
+
+
 def run_metadata(comm: MPI.Comm, args: argparse.Namespace) -> dict[str, Any]:
-    """Facts about this run: date, machine, commit, MPI library, exact command."""
-    dirty = _git("status", "--porcelain", "--untracked-files=no")
-    return {
-        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "host": socket.gethostname(),
-        "cpus": os.cpu_count(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
-        "ranks": comm.Get_size(),
-        "load_average_1_5_15min": list(os.getloadavg()),
-        "git_commit": _git("rev-parse", "--short", "HEAD"),
-        "git_tracked_changes": bool(dirty and dirty != "unknown"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "args": vars(args),
-    }
+    """Facts about this run: date, machine, commit, MPI library, exact command, load.
+
+    The first call records the start (call it right after the size check: the commit is the
+    one whose code this process imported); later calls return that plus the finish time and
+    the load average then.
+    """
+    now = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    if not _START:
+        # Uncommitted edits to the code this run executes make the commit alone not enough.
+        dirty = _git("status", "--porcelain", "--untracked-files=no", "--", "hvdlite", "scripts")
+        _START.update(
+            {
+                "date_utc": now,
+                "host": socket.gethostname(),
+                "cpus": os.cpu_count(),
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+                "numpy": np.__version__,
+                "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
+                "ranks": comm.Get_size(),
+                "load_average_1_5_15min": list(os.getloadavg()),
+                "git_commit": _git("rev-parse", "--short", "HEAD"),
+                "uncommitted_code_changes": bool(dirty and dirty != "unknown"),
+                "command": " ".join([Path(sys.executable).name, *sys.argv]),
+                "args": vars(args),
+            }
+        )
+        return dict(_START)
+    return {**_START, "finished_utc": now, "load_average_at_finish": list(os.getloadavg())}
 
 
 def write_json(comm: MPI.Comm, path: str | None, payload: dict[str, Any]) -> None:

@@ -188,6 +188,7 @@ def main() -> None:
         args.reps, args.warmup, args.tensors = 3, 1, args.tensors or 30
     world = MPI.COMM_WORLD
     bl.check_size(world, args.np)
+    bl.run_metadata(world, args)
     comm = world.Dup()
     hvd.init()
     case = Case(args, comm)

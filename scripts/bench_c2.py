@@ -202,6 +202,7 @@ def main() -> None:
         args.reps, args.warmup, args.n = 3, 1, [4, 16]
     world = MPI.COMM_WORLD
     bl.check_size(world, args.np)
+    bl.run_metadata(world, args)
     comm = world.Dup()
     hvd.init()
     cached = measure(comm, args, HVD_CACHED)

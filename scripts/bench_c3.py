@@ -55,6 +55,7 @@ def main() -> None:
         args.seconds, args.settle = 1.0, 0.2
     world = MPI.COMM_WORLD
     bl.check_size(world, args.np)
+    bl.run_metadata(world, args)
     comm = world.Dup()
     without = idle_interval(comm, args.seconds)
     hvd.init()

@@ -115,6 +115,7 @@ def main() -> None:
         args.chunks, args.per_chunk, args.reps, args.warmup, args.settle = 10, 5, 3, 1, 0.05
     world = MPI.COMM_WORLD
     bl.check_size(world, args.np)
+    bl.run_metadata(world, args)
     comm = world.Dup()
     k = calibrate(comm, args.unit_ms / 1e3)
     trials = Trials(comm, args, k)

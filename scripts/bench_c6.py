@@ -58,6 +58,7 @@ def main() -> None:
         args.repeats, args.block, args.warmup = 100, 50, 10
     world = MPI.COMM_WORLD
     bl.check_size(world, args.np)
+    bl.run_metadata(world, args)
     comm = world.Dup()
     hvd.init()
     x = bl.nonzero_uniform(bl.rank_rng(args.seed, comm.Get_rank()), 1)
