@@ -96,6 +96,28 @@ def test_prescale_mismatch(hvd: Any) -> None:
 
 
 @needs_two
+def test_postscale_mismatch(hvd: Any) -> None:
+    name = "mismatch.postscale"
+    _mismatch(
+        hvd, name,
+        lambda r: hvd.allreduce_async(
+            np.ones(4), name=name, op=hvd.Sum, postscale_factor=0.25 if r == 0 else 4.0
+        ),
+        "postscale", "0.25", "4.0",
+    )  # fmt: skip
+
+
+@needs_two
+def test_allgather_trailing_shape_mismatch(hvd: Any) -> None:
+    name = "mismatch.allgather"
+    _mismatch(
+        hvd, name,
+        lambda r: hvd.allgather_async(np.ones((2, 3 if r == 0 else 4)), name=name),
+        "(3,)", "(4,)",
+    )  # fmt: skip
+
+
+@needs_two
 def test_blocking_call_raises_mismatch_and_other_tensors_are_unaffected(hvd: Any) -> None:
     rank, size = hvd.rank(), hvd.size()
     seed = seed_for("bystander")
