@@ -211,3 +211,58 @@ def test_duplicate_name_in_flight(hvd: Any) -> None:
         first = hvd.allreduce_async(x, name=name, op=hvd.Sum)
     want = reference_allreduce(all_inputs(seed, size, (4,), "int32"), "Sum")
     assert_equal_result(first.wait(timeout=20), want, "the first submission")
+
+
+def _read_only(shape: tuple[int, ...]) -> np.ndarray:
+    array = np.ones(shape)
+    array.flags.writeable = False
+    return array
+
+
+@pytest.mark.parametrize("call", ["allreduce_", "out=", "broadcast_"])
+def test_read_only_output_is_refused_at_the_call(
+    hvd: Any, restart: Callable[..., Any], call: str
+) -> None:
+    """A result that cannot be written must fail at the call, not in the background thread.
+
+    ``restart`` gives this test its own engine, so a failure here cannot take the rest down.
+    """
+    restart()
+    name = f"read_only.{call}"
+    calls: dict[str, Callable[[], Any]] = {
+        "allreduce_": lambda: hvd.allreduce_(_read_only((3,)), name=name, op=hvd.Sum),
+        "out=": lambda: hvd.allreduce(np.ones(3), name=name, op=hvd.Sum, out=_read_only((3,))),
+        "broadcast_": lambda: hvd.broadcast_(_read_only((3,)), 0, name=name),
+    }
+    _refused(hvd, name, calls[call], (TypeError, ValueError))
+
+
+@pytest.mark.parametrize("order", [">", "<"])
+def test_byte_order_is_honoured_or_refused(hvd: Any, order: str) -> None:
+    """Non-native byte order: reduce the values correctly, or refuse at the call."""
+    rank, size = hvd.rank(), hvd.size()
+    name = f"byte_order.{order}"
+    seed = seed_for("byte_order")
+    x = make_input(seed, rank, (4,), "float64").astype(f"{order}f8")
+    try:
+        got = hvd.allreduce(x, name=name, op=hvd.Sum)
+    except (TypeError, ValueError) as exc:
+        assert name in str(exc), str(exc)
+        _check_still_works(hvd, name)
+        return
+    want = reference_allreduce(all_inputs(seed, size, (4,), "float64"), "Sum")
+    np.testing.assert_array_equal(np.asarray(got, dtype=np.float64), want)
+
+
+@pytest.mark.parametrize("case", ["sum", "length", "negative"])
+def test_bad_alltoall_splits(hvd: Any, case: str) -> None:
+    size = hvd.size()
+    rows = {"sum": size + 1, "length": size, "negative": 0}[case]
+    splits = {
+        "sum": [1] * size,
+        "length": [1] * (size + 1),
+        "negative": [-1] + [0] * (size - 2) + [1] if size > 1 else [-1],
+    }[case]
+    name = f"bad_splits.{case}"
+    x = np.ones((rows, 2))
+    _refused(hvd, name, lambda: hvd.alltoall(x, splits=splits, name=name), ValueError)

@@ -56,3 +56,22 @@ def test_join_without_work_agrees_on_last_rank(hvd: Any) -> None:
         hvd.allreduce(x, name="after_plain_join", op=hvd.Sum),
         np.full(3, size * (size + 1) // 2, dtype=np.int32),
     )
+
+
+def test_join_while_tensors_are_cached(hvd: Any) -> None:
+    """Cached names keep reducing correctly when ranks join part way through."""
+    rank, size = hvd.rank(), hvd.size()
+    warm = 3  # every rank first runs these steps, so the names are in the response cache
+    for step in range(warm + rank):
+        contributors = list(range(size)) if step < warm else list(range(step - warm + 1, size))
+        seed = seed_for("join_cached", step)
+        x = make_input(seed, rank, (6,), "int64")
+        got = hvd.allreduce(x, name="join_cached", op=hvd.Sum)
+        want = reference_allreduce(
+            [make_input(seed, r, (6,), "int64") for r in contributors], "Sum"
+        )
+        assert_equal_result(got, want, f"step {step} over ranks {contributors}")
+    assert hvd.join() == size - 1
+    seed = seed_for("join_cached_after")
+    got = hvd.allreduce(make_input(seed, rank, (6,), "int64"), name="join_cached", op=hvd.Sum)
+    assert_equal_result(got, reference_allreduce(all_inputs(seed, size, (6,), "int64"), "Sum"))
