@@ -32,6 +32,17 @@ def _check_still_works(hvd: Any, name: str) -> None:
         assert_equal_result(got, want, f"allreduce of {tag!r} after an error")
 
 
+def _check_group_still_works(hvd: Any, name: str, parts: int) -> None:
+    """After an error, a grouped call under the same name reduces correctly."""
+    rank, size = hvd.rank(), hvd.size()
+    seeds = [seed_for("group_after", name, j) for j in range(parts)]
+    tensors = [make_input(s, rank, (j + 1,), "int32") for j, s in enumerate(seeds)]
+    got = hvd.grouped_allreduce_async(tensors, name=name, op=hvd.Sum).wait(timeout=20)
+    for j, s in enumerate(seeds):
+        want = reference_allreduce(all_inputs(s, size, (j + 1,), "int32"), "Sum")
+        assert_equal_result(got[j], want, f"group {name!r} part {j} after an error")
+
+
 def _mismatch(hvd: Any, name: str, submit: Callable[[int], Any], *expected: str) -> None:
     """``submit(rank)`` raises MismatchError here, naming ``name`` and every expected value."""
     with pytest.raises(hvd.MismatchError) as info:
@@ -115,6 +126,29 @@ def test_allgather_trailing_shape_mismatch(hvd: Any) -> None:
         lambda r: hvd.allgather_async(np.ones((2, 3 if r == 0 else 4)), name=name),
         "(3,)", "(4,)",
     )  # fmt: skip
+
+
+@needs_two
+def test_grouped_part_shape_mismatch(hvd: Any) -> None:
+    name = "mismatch.group_part"
+    _mismatch(
+        hvd, name,
+        lambda r: hvd.grouped_allreduce_async([np.ones(2), np.ones(2 + min(r, 1))], name=name),
+        "(2,)", "(3,)",
+    )  # fmt: skip
+    _check_group_still_works(hvd, name, parts=2)
+
+
+@needs_two
+def test_group_size_mismatch(hvd: Any, restart: Callable[..., Any]) -> None:
+    """Rank 0 groups two tensors, the others three: every rank fails, nothing is left over."""
+    restart()
+    name = "mismatch.group_size"
+    _mismatch(
+        hvd, name,
+        lambda r: hvd.grouped_allreduce_async([np.ones(1)] * (2 + min(r, 1)), name=name),
+    )  # fmt: skip
+    _check_group_still_works(hvd, name, parts=3)
 
 
 @needs_two

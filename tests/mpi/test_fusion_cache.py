@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 from mpi_util import (
     all_inputs,
@@ -109,3 +110,23 @@ def test_group_larger_than_the_cache(hvd: Any, restart: Callable[..., Any]) -> N
         for j, (s, shape) in enumerate(zip(seeds, shapes, strict=True)):
             want = reference_allreduce(all_inputs(s, size, shape, "int32"), "Sum")
             assert_equal_result(got[j], want, f"step {step} part {j}")
+
+
+def test_cached_name_then_mismatch(hvd: Any) -> None:
+    """A name served from the cache, then sent with differing shapes, fails on every rank."""
+    rank, size = hvd.rank(), hvd.size()
+    if size < 2:
+        pytest.skip("a cross-rank mismatch needs at least two ranks")
+    name = "cache.then_mismatch"
+    for step in range(4):
+        seed = seed_for(name, step)
+        got = hvd.allreduce(make_input(seed, rank, (4,), "int32"), name=name, op=hvd.Sum)
+        want = reference_allreduce(all_inputs(seed, size, (4,), "int32"), "Sum")
+        assert_equal_result(got, want, f"step {step}")
+    with pytest.raises(hvd.MismatchError, match=name):
+        hvd.allreduce_async(np.ones(4 + min(rank, 1), np.int32), name=name, op=hvd.Sum).wait(
+            timeout=20
+        )
+    seed = seed_for(name, "after")
+    got = hvd.allreduce(make_input(seed, rank, (4,), "int32"), name=name, op=hvd.Sum)
+    assert_equal_result(got, reference_allreduce(all_inputs(seed, size, (4,), "int32"), "Sum"))
