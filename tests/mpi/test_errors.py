@@ -300,3 +300,12 @@ def test_bad_alltoall_splits(hvd: Any, case: str) -> None:
     name = f"bad_splits.{case}"
     x = np.ones((rows, 2))
     _refused(hvd, name, lambda: hvd.alltoall(x, splits=splits, name=name), ValueError)
+
+
+def test_grouped_call_with_one_bad_part_sends_nothing(hvd: Any) -> None:
+    """A bad last part fails the whole grouped call before its good parts are sent."""
+    name = "bad_group"
+    parts = [np.ones(1), np.ones(2), np.array(["x", "y"])]
+    with pytest.raises(TypeError, match=name):
+        hvd.grouped_allreduce(parts, name=name, op=hvd.Sum)
+    _check_group_still_works(hvd, name, parts=3)
