@@ -101,6 +101,7 @@ def _prepare_device(engine: Engine, entry: Entry, ref: TensorRef, handle: Handle
     entry.ready = runtime.record_ready(ref.framework, device_id, stream)
     handle._waiter = runtime.stream_waiter(ref.framework, device_id)
     handle._async = runtime.async_completion
+    handle._device = device_id
 
 
 def _request(engine: Engine, kind: Kind, name: str, ref: TensorRef, row: DType, what: str,

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 from mpi4py import MPI
 
+from hvdlite._failures import FailureChannel
 from hvdlite._negotiation import (
     CoordinatorTable,
     Kind,
@@ -72,6 +73,7 @@ class Negotiator:
         self._hits: dict[int, tuple[str, float]] = {}  # slot -> (name, since)
         self.cycles = 0
         self.cache_hits = 0
+        self.failures = FailureChannel(comm)
 
     # -- pacing ------------------------------------------------------------------------
     def next_wait_s(self, has_pending: bool) -> float:
@@ -178,6 +180,7 @@ class Negotiator:
         hot_until = time.perf_counter() + (_HOT_POLL_S if busy else 0.0)
         nap, cap = 10e-6, (_BUSY_NAP_S if busy else self.idle_max_s)
         while not req.Test():
+            self.failures.check()
             if time.perf_counter() < hot_until:
                 time.sleep(0)  # yields the GIL to the training thread between polls
             else:

@@ -84,8 +84,8 @@ class Engine:
         self._stopped = False
 
         self.fusion = FusionBuffers(self.config.fusion_threshold, host_alloc)
-        self.mpi = MPIBackend(self._data, self.fusion)
         self.negotiator = Negotiator(self._ctrl, self.config)
+        self.mpi = MPIBackend(self._data, self.fusion, self.negotiator.failures.check)
         self._entries: dict[str, Entry] = {}
         self._gpu: GpuRuntime | None = None  # created at the first device tensor
         self._nccl: NcclBackend | None = None  # created by the loop at the first device bucket
@@ -160,6 +160,15 @@ class Engine:
                 err.__cause__ = exc
             log.error("%s", err, exc_info=exc)
             self._finish(err)
+            self._tell_peers(err)
+
+    def _tell_peers(self, err: HvdliteError) -> None:
+        """Best effort: one more cycle carrying the failure, so the other ranks raise it too
+        instead of waiting for this rank (impossible if it died inside a data collective)."""
+        try:
+            self.negotiator.failures.announce(str(err))
+        except Exception as exc:  # the peers may be gone or stuck; nothing more to do
+            log.error("hvdlite: could not tell the other ranks about the failure: %r", exc)
 
     def _wait_for_work(self) -> None:
         if not self._queue and not self._stop_requested:
@@ -176,11 +185,18 @@ class Engine:
     def _execute(self, responses: list[Response]) -> None:
         for bucket in plan_buckets(responses, self.config.fusion_threshold):
             entries = [self._entries.pop(r.name, None) for r in bucket]
+            # Free the names before any handle completes: a caller that reuses a name right
+            # after wait() returns must not see it as still in flight.
+            with self._lock:
+                self._in_flight.difference_update(r.name for r in bucket)
             try:
                 self._run_bucket(bucket, entries)
-            finally:
-                with self._lock:
-                    self._in_flight.difference_update(r.name for r in bucket)
+            except BaseException as exc:
+                for e in entries:
+                    if e is not None:  # popped above, so _finish would not reach them
+                        why = str(exc) if isinstance(exc, HvdliteError) else repr(exc)
+                        e.fail(HvdliteError(f"tensor {e.request.name!r}: {why}"))
+                raise
 
     def _run_bucket(self, bucket: list[Response], entries: list[Entry | None]) -> None:
         head = bucket[0]
@@ -247,6 +263,7 @@ class Engine:
         self._thread.join()
         from mpi4py import MPI
 
+        self.negotiator.failures.close()
         # Device work must drain before its communicators go away.
         if self._gpu is not None:
             self._gpu.synchronize()

@@ -47,6 +47,7 @@ class Handle:
         "name",
         "_as_list",
         "_async",
+        "_device",
         "_unenqueued",
         "_cond",
         "_events",
@@ -64,6 +65,7 @@ class Handle:
         self._remaining = parts
         self._unenqueued = parts  # parts whose device work is not yet enqueued
         self._async = False  # device handle completing at enqueue (async completion)
+        self._device = -1  # CUDA device of a device handle
         self._results: list[Any] = [None] * parts
         self._exc: BaseException | None = None
         # Completion events (one per device) when the work was only enqueued on a device.
@@ -157,7 +159,7 @@ class Handle:
         (or in this collective) becomes the new handle's error.
         """
         child = Handle(f"{self.name}.then")
-        child._waiter, child._async = self._waiter, self._async
+        child._waiter, child._async, child._device = self._waiter, self._async, self._device
         _callbacks().put((self, fn, child))
         return child
 
@@ -169,12 +171,13 @@ class Handle:
             import cupy
 
             value = self.wait() if not self._async else self._value_when_enqueued()
-            stream = cupy.cuda.Stream(non_blocking=True)
-            self._waiter(self, stream)
-            with stream:
-                out = fn(value)
-            done = cupy.cuda.Event(block=False, disable_timing=True)
-            done.record(stream)
+            with cupy.cuda.Device(self._device):  # this thread's current device may differ
+                stream = cupy.cuda.Stream(non_blocking=True)
+                self._waiter(self, stream)
+                with stream:
+                    out = fn(value)
+                done = cupy.cuda.Event(block=False, disable_timing=True)
+                done.record(stream)
             child._enqueued((done,))
             if not self._async:
                 done.synchronize()

@@ -7,6 +7,7 @@ the order every rank agreed on, so blocking collectives cannot cross each other.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -67,8 +68,10 @@ def _rows_split(total: int, parts: int) -> list[int]:
 class MPIBackend:
     """Executes agreed responses on host arrays over one MPI communicator."""
 
-    def __init__(self, comm: MPI.Intracomm, fusion: FusionBuffers) -> None:
+    def __init__(self, comm: MPI.Intracomm, fusion: FusionBuffers,
+                 check_peers: Callable[[], None]) -> None:
         self.comm = comm
+        self._check_peers = check_peers
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.fusion = fusion
@@ -84,6 +87,13 @@ class MPIBackend:
         """Run one bucket; ``entries[i]`` is None where this rank has joined (no data)."""
         self._run[bucket[0].kind](bucket, entries)
 
+    def _wait(self, req: MPI.Request) -> None:
+        # Nonblocking collective + polling, so a peer's failure notice is seen here too
+        # (a blocking call would wait forever for a rank whose loop died).
+        while not req.Test():
+            self._check_peers()
+            time.sleep(0)
+
     # -- allreduce --------------------------------------------------------------------
     def _allreduce(self, bucket: list[Response], entries: list[Entry | None]) -> None:
         head = bucket[0]
@@ -94,7 +104,7 @@ class MPIBackend:
         if len(bucket) == 1 and wire == row.np_dtype:
             entry = entries[0]
             out = self._unfused_input(head, entry, row, op)
-            self.comm.Allreduce(MPI.IN_PLACE, [out, mtype], op=mpi_op(row, op))
+            self._wait(self.comm.Iallreduce(MPI.IN_PLACE, [out, mtype], op=mpi_op(row, op)))
             finish_reduce(np, out, op, contributors, head.postscale, row)
             if entry is not None:
                 entry.finish(out)
@@ -105,7 +115,7 @@ class MPIBackend:
         for resp, entry, n in zip(bucket, entries, counts, strict=True):
             self._copy_in(buf[offset:offset + n], resp, entry, row, op)
             offset += n
-        self.comm.Allreduce(MPI.IN_PLACE, [buf, mtype], op=mpi_op(row, op))
+        self._wait(self.comm.Iallreduce(MPI.IN_PLACE, [buf, mtype], op=mpi_op(row, op)))
         # Scale once over the whole bucket, in the wire precision, before unpacking.
         finish_reduce(np, buf, op, contributors, head.postscale, row)
         offset = 0
@@ -148,7 +158,7 @@ class MPIBackend:
         send = (entry.tensor.array if entry is not None and entry.tensor is not None
                 else np.empty((0, *trailing), dtype=row.np_dtype))
         counts = [s * per_row for s in resp.sizes]
-        self.comm.Allgatherv([send, mtype], [out, (counts, _displs(counts)), mtype])
+        self._wait(self.comm.Iallgatherv([send, mtype], [out, (counts, _displs(counts)), mtype]))
         if entry is not None:
             entry.finish(out)
 
@@ -157,12 +167,12 @@ class MPIBackend:
         mtype, _ = mpi_datatype(DTYPES[resp.dtype])
         if entry is None:
             scratch = np.empty(resp.shape, dtype=DTYPES[resp.dtype].np_dtype)
-            self.comm.Bcast([scratch, mtype], root=resp.root)
+            self._wait(self.comm.Ibcast([scratch, mtype], root=resp.root))
             return
         assert entry.tensor is not None
         if self.rank == resp.root and entry.output is not entry.tensor.array:
             np.copyto(entry.output, entry.tensor.array)
-        self.comm.Bcast([entry.output, mtype], root=resp.root)
+        self._wait(self.comm.Ibcast([entry.output, mtype], root=resp.root))
         entry.finish(entry.output)
 
     def _alltoall(self, bucket: list[Response], entries: list[Entry | None]) -> None:
@@ -177,8 +187,9 @@ class MPIBackend:
         recv_rows = [int(s) for s in splits[:, self.rank]]
         recv_counts = [r * per_row for r in recv_rows]
         out = np.empty((sum(recv_rows), *trailing), dtype=row.np_dtype)
-        self.comm.Alltoallv([entry.tensor.array, (send_counts, _displs(send_counts)), mtype],
-                            [out, (recv_counts, _displs(recv_counts)), mtype])
+        self._wait(self.comm.Ialltoallv(
+            [entry.tensor.array, (send_counts, _displs(send_counts)), mtype],
+            [out, (recv_counts, _displs(recv_counts)), mtype]))
         entry.finish(out)
 
     def _reducescatter(self, bucket: list[Response], entries: list[Entry | None]) -> None:
@@ -194,8 +205,9 @@ class MPIBackend:
         else:
             send = entry.tensor.array.astype(wire, copy=False)
         out = np.empty((rows[self.rank], *trailing), dtype=wire)
-        self.comm.Reduce_scatter([send, mtype], [out, mtype],
-                                 recvcounts=[r * per_row for r in rows], op=mpi_op(row, op))
+        self._wait(self.comm.Ireduce_scatter([send, mtype], [out, mtype],
+                                             recvcounts=[r * per_row for r in rows],
+                                             op=mpi_op(row, op)))
         finish_reduce(np, out, op, self.size - len(resp.joined), 1.0, row)
         if entry is not None:
             entry.finish(out.astype(row.np_dtype, copy=False))

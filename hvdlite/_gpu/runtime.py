@@ -203,8 +203,9 @@ class GpuRuntime:
         Either way the handles get the DONE event at once, so ``wait_stream`` never waits
         for the device, and the finalizer keeps ``keep`` alive until DONE has completed.
         """
-        done = self.cupy.cuda.Event(block=False, disable_timing=True)
-        done.record(ctx.stream)
+        with self.cupy.cuda.Device(ctx.device_id):  # events belong to the current device
+            done = self.cupy.cuda.Event(block=False, disable_timing=True)
+            done.record(ctx.stream)
         for handle in handles:
             handle._enqueued((done,))
         if self.async_completion:

@@ -1,0 +1,64 @@
+"""Telling the other ranks that this rank's background loop failed.
+
+Every rank keeps one receive posted on the control communicator for a failure message from
+any rank. A rank whose loop fails sends its error to every peer; the peers notice it while
+they poll their own collectives (negotiation and host data plane) and fail with it, instead
+of waiting forever for a rank that will never arrive.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from hvdlite.errors import HvdliteError
+
+__all__ = ["FailureChannel"]
+
+log = logging.getLogger("hvdlite")
+
+_TAG = 7_001  # only hvdlite's private communicator carries it
+_MAX_BYTES = 4096
+_SEND_WAIT_S = 5.0
+
+
+class FailureChannel:
+    """The posted receive, its check, and the announcement of a local failure."""
+
+    def __init__(self, comm: MPI.Intracomm) -> None:
+        self.comm = comm
+        self._buf = np.zeros(_MAX_BYTES, dtype=np.uint8)
+        self._status = MPI.Status()
+        self._req = comm.Irecv([self._buf, MPI.BYTE], source=MPI.ANY_SOURCE, tag=_TAG)
+        self._error: HvdliteError | None = None
+
+    def check(self) -> None:
+        """Raise the failure a peer announced, if any (cheap: one MPI_Test)."""
+        if self._error is None and self._req.Test(self._status):
+            count = self._status.Get_count(MPI.BYTE)
+            text = self._buf[:count].tobytes().decode("utf-8", "replace")
+            self._error = HvdliteError(
+                f"rank {self._status.Get_source()} failed, so this rank stopped too: {text}")
+        if self._error is not None:
+            raise self._error
+
+    def announce(self, message: str) -> None:
+        """Send ``message`` to every other rank; wait a little for the sends to leave."""
+        data = np.frombuffer(message.encode("utf-8")[:_MAX_BYTES], dtype=np.uint8).copy()
+        me = self.comm.Get_rank()
+        reqs = [self.comm.Isend([data, MPI.BYTE], dest=r, tag=_TAG)
+                for r in range(self.comm.Get_size()) if r != me]
+        deadline = time.monotonic() + _SEND_WAIT_S
+        while reqs and not MPI.Request.Testall(reqs):
+            if time.monotonic() > deadline:
+                log.error("hvdlite: some ranks did not take the failure notice")
+                return
+            time.sleep(1e-3)
+
+    def close(self) -> None:
+        if self._req != MPI.REQUEST_NULL and not self._req.Test():
+            self._req.Cancel()
+            self._req.Wait()
