@@ -7,12 +7,15 @@ from typing import Any
 
 import cupy
 
+# %globaltimer counts nanoseconds of wall time, unlike clock64() it does not depend on the SM
+# clock (whose rate CUDA 13 no longer reports as a device attribute).
 _SPIN = r"""
-extern "C" __global__ void spin_then_fill(long long cycles, int* flag, double* out,
+extern "C" __global__ void spin_then_fill(long long ns, int* flag, double* out,
                                           long long n, double value) {
     if (blockIdx.x == 0 && threadIdx.x == 0) {
-        long long t0 = clock64();
-        while (clock64() - t0 < cycles) { }
+        unsigned long long t0, t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+        do { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t)); } while (t - t0 < ns);
         flag[0] = 1;
     }
     __syncthreads();
@@ -27,16 +30,10 @@ def _kernel() -> Any:
     return cupy.RawKernel(_SPIN, "spin_then_fill")
 
 
-def cycles_for(ms: float) -> int:
-    dev = cupy.cuda.Device()
-    khz = cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrClockRate, dev.id)
-    return int(khz * ms)
-
-
 def slow_fill(out: Any, value: float, ms: float, stream: Any) -> None:
     """Enqueue on ``stream``: spin about ``ms`` milliseconds, then fill float64 ``out``."""
     assert out.dtype == cupy.float64 and out.flags.c_contiguous
     with stream:
         flag = cupy.zeros(1, dtype=cupy.int32)
-        _kernel()((1,), (256,), (cupy.int64(cycles_for(ms)), flag, out, cupy.int64(out.size),
+        _kernel()((1,), (256,), (cupy.int64(int(ms * 1e6)), flag, out, cupy.int64(out.size),
                                  cupy.float64(value)))
