@@ -73,6 +73,7 @@ def _submit(kind: Kind, tensors: Sequence[Any], name: str | None, *, op: ReduceO
         engine.submit([Entry(Request(base, kind), None, None, handle)])
         return handle
     entries = []
+    ready: dict[tuple[str, int], Any] = {}  # one READY event per (device, stream) per call
     for i, tensor in enumerate(tensors):
         tname = f"{base}.{i}" if group else base
         what = f"{kind.name.lower()} of tensor {tname!r}"
@@ -85,23 +86,39 @@ def _submit(kind: Kind, tensors: Sequence[Any], name: str | None, *, op: ReduceO
         if inplace or user_out is not None:
             entry.extra["user"] = tensor if inplace else user_out
         if ref.is_cuda:
-            _prepare_device(engine, entry, ref, handle, stream)
+            _prepare_device(engine, entry, ref, handle, stream, ready)
         entries.append(entry)
+    if len(ready) and len(entries) > 1:
+        _share_ready(engine, entries)
     handle._keep.extend(tensors)
     engine.submit(entries)
     return handle
 
 
 def _prepare_device(engine: Engine, entry: Entry, ref: TensorRef, handle: Handle,
-                    stream: Any) -> None:
+                    stream: Any, ready: dict[tuple[str, int], Any]) -> None:
     # Record READY on the caller's stream now: the background thread orders hvdlite's stream
-    # after it (cudaStreamWaitEvent) instead of waiting for the producer on the CPU.
+    # after it (cudaStreamWaitEvent) instead of waiting for the producer on the CPU. All
+    # tensors of one call come from the same stream, so they share one event.
     runtime = engine.gpu_runtime()
     device_id = int(ref.device.split(":")[1])
-    entry.ready = runtime.record_ready(ref.framework, device_id, stream)
+    key = (ref.device, id(stream))
+    if key not in ready:
+        ready[key] = runtime.record_ready(ref.framework, device_id, stream)
+    entry.ready = ready[key]
     handle._waiter = runtime.stream_waiter(ref.framework, device_id)
     handle._async = runtime.async_completion
     handle._device = device_id
+
+
+def _share_ready(engine: Engine, entries: list[Entry]) -> None:
+    uses: dict[int, list[Any]] = {}
+    for e in entries:
+        if e.ready is not None:
+            uses.setdefault(id(e.ready), [e.ready, 0, e.tensor])[1] += 1
+    for event, n, ref in uses.values():
+        if n > 1:
+            engine.gpu_runtime().context(int(ref.device.split(":")[1])).share(event, n)
 
 
 def _request(engine: Engine, kind: Kind, name: str, ref: TensorRef, row: DType, what: str,

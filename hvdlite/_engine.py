@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -38,7 +39,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hvdlite")
 
-_SHUTDOWN_JOIN_S = 60.0  # how long shutdown() waits for the loop's last agreed cycle
+_SHUTDOWN_JOIN_S = 60.0
+_LINGER_S = 100e-6  # hot poll of the queue after a busy cycle
 
 
 class Engine:
@@ -171,6 +173,13 @@ class Engine:
             log.error("hvdlite: could not tell the other ranks about the failure: %r", exc)
 
     def _wait_for_work(self) -> None:
+        # Right after a busy cycle the next request usually follows within microseconds (a
+        # training loop submits again as soon as its wait returns): poll briefly before
+        # sleeping, which saves the ~20 us of an event wake-up per operation.
+        if self.negotiator.busy and not self._queue:
+            until = time.perf_counter() + _LINGER_S
+            while not self._queue and time.perf_counter() < until:
+                os.sched_yield()
         if not self._queue and not self._stop_requested:
             self._wake.wait(self.negotiator.next_wait_s(bool(self._entries)))
         self._wake.clear()

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = ["Handle"]
+
+_SPIN_S = 50e-6  # hot poll in wait() before blocking
 
 _callback_queue: queue.SimpleQueue[tuple[Handle, Callable[[Any], Any], Handle]] | None = None
 _callback_lock = threading.Lock()
@@ -121,6 +125,12 @@ class Handle:
         arrays with asynchronous completion on, this returns once the work is enqueued and the
         caller's current stream is ordered after it (no CPU block on the device).
         """
+        if not self.poll():
+            # A short hot poll first: small collectives finish within tens of microseconds,
+            # and a condition-variable wake-up costs about as much again.
+            until = time.perf_counter() + _SPIN_S
+            while not self.poll() and time.perf_counter() < until:
+                os.sched_yield()
         with self._cond:
             if not self._cond.wait_for(self.poll, timeout):
                 raise TimeoutError(f"collective {self.name!r} did not complete in {timeout} s")

@@ -92,8 +92,14 @@ DTYPES: dict[str, DType] = {
 }
 
 
+_BY_NP: dict[np.dtype, DType] = {row.np_dtype: row for row in DTYPES.values()}
+
+
 def lookup_dtype(dtype: object, what: str) -> DType:
     """The table row for ``dtype``; ``TypeError`` naming ``what`` and the carried dtypes if none."""
+    row = _BY_NP.get(dtype) if isinstance(dtype, np.dtype) else None  # hot path: no name lookup
+    if row is not None:
+        return row
     try:
         key = np.dtype(dtype).name  # type: ignore[call-overload]
     except TypeError:

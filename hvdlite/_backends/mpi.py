@@ -7,7 +7,7 @@ the order every rank agreed on, so blocking collectives cannot cross each other.
 from __future__ import annotations
 
 import math
-import time
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -92,7 +92,7 @@ class MPIBackend:
         # (a blocking call would wait forever for a rank whose loop died).
         while not req.Test():
             self._check_peers()
-            time.sleep(0)
+            os.sched_yield()  # GIL and CPU; sleep(0) would cost ~50 us of timer slack
 
     # -- allreduce --------------------------------------------------------------------
     def _allreduce(self, bucket: list[Response], entries: list[Entry | None]) -> None:

@@ -62,8 +62,7 @@ def current_stream(framework: str, device_id: int) -> Any:
 
         ts = torch.cuda.current_stream(device_id)
         return cupy.cuda.ExternalStream(ts.cuda_stream, device_id)
-    with cupy.cuda.Device(device_id):
-        return cupy.cuda.get_current_stream()
+    return cupy.cuda.get_current_stream(device_id)
 
 
 class DeviceContext:
@@ -82,6 +81,7 @@ class DeviceContext:
         self._slot_events: list[Any] = [None] * _META_SLOTS
         self._slot = 0
         self._events: collections.deque[Any] = collections.deque()
+        self._uses: dict[int, int] = {}
 
     def event(self) -> Any:
         """A READY event from the pool (no timing: cheaper to record and wait on)."""
@@ -91,9 +91,18 @@ class DeviceContext:
             with self.cupy.cuda.Device(self.device_id):
                 return self.cupy.cuda.Event(block=False, disable_timing=True)
 
-    def recycle(self, event: Any) -> None:
-        # Safe once a stream wait on it was enqueued: the wait captured the recorded work.
-        self._events.append(event)
+    def share(self, event: Any, uses: int) -> None:
+        """``event`` is the READY event of ``uses`` entries (one grouped call)."""
+        self._uses[id(event)] = uses
+
+    def release(self, event: Any, uses: int = 1) -> None:
+        # Back to the pool once every entry that shares it has been waited on: a stream wait
+        # captures the work recorded so far, so re-recording it later is then harmless.
+        left = self._uses.pop(id(event), 1) - uses
+        if left > 0:
+            self._uses[id(event)] = left
+        else:
+            self._events.append(event)
 
     def upload_meta(self, values: np.ndarray) -> Any:
         """Copy int64 ``values`` to device memory in stream order; returns the device view.
@@ -188,13 +197,17 @@ class GpuRuntime:
         return event
 
     def wait_ready(self, ctx: DeviceContext, events: Sequence[Any]) -> None:
-        """Order hvdlite's stream after every input's producer (background thread)."""
-        for event in events:
+        """Order hvdlite's stream after every input's producer (background thread).
+
+        Members of one grouped call share one READY event; each distinct event is waited once.
+        """
+        counts = collections.Counter(id(e) for e in events)
+        for event in {id(e): e for e in events}.values():
             if self.cpu_sync:
                 event.synchronize()
             else:
                 ctx.stream.wait_event(event)
-            ctx.recycle(event)
+            ctx.release(event, counts[id(event)])
 
     def complete(self, ctx: DeviceContext, handles: Sequence[Any],
                  done_cb: Callable[[], None], keep: Any) -> None:
