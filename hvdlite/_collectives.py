@@ -45,8 +45,15 @@ def _check_factor(value: object, label: str, row: DType, what: str) -> float:
     return float(value)
 
 
+def _writable(arr: Any, what: str, label: str) -> None:
+    flags = getattr(arr, "flags", None)
+    if flags is not None and not getattr(flags, "writeable", True):
+        raise ValueError(f"{what}: {label} is read-only; pass a writable array (e.g. a copy)")
+
+
 def _output(kind: Kind, ref: TensorRef, out: Any, inplace: bool, what: str) -> Any:
     if inplace:
+        _writable(ref.array, what, "the in-place tensor")
         return ref.array
     if out is None:
         return empty_like_ref(ref) if kind in _SHAPE_KNOWN else None
@@ -57,6 +64,7 @@ def _output(kind: Kind, ref: TensorRef, out: Any, inplace: bool, what: str) -> A
             f"{what}: out= must match the input; expected {src.dtype}{list(src.shape)} on "
             f"{ref.device}, got {arr.dtype}{list(arr.shape)} on {oref.device}"
         )
+    _writable(arr, what, "out=")
     return arr
 
 

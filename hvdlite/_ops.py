@@ -101,9 +101,13 @@ def lookup_dtype(dtype: object, what: str) -> DType:
     if row is not None:
         return row
     try:
-        key = np.dtype(dtype).name  # type: ignore[call-overload]
+        np_dtype = np.dtype(dtype)  # type: ignore[call-overload]
     except TypeError:
-        key = str(dtype)
+        np_dtype = None
+    if np_dtype is not None and not np_dtype.isnative:
+        raise TypeError(f"{what}: byte order {np_dtype.byteorder!r} is not supported; pass "
+                        "x.astype(x.dtype.newbyteorder('=')) (native byte order)")
+    key = np_dtype.name if np_dtype is not None else str(dtype)
     row = DTYPES.get(key)
     if row is None:
         raise TypeError(
