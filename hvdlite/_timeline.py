@@ -1,0 +1,401 @@
+"""Chrome-trace timeline writer: a bounded queue drained by its own thread.
+
+The engine calls :class:`Timeline` from its hot path, so the calling side only appends a tuple
+to a deque (dropping and counting when the deque is full). A daemon writer thread encodes the
+events and appends them to the file with one ``pwrite`` per batch that always leaves the file as
+a complete JSON array: every batch overwrites the closing ``"\\n]\\n"`` of the previous one. A
+process killed at any moment therefore leaves a loadable file holding every batch written so far.
+The layout, phases and args are specified in ``timeline/FORMAT.md``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["Timeline", "TRACE_VERSION"]
+
+log = logging.getLogger("hvdlite")
+
+TRACE_VERSION = 1
+_CLOSE = "\n]\n"  # every write ends with this; the next write starts over it
+_END_ROOM = 200  # room kept under max_bytes for the trace_end record
+_PROCESS_TRACK = "hvdlite"  # thread_name of tid 0: cycle marks and tensor-less events
+_Item = tuple[str, Any, str, float, Any, float]  # (kind, tensor(s), name, ts, args, dur)
+
+
+def _json_default(obj: Any) -> Any:
+    """Encode numpy scalars/arrays, dtypes, and anything else as its string."""
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    if hasattr(obj, "item"):
+        return obj.item()
+    return str(obj)
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), default=_json_default)
+
+
+class _Track:
+    """Writer-side state of one tensor's track: its tid, open spans and last timestamp."""
+
+    __slots__ = ("tid", "name", "open", "last_ts")
+
+    def __init__(self, tid: int, name: str) -> None:
+        self.tid = tid
+        self.name = name
+        self.open: list[tuple[str, int]] = []  # (phase, length of its closing record)
+        self.last_ts = 0.0
+
+
+class _Marker:
+    """A flush request travelling through the queue (never dropped)."""
+
+    __slots__ = ("done",)
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+
+class Timeline:
+    """Writes one rank's Chrome trace (array form) to ``path``.
+
+    ``path`` may contain ``{rank}``. ``max_bytes`` > 0 caps each file: when the next event would
+    push the file past the cap, the file is finished and renamed ``path.1`` (older ones shift to
+    ``path.2``, ...; with ``max_files`` > 0 only that many old files are kept) and a fresh
+    ``path`` continues the trace. Spans open at a rotation are ended in the old file and re-begun
+    in the new one with ``args.continued = true``. ``queue_size`` bounds the events waiting for
+    the writer; beyond it events are dropped and counted (``dropped``), never blocking the caller.
+
+    ``close()`` may be called from a signal handler; it is idempotent and also runs at
+    interpreter exit. No signal handler is installed here.
+    """
+
+    def __init__(self, path: str, rank: int, *, mark_cycles: bool = False, max_bytes: int = 0,
+                 queue_size: int = 65536, max_files: int = 0,
+                 flush_interval_s: float = 0.5) -> None:
+        if queue_size < 1:
+            raise ValueError(f"timeline queue_size must be >= 1, got {queue_size}")
+        if max_bytes < 0 or max_files < 0:
+            raise ValueError(f"timeline max_bytes and max_files must be >= 0, got "
+                             f"{max_bytes} and {max_files}")
+        self.path = path.replace("{rank}", str(rank))
+        self.rank = rank
+        self.mark_cycles = mark_cycles
+        self.max_bytes = max_bytes
+        self.max_files = max_files
+        self._cap = queue_size
+        self._interval = flush_interval_s
+        self._q: collections.deque[_Item | _Marker] = collections.deque()
+        self._dropped = 0
+        self._closing = False
+        self._closed = False
+        self._wake = threading.Event()
+        # Writer-thread state from here on.
+        self._tracks: dict[str | None, _Track] = {}
+        self._segment = 0
+        self._fd = -1
+        self._size = 0          # bytes of the current file, closing "\n]\n" included
+        self._base = 0          # size of the current file before its first event
+        self._named: set[int] = set()  # tids whose thread_name is in the current file
+        self._reserve = 0       # bytes needed to end every open span at a rotation
+        self._written = 0
+        self._next_tid = 1
+        self._failed: OSError | None = None
+        parent = os.path.dirname(self.path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        if max_bytes:
+            self._remove_stale_segments()
+        self._open_file()
+        self._thread = threading.Thread(target=self._run, name="hvdlite-timeline", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)
+
+    # ---------------------------------------------------------------- caller side (hot path)
+
+    @staticmethod
+    def now_us() -> float:
+        """The timeline clock: ``time.perf_counter_ns()`` in microseconds."""
+        return time.perf_counter_ns() / 1000.0
+
+    @property
+    def dropped(self) -> int:
+        """Events dropped because the queue was full (or the writer failed)."""
+        return self._dropped
+
+    def _put(self, item: _Item) -> None:
+        if self._closing:
+            return
+        if len(self._q) >= self._cap:
+            self._dropped += 1
+            return
+        self._q.append(item)
+
+    def begin(self, tensor: str, phase: str, args: dict[str, Any] | None = None,
+              ts_us: float | None = None) -> None:
+        """Open span ``phase`` on ``tensor``'s track."""
+        self._put(("B", tensor, phase, self.now_us() if ts_us is None else ts_us, args, 0.0))
+
+    def end(self, tensor: str, phase: str, args: dict[str, Any] | None = None,
+            ts_us: float | None = None) -> None:
+        """Close the innermost open span (named ``phase``) on ``tensor``'s track."""
+        self._put(("E", tensor, phase, self.now_us() if ts_us is None else ts_us, args, 0.0))
+
+    def begin_all(self, tensors: Sequence[str], phase: str, args: dict[str, Any] | None = None,
+                  ts_us: float | None = None) -> None:
+        """``begin`` on every tensor of a bucket at one timestamp (one queue slot)."""
+        self._put(("BA", tuple(tensors), phase, self.now_us() if ts_us is None else ts_us,
+                   args, 0.0))
+
+    def end_all(self, tensors: Sequence[str], phase: str, args: dict[str, Any] | None = None,
+                ts_us: float | None = None) -> None:
+        """``end`` on every tensor of a bucket at one timestamp (one queue slot)."""
+        self._put(("EA", tuple(tensors), phase, self.now_us() if ts_us is None else ts_us,
+                   args, 0.0))
+
+    def instant(self, tensor: str | None, name: str, args: dict[str, Any] | None = None,
+                ts_us: float | None = None) -> None:
+        """A tick on ``tensor``'s track (``None``: the process track, tid 0)."""
+        self._put(("i", tensor, name, self.now_us() if ts_us is None else ts_us, args, 0.0))
+
+    def complete(self, tensor: str, phase: str, start_us: float, dur_us: float,
+                 args: dict[str, Any] | None = None) -> None:
+        """A whole span known after the fact, e.g. timed by a CUDA event pair."""
+        self._put(("X", tensor, phase, start_us, args, dur_us))
+
+    def mark_cycle(self, ts_us: float | None = None) -> None:
+        """A CYCLE_START mark on the process track; no-op unless ``mark_cycles``."""
+        if self.mark_cycles:
+            self._put(("C", None, "CYCLE_START", self.now_us() if ts_us is None else ts_us,
+                       None, 0.0))
+
+    def flush(self) -> None:
+        """Block until every event queued so far is written to the file."""
+        if self._closed or not self._thread.is_alive():
+            return
+        marker = _Marker()
+        self._q.append(marker)
+        self._wake.set()
+        while not marker.done.wait(0.1):
+            if not self._thread.is_alive():
+                return
+
+    def close(self) -> None:
+        """Write what is queued, end open spans, write the trace_end record, close the file."""
+        if self._closed:
+            return
+        self._closing = True
+        self._wake.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+        self._closed = True
+        atexit.unregister(self.close)
+
+    # ---------------------------------------------------------------- writer thread
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait(self._interval)
+            self._wake.clear()
+            closing = self._closing
+            self._drain()
+            if closing:
+                break
+        self._finish()
+
+    def _drain(self) -> None:
+        lines: list[str] = []
+        while self._q:
+            item = self._q.popleft()
+            if isinstance(item, _Marker):
+                self._write(lines)
+                lines = []
+                item.done.set()
+            else:
+                self._encode(item, lines)
+        self._write(lines)
+
+    def _finish(self) -> None:
+        while self._q:  # a flush() racing with close(): release it
+            item = self._q.popleft()
+            if isinstance(item, _Marker):
+                item.done.set()
+        lines = self._end_open_spans("unfinished")
+        lines.append(self._trace_end(rotated=False))
+        self._write(lines, allow_rotate=False)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _track(self, tensor: str | None, lines: list[str]) -> _Track:
+        track = self._tracks.get(tensor)
+        if track is None:
+            tid = 0 if tensor is None else self._next_tid
+            if tensor is not None:
+                self._next_tid += 1
+            track = _Track(tid, _PROCESS_TRACK if tensor is None else tensor)
+            self._tracks[tensor] = track
+        if track.tid not in self._named:
+            lines.extend(self._name_lines(track))
+        return track
+
+    def _name_lines(self, track: _Track) -> list[str]:
+        self._named.add(track.tid)
+        return [self._meta("thread_name", {"name": track.name}, track.tid),
+                self._meta("thread_sort_index", {"sort_index": track.tid}, track.tid)]
+
+    def _encode(self, item: _Item, lines: list[str]) -> None:
+        kind, tensor, name, ts, args, dur = item
+        if kind in ("BA", "EA"):
+            for one in tensor:
+                self._encode((kind[0], one, name, ts, args, 0.0), lines)
+            return
+        track = self._track(tensor, lines)
+        ph = "i" if kind == "C" else kind
+        rec = f'{{"name":{_dumps(name)},"ph":"{ph}","ts":{ts:.3f},"pid":{self.rank},' \
+              f'"tid":{track.tid}'
+        if kind == "X":
+            rec += f',"dur":{dur:.3f}'
+        elif kind == "i":
+            rec += ',"s":"t"'
+        elif kind == "C":
+            rec += ',"s":"p"'
+        lines.append(rec + (f',"args":{_dumps(args)}}}' if args else "}"))
+        self._written += 1
+        track.last_ts = max(track.last_ts, ts)
+        if kind == "B":
+            close_len = len(self._span_record("E", track, name, "continued").encode()) + 2
+            track.open.append((name, close_len))
+            self._reserve += close_len
+        elif kind == "E" and track.open:
+            self._reserve -= track.open.pop()[1]
+
+    def _span_record(self, ph: str, track: _Track, phase: str, flag: str) -> str:
+        """A B or E record at the track's last timestamp, marked ``args.<flag> = true``."""
+        return (f'{{"name":{_dumps(phase)},"ph":"{ph}","ts":{track.last_ts:.3f},'
+                f'"pid":{self.rank},"tid":{track.tid},"args":{{"{flag}":true}}}}')
+
+    def _end_open_spans(self, flag: str) -> list[str]:
+        lines = []
+        for track in self._tracks.values():
+            for phase, _ in reversed(track.open):
+                lines.append(self._span_record("E", track, phase, flag))
+        return lines
+
+    def _meta(self, name: str, args: dict[str, Any], tid: int = 0) -> str:
+        return _dumps({"name": name, "ph": "M", "pid": self.rank, "tid": tid, "args": args})
+
+    def _trace_end(self, rotated: bool) -> str:
+        return self._meta("trace_end", {"dropped": self._dropped, "events": self._written,
+                                        "segment": self._segment, "rotated": rotated})
+
+    def _header(self) -> list[str]:
+        before = self.now_us()
+        wall = time.time_ns()
+        after = self.now_us()
+        return [
+            self._meta("clock_sync", {"wall_time_ns": wall, "perf_counter_us": (before + after) / 2,
+                                      "segment": self._segment, "rank": self.rank,
+                                      "version": TRACE_VERSION}),
+            self._meta("process_name", {"name": f"rank {self.rank}"}),
+            self._meta("process_sort_index", {"sort_index": self.rank}),
+        ]
+
+    def _open_file(self) -> None:
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._named = set()
+        data = ("[\n" + ",\n".join(self._header()) + _CLOSE).encode()
+        self._pwrite_all(data, 0)
+        self._size = self._base = len(data)
+
+    def _remove_stale_segments(self) -> None:
+        n = 1
+        while os.path.exists(f"{self.path}.{n}"):
+            os.remove(f"{self.path}.{n}")
+            n += 1
+
+    def _pwrite_all(self, data: bytes, offset: int) -> None:
+        view = memoryview(data)
+        while view:
+            n = os.pwrite(self._fd, view, offset)
+            view = view[n:]
+            offset += n
+
+    def _write(self, lines: list[str], allow_rotate: bool = True) -> None:
+        """Append ``lines`` in as few pwrites as the size cap allows, rotating when needed."""
+        if not lines or self._fd < 0:
+            return
+        if self._failed is not None:
+            self._dropped += len(lines)
+            return
+        try:
+            if self.max_bytes and allow_rotate:
+                self._write_capped(lines)
+            else:
+                self._append(lines)
+        except OSError as exc:
+            self._failed = exc
+            self._dropped += len(lines)
+            log.error("hvdlite: timeline writes to %s failed (%s); later events are dropped",
+                      self.path, exc)
+
+    def _append(self, lines: list[str]) -> None:
+        """One pwrite over the closing bracket: the file is a whole JSON array before and after."""
+        if not lines:
+            return
+        data = ("".join(",\n" + line for line in lines) + _CLOSE).encode()
+        self._pwrite_all(data, self._size - len(_CLOSE))
+        self._size += len(data) - len(_CLOSE)
+
+    def _write_capped(self, lines: list[str]) -> None:
+        batch: list[str] = []
+        size = self._size
+        for line in lines:
+            need = len(line.encode()) + 2
+            if size + need + self._reserve + _END_ROOM > self.max_bytes and size > self._base:
+                self._append(batch)
+                batch = []
+                self._rotate()
+                size = self._size
+            batch.append(line)
+            size += need
+        self._append(batch)
+
+    def _rotate(self) -> None:
+        lines = self._end_open_spans("continued")
+        lines.append(self._trace_end(rotated=True))
+        self._append(lines)
+        os.close(self._fd)
+        self._fd = -1
+        self._shift_old_files()
+        self._segment += 1
+        self._open_file()
+        reopen: list[str] = []
+        for track in self._tracks.values():
+            if track.open:
+                reopen.extend(self._name_lines(track))
+                reopen.extend(self._span_record("B", track, phase, "continued")
+                              for phase, _ in track.open)
+        self._append(reopen)
+        self._base = self._size
+
+    def _shift_old_files(self) -> None:
+        """path -> path.1 -> path.2 ...; beyond ``max_files`` old files the oldest go."""
+        n = 1
+        while os.path.exists(f"{self.path}.{n}"):
+            n += 1
+        for k in range(n - 1, 0, -1):
+            if self.max_files and k + 1 > self.max_files:
+                os.remove(f"{self.path}.{k}")
+            else:
+                os.replace(f"{self.path}.{k}", f"{self.path}.{k + 1}")
+        os.replace(self.path, f"{self.path}.1")
