@@ -34,6 +34,7 @@ from hvdlite._collectives import (
 from hvdlite._engine import (
     cross_rank,
     cross_size,
+    expect_stall,
     init,
     is_initialized,
     local_rank,
@@ -41,6 +42,9 @@ from hvdlite._engine import (
     rank,
     shutdown,
     size,
+    start_timeline,
+    stats,
+    stop_timeline,
 )
 from hvdlite._handles import Handle
 from hvdlite._ops import Average, Max, Min, Product, ReduceOp, Sum
@@ -88,6 +92,7 @@ __all__ = [
     "broadcast_async_",
     "cross_rank",
     "cross_size",
+    "expect_stall",
     "grouped_allreduce",
     "grouped_allreduce_",
     "grouped_allreduce_async",
@@ -103,5 +108,8 @@ __all__ = [
     "reducescatter_async",
     "shutdown",
     "size",
+    "start_timeline",
+    "stats",
+    "stop_timeline",
     "synchronize",
 ]

@@ -36,13 +36,14 @@ from hvdlite._negotiation import (
     unpack_response,
 )
 from hvdlite._stall import StallInspector
+from hvdlite._trace import Tracer
 from hvdlite._work import Entry
 from hvdlite.config import Config
 from hvdlite.errors import HvdliteError, ShutdownError, StallError
 
 __all__ = ["Negotiator", "CycleResult"]
 
-UNCACHED, SHUTDOWN, JOINED, PENDING, ROUND = 1, 2, 4, 8, 16
+UNCACHED, SHUTDOWN, JOINED, PENDING, ROUND, EXPECT_STALL = 1, 2, 4, 8, 16, 32
 _HOT_POLL_S = 300e-6  # poll with bare GIL yields this long while work flows
 _BUSY_NAP_S = 100e-6  # longest nap between polls while work flows
 
@@ -56,8 +57,9 @@ class CycleResult:
 class Negotiator:
     """This rank's side of negotiation: cache state, pending hits and (on rank 0) the table."""
 
-    def __init__(self, comm: MPI.Intracomm, config: Config) -> None:
+    def __init__(self, comm: MPI.Intracomm, config: Config, tracer: Tracer) -> None:
         self.comm = comm
+        self.tracer = tracer
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.cache = ResponseCache(config.cache_capacity)
         self.words = math.ceil(config.cache_capacity / 64)
@@ -91,13 +93,17 @@ class Negotiator:
         return self._wait_s
 
     # -- one cycle -----------------------------------------------------------------------
-    def cycle(self, new: list[Entry], entries: dict[str, Entry], stopping: bool) -> CycleResult:
+    def cycle(self, new: list[Entry], entries: dict[str, Entry], stopping: bool,
+              expecting_stall: bool = False) -> CycleResult:
         now = time.monotonic()
         self.cycles += 1
         for e in new:
             self._classify(e.request, now)
         self._demote_stale(entries, now)
         flags = self._local_flags(entries, stopping, now)
+        if expecting_stall:
+            flags |= EXPECT_STALL
+        sent = len(self._uncached)
         vec = self._vector(flags)
         self._allreduce(vec)
         seen = int(~vec[0])
@@ -113,8 +119,10 @@ class Negotiator:
         else:
             responses = self._take_hits(self._bits(vec[1:1 + self.words]))
         stop = None
+        self.tracer.stats.record_cache(len(responses), sent)
         if seen & (UNCACHED | JOINED | ROUND) or invalid:
-            full, fatal = self._full_round(entries, now)
+            # Any rank expecting a stall (seen & EXPECT_STALL) silences the inspector.
+            full, fatal = self._full_round(entries, now, bool(seen & EXPECT_STALL))
             responses.extend(full)
             stop = StallError(fatal) if fatal else None
         self._busy = bool(seen & PENDING) or bool(responses)
@@ -207,17 +215,23 @@ class Negotiator:
             self.cache.touch(slot)
             out.append(self.cache.response(slot))
         self.cache_hits += len(out)
+        if out and self.tracer.timeline is not None:
+            self.tracer.ready_tick(self.rank, [r.name for r in out], cached=True)
         return out
 
-    def _full_round(self, entries: dict[str, Entry], now: float) -> tuple[list[Response], str]:
+    def _full_round(self, entries: dict[str, Entry], now: float,
+                    quiet: bool) -> tuple[list[Response], str]:
         payload = [pack_request(r) for r in self._uncached]
         self._uncached = []
         gathered = self.comm.gather(payload, root=0)
         decided = None
         if self.table is not None:
             for rank, reqs in enumerate(gathered):
-                self.table.add(rank, [unpack_request(t) for t in reqs], now)
-            fatal = self.stall.check(self.table, now) if self.stall.due(now) else ""
+                requests = [unpack_request(t) for t in reqs]
+                self.table.add(rank, requests, now)
+                if requests and self.tracer.timeline is not None:
+                    self.tracer.ready_tick(rank, [r.name for r in requests])
+            fatal = self.stall.check(self.table, now, quiet) if self.stall.due(now) else ""
             decided = ([pack_response(r) for r in self.table.pop_ready()], fatal)
         packed, fatal = self.comm.bcast(decided, root=0)
         responses = [unpack_response(t) for t in packed]

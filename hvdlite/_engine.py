@@ -8,16 +8,18 @@ build engines of their own on any communicator.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from hvdlite._fusion import FusionBuffers, plan_buckets
+from hvdlite._fusion import FusionBuffers, nbytes, plan_buckets
 from hvdlite._negotiation import Kind, Response
+from hvdlite._trace import Tracer, open_timeline
 from hvdlite._work import Entry
 from hvdlite.config import Config, load_config
 from hvdlite.errors import (
@@ -29,7 +31,8 @@ from hvdlite.errors import (
 )
 
 __all__ = ["Engine", "init", "shutdown", "is_initialized", "rank", "size", "local_rank",
-           "local_size", "cross_rank", "cross_size", "default_engine"]
+           "local_size", "cross_rank", "cross_size", "default_engine", "start_timeline",
+           "stop_timeline", "stats", "expect_stall"]
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -86,8 +89,14 @@ class Engine:
         self._stopped = False
 
         self.fusion = FusionBuffers(self.config.fusion_threshold, host_alloc)
-        self.negotiator = Negotiator(self._ctrl, self.config)
-        self.mpi = MPIBackend(self._data, self.fusion, self.negotiator.failures.check)
+        cfg = self.config
+        self.tracer = Tracer(open_timeline(cfg.timeline, self.rank, cfg.timeline_mark_cycles)
+                             if cfg.timeline else None, cfg.nvtx)
+        self.negotiator = Negotiator(self._ctrl, self.config, self.tracer)
+        self.mpi = MPIBackend(self._data, self.fusion, self.negotiator.failures.check,
+                              self.tracer)
+        self._buckets = itertools.count()
+        self._expecting_stall = 0
         self._entries: dict[str, Entry] = {}
         self._gpu: GpuRuntime | None = None  # created at the first device tensor
         self._nccl: NcclBackend | None = None  # created by the loop at the first device bucket
@@ -126,7 +135,7 @@ class Engine:
 
     def submit(self, entries: Sequence[Entry]) -> None:
         """Queue ``entries`` atomically (one cycle sees all or none of them)."""
-        now = time.monotonic()
+        now = time.perf_counter()
         with self._lock:
             self.check_usable()
             names = [e.request.name for e in entries]
@@ -139,6 +148,7 @@ class Engine:
                 )
             for e in entries:
                 e.enqueued_at = now
+                e.stats = self.tracer.stats
                 e.handle._keep.append(self)  # the engine stays alive while work is pending
             self._in_flight.update(names)
             self._queue.extend(entries)
@@ -150,7 +160,12 @@ class Engine:
             while True:
                 self._wait_for_work()
                 new = self._drain()
-                cycle = self.negotiator.cycle(new, self._entries, self._stop_requested)
+                t0 = time.perf_counter()
+                cycle = self.negotiator.cycle(new, self._entries, self._stop_requested,
+                                              self._expecting_stall > 0)
+                self.tracer.stats.record_negotiation(time.perf_counter() - t0)
+                self.tracer.negotiated(cycle.responses, self._entries)
+                self.tracer.cycle()
                 self._execute(cycle.responses)
                 if cycle.stop is not None:
                     self._finish(cycle.stop)
@@ -189,11 +204,13 @@ class Engine:
             new, self._queue = self._queue, []
         for e in new:
             self._entries[e.request.name] = e
+        self.tracer.negotiating(new)
         return new
 
     def _execute(self, responses: list[Response]) -> None:
         for bucket in plan_buckets(responses, self.config.fusion_threshold):
             entries = [self._entries.pop(r.name, None) for r in bucket]
+            self._account(bucket)
             # Free the names before any handle completes: a caller that reuses a name right
             # after wait() returns must not see it as still in flight.
             with self._lock:
@@ -206,6 +223,13 @@ class Engine:
                         why = str(exc) if isinstance(exc, HvdliteError) else repr(exc)
                         e.fail(HvdliteError(f"tensor {e.request.name!r}: {why}"))
                 raise
+
+    def _account(self, bucket: list[Response]) -> None:
+        payload = sum(nbytes(r) for r in bucket)
+        fused = len(bucket) > 1
+        self.tracer.stats.record_bucket(len(bucket), payload,
+                                        self.config.fusion_threshold if fused else payload)
+        self.tracer.dequeued([r.name for r in bucket], next(self._buckets))
 
     def _run_bucket(self, bucket: list[Response], entries: list[Entry | None]) -> None:
         head = bucket[0]
@@ -235,7 +259,7 @@ class Engine:
             from hvdlite._backends.nccl import NcclBackend
 
             self._nccl = NcclBackend(self._data, self.gpu_runtime(),
-                                     self.config.fusion_threshold)
+                                     self.config.fusion_threshold, self.tracer)
         return self._nccl
 
     def _finish(self, reason: HvdliteError) -> None:
@@ -273,6 +297,7 @@ class Engine:
         from mpi4py import MPI
 
         self.negotiator.failures.close()
+        self.tracer.close()
         # Device work must drain before its communicators go away.
         if self._gpu is not None:
             self._gpu.synchronize()
@@ -335,6 +360,44 @@ def shutdown() -> None:
         engine, _default = _default, None
     if engine is not None:
         engine.shutdown()
+
+
+def start_timeline(path: str, mark_cycles: bool = False) -> None:
+    """Start writing a Chrome-trace timeline to ``path`` (rank 0; every rank if ``path``
+    contains ``{rank}``), replacing one already running. Thread-safe; not collective.
+    With device tensors, inputs and completions are then waited on the CPU (see README)."""
+    engine = default_engine()
+    old = engine.tracer.swap_timeline(open_timeline(path, engine.rank, mark_cycles))
+    if old is not None:
+        old.close()
+
+
+def stop_timeline() -> None:
+    """Stop the running timeline (if any) and leave its file complete and valid JSON."""
+    engine = default_engine()
+    old = engine.tracer.swap_timeline(None)
+    if old is not None:
+        old.close()
+
+
+def stats() -> dict[str, Any]:
+    """This rank's counters: per op count, bytes, latency p50/p99; negotiation time; fusion
+    efficiency; response-cache hit rate. Cheap; always collected. Not collective."""
+    return default_engine().tracer.stats.snapshot()
+
+
+@contextlib.contextmanager
+def expect_stall() -> Iterator[None]:
+    """Within this block, this rank announces that a long stall is expected (say, rank 0
+    alone runs an evaluation), so the stall inspector neither warns nor shuts down."""
+    engine = default_engine()
+    with engine._lock:
+        engine._expecting_stall += 1
+    try:
+        yield
+    finally:
+        with engine._lock:
+            engine._expecting_stall -= 1
 
 
 def default_engine() -> Engine:

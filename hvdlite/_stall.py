@@ -38,22 +38,24 @@ class StallInspector:
         self.shutdown_after = config.stall_shutdown_time_s
         self._next_check = time.monotonic() + _CHECK_EVERY_S
         self._next_warning = 0.0
-        self.expected_until = 0.0  # set by `expect_stall`: silence warnings until then
 
     def due(self, now: float) -> bool:
         return self.enabled and now >= self._next_check
 
-    def check(self, table: CoordinatorTable, now: float) -> str:
-        """Log a warning table if due; return a fatal stall message ('' when none)."""
+    def check(self, table: CoordinatorTable, now: float, quiet: bool = False) -> str:
+        """Log a warning table if due; return a fatal stall message ('' when none).
+
+        ``quiet``: some rank declared the stall expected (``hvdlite.expect_stall``).
+        """
         self._next_check = now + _CHECK_EVERY_S
         reports = table.stalled(self.warn_after, now)
-        if not reports:
+        if not reports or quiet:
             return ""
         if self.shutdown_after > 0:
             fatal = [r for r in reports if r.waited_s >= self.shutdown_after]
             if fatal:
                 return self._fatal_message(fatal)
-        if now >= self._next_warning and now >= self.expected_until:
+        if now >= self._next_warning:
             self._next_warning = now + self.warn_after
             log.warning("hvdlite stall: %d tensor(s) waited over %.0f s for other ranks; "
                         "a rank that never submits them stalls the job:\n%s",

@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = ["Timeline", "TRACE_VERSION"]
@@ -27,6 +27,8 @@ log = logging.getLogger("hvdlite")
 TRACE_VERSION = 1
 _CLOSE = "\n]\n"  # every write ends with this; the next write starts over it
 _END_ROOM = 200  # room kept under max_bytes for the trace_end record
+_BATCH = 4096  # records per write at most
+_NAME_ROOM = 200  # a track's two metadata records, less twice its name
 _PROCESS_TRACK = "hvdlite"  # thread_name of tid 0: cycle marks and tensor-less events
 _Item = tuple[str, Any, str, float, Any, float]  # (kind, tensor(s), name, ts, args, dur)
 
@@ -108,6 +110,9 @@ class Timeline:
         self._named: set[int] = set()  # tids whose thread_name is in the current file
         self._reserve = 0       # bytes needed to end every open span at a rotation
         self._written = 0
+        self._pending: list[str] = []
+        self._pending_bytes = 0  # counted only under a size cap
+        self._offset_args: dict[str, Any] | None = None  # re-emitted in every new segment
         self._next_tid = 1
         self._failed: OSError | None = None
         parent = os.path.dirname(self.path)
@@ -204,39 +209,55 @@ class Timeline:
 
     def _run(self) -> None:
         while True:
-            self._wake.wait(self._interval)
+            if not self._q:
+                self._wake.wait(self._interval)
             self._wake.clear()
             closing = self._closing
-            self._drain()
-            if closing:
+            self._guarded(self._drain)
+            if closing and not self._q:
                 break
-        self._finish()
+        self._guarded(self._finish)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _guarded(self, step: Callable[[], None]) -> None:
+        """Run a writer step; an I/O error stops writing (counted as drops), never raises."""
+        try:
+            step()
+        except OSError as exc:
+            self._failed = exc
+            self._dropped += len(self._pending)
+            self._pending = []
+            log.error("hvdlite: timeline writes to %s failed (%s); later events are dropped",
+                      self.path, exc)
 
     def _drain(self) -> None:
-        lines: list[str] = []
-        while self._q:
+        """Write what was queued when the drain began (a busy producer cannot starve the file)."""
+        for _ in range(len(self._q)):
             item = self._q.popleft()
             if isinstance(item, _Marker):
-                self._write(lines)
-                lines = []
+                self._write_pending()
                 item.done.set()
+            elif self._failed is None:
+                self._encode(item)
+                if len(self._pending) >= _BATCH:
+                    self._write_pending()
             else:
-                self._encode(item, lines)
-        self._write(lines)
+                self._dropped += 1
+        self._write_pending()
 
     def _finish(self) -> None:
         while self._q:  # a flush() racing with close(): release it
             item = self._q.popleft()
             if isinstance(item, _Marker):
                 item.done.set()
-        lines = self._end_open_spans("unfinished")
-        lines.append(self._trace_end(rotated=False))
-        self._write(lines, allow_rotate=False)
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        if self._failed is None:
+            self._pending.extend(self._end_open_spans("unfinished"))
+            self._pending.append(self._trace_end(rotated=False))
+            self._write_pending()
 
-    def _track(self, tensor: str | None, lines: list[str]) -> _Track:
+    def _track(self, tensor: str | None) -> _Track:
         track = self._tracks.get(tensor)
         if track is None:
             tid = 0 if tensor is None else self._next_tid
@@ -244,22 +265,23 @@ class Timeline:
                 self._next_tid += 1
             track = _Track(tid, _PROCESS_TRACK if tensor is None else tensor)
             self._tracks[tensor] = track
-        if track.tid not in self._named:
-            lines.extend(self._name_lines(track))
         return track
 
     def _name_lines(self, track: _Track) -> list[str]:
+        """thread_name/sort metadata for ``track`` unless the current file has them."""
+        if track.tid in self._named:
+            return []
         self._named.add(track.tid)
         return [self._meta("thread_name", {"name": track.name}, track.tid),
                 self._meta("thread_sort_index", {"sort_index": track.tid}, track.tid)]
 
-    def _encode(self, item: _Item, lines: list[str]) -> None:
+    def _encode(self, item: _Item) -> None:
         kind, tensor, name, ts, args, dur = item
         if kind in ("BA", "EA"):
             for one in tensor:
-                self._encode((kind[0], one, name, ts, args, 0.0), lines)
+                self._encode((kind[0], one, name, ts, args, 0.0))
             return
-        track = self._track(tensor, lines)
+        track = self._track(tensor)
         ph = "i" if kind == "C" else kind
         rec = f'{{"name":{_dumps(name)},"ph":"{ph}","ts":{ts:.3f},"pid":{self.rank},' \
               f'"tid":{track.tid}'
@@ -269,15 +291,35 @@ class Timeline:
             rec += ',"s":"t"'
         elif kind == "C":
             rec += ',"s":"p"'
-        lines.append(rec + (f',"args":{_dumps(args)}}}' if args else "}"))
-        self._written += 1
+        rec += f',"args":{_dumps(args)}}}' if args else "}"
         track.last_ts = max(track.last_ts, ts)
+        close_len = 0
         if kind == "B":
             close_len = len(self._span_record("E", track, name, "continued").encode()) + 2
+        self._emit(track, rec, close_len)
+        self._written += 1
+        if kind == "B":
             track.open.append((name, close_len))
             self._reserve += close_len
         elif kind == "E" and track.open:
             self._reserve -= track.open.pop()[1]
+        elif kind == "i" and tensor is None and name == "clock_offset":
+            self._offset_args = args
+
+    def _emit(self, track: _Track, rec: str, extra_reserve: int) -> None:
+        """Queue ``rec`` for the file, rotating first when it would pass ``max_bytes``."""
+        if self.max_bytes:
+            need = len(rec.encode()) + 2
+            if track.tid not in self._named:
+                need += _NAME_ROOM + 2 * len(track.name.encode())
+            used = self._size + self._pending_bytes
+            if (used + need + self._reserve + extra_reserve + _END_ROOM > self.max_bytes
+                    and used > self._base):
+                self._write_pending()
+                self._rotate()
+            self._pending_bytes += need
+        self._pending.extend(self._name_lines(track))
+        self._pending.append(rec)
 
     def _span_record(self, ph: str, track: _Track, phase: str, flag: str) -> str:
         """A B or E record at the track's last timestamp, marked ``args.<flag> = true``."""
@@ -330,23 +372,9 @@ class Timeline:
             view = view[n:]
             offset += n
 
-    def _write(self, lines: list[str], allow_rotate: bool = True) -> None:
-        """Append ``lines`` in as few pwrites as the size cap allows, rotating when needed."""
-        if not lines or self._fd < 0:
-            return
-        if self._failed is not None:
-            self._dropped += len(lines)
-            return
-        try:
-            if self.max_bytes and allow_rotate:
-                self._write_capped(lines)
-            else:
-                self._append(lines)
-        except OSError as exc:
-            self._failed = exc
-            self._dropped += len(lines)
-            log.error("hvdlite: timeline writes to %s failed (%s); later events are dropped",
-                      self.path, exc)
+    def _write_pending(self) -> None:
+        lines, self._pending, self._pending_bytes = self._pending, [], 0
+        self._append(lines)
 
     def _append(self, lines: list[str]) -> None:
         """One pwrite over the closing bracket: the file is a whole JSON array before and after."""
@@ -356,30 +384,21 @@ class Timeline:
         self._pwrite_all(data, self._size - len(_CLOSE))
         self._size += len(data) - len(_CLOSE)
 
-    def _write_capped(self, lines: list[str]) -> None:
-        batch: list[str] = []
-        size = self._size
-        for line in lines:
-            need = len(line.encode()) + 2
-            if size + need + self._reserve + _END_ROOM > self.max_bytes and size > self._base:
-                self._append(batch)
-                batch = []
-                self._rotate()
-                size = self._size
-            batch.append(line)
-            size += need
-        self._append(batch)
-
     def _rotate(self) -> None:
-        lines = self._end_open_spans("continued")
-        lines.append(self._trace_end(rotated=True))
-        self._append(lines)
+        """Finish this file (open spans ended, trace_end) and continue in a fresh one."""
+        self._append([*self._end_open_spans("continued"), self._trace_end(rotated=True)])
         os.close(self._fd)
         self._fd = -1
         self._shift_old_files()
         self._segment += 1
         self._open_file()
         reopen: list[str] = []
+        if self._offset_args is not None:
+            track = self._track(None)
+            reopen.extend(self._name_lines(track))
+            reopen.append(f'{{"name":"clock_offset","ph":"i","ts":{track.last_ts:.3f},'
+                          f'"pid":{self.rank},"tid":0,"s":"t",'
+                          f'"args":{_dumps(self._offset_args)}}}')
         for track in self._tracks.values():
             if track.open:
                 reopen.extend(self._name_lines(track))

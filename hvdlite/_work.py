@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,8 +31,13 @@ class Entry:
     ready: Any = None
     stream: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
+    stats: Any = None  # the engine's Stats, fed at completion
 
     def finish(self, value: Any, events: tuple[Any, ...] = ()) -> None:
+        if self.stats is not None:
+            nbytes = self.tensor.array.nbytes if self.tensor is not None else 0
+            self.stats.record_op(self.request.kind.name.lower(), nbytes,
+                                 time.perf_counter() - self.enqueued_at)
         ref = self.tensor
         if "user" in self.extra:  # in place or out=: hand back the caller's own object
             value = self.extra["user"]

@@ -17,6 +17,7 @@ from mpi4py import MPI
 from hvdlite._fusion import FusionBuffers
 from hvdlite._negotiation import Kind, Response
 from hvdlite._ops import DTYPES, DType, ReduceOp, finish_reduce, scale_into
+from hvdlite._trace import Tracer
 from hvdlite._work import Entry
 
 __all__ = ["MPIBackend", "mpi_datatype", "mpi_op"]
@@ -69,8 +70,9 @@ class MPIBackend:
     """Executes agreed responses on host arrays over one MPI communicator."""
 
     def __init__(self, comm: MPI.Intracomm, fusion: FusionBuffers,
-                 check_peers: Callable[[], None]) -> None:
+                 check_peers: Callable[[], None], tracer: Tracer) -> None:
         self.comm = comm
+        self.tracer = tracer
         self._check_peers = check_peers
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
@@ -85,7 +87,12 @@ class MPIBackend:
 
     def run(self, bucket: list[Response], entries: list[Entry | None]) -> None:
         """Run one bucket; ``entries[i]`` is None where this rank has joined (no data)."""
-        self._run[bucket[0].kind](bucket, entries)
+        kind = bucket[0].kind
+        if kind is Kind.ALLREDUCE:  # traces its own copy and reduce phases
+            self._allreduce(bucket, entries)
+            return
+        with self.tracer.phase([r.name for r in bucket], f"MPI_{kind.name}"):
+            self._run[kind](bucket, entries)
 
     def _wait(self, req: MPI.Request) -> None:
         # Nonblocking collective + polling, so a peer's failure notice is seen here too
@@ -101,29 +108,37 @@ class MPIBackend:
         op = ReduceOp(head.op)
         mtype, wire = mpi_datatype(row)
         contributors = self.size - len(head.joined)
+        names = [r.name for r in bucket]
         if len(bucket) == 1 and wire == row.np_dtype:
             entry = entries[0]
             out = self._unfused_input(head, entry, row, op)
-            self._wait(self.comm.Iallreduce(MPI.IN_PLACE, [out, mtype], op=mpi_op(row, op)))
-            finish_reduce(np, out, op, contributors, head.postscale, row)
+            with self.tracer.phase(names, "MPI_ALLREDUCE", {"bytes": out.nbytes}):
+                self._wait(self.comm.Iallreduce(MPI.IN_PLACE, [out, mtype], op=mpi_op(row, op)))
+                finish_reduce(np, out, op, contributors, head.postscale, row)
             if entry is not None:
                 entry.finish(out)
             return
         counts = [math.prod(r.shape) for r in bucket]
         buf = self.fusion.get("cpu", wire, sum(counts))
-        offset = 0
-        for resp, entry, n in zip(bucket, entries, counts, strict=True):
-            self._copy_in(buf[offset:offset + n], resp, entry, row, op)
-            offset += n
-        self._wait(self.comm.Iallreduce(MPI.IN_PLACE, [buf, mtype], op=mpi_op(row, op)))
-        # Scale once over the whole bucket, in the wire precision, before unpacking.
-        finish_reduce(np, buf, op, contributors, head.postscale, row)
-        offset = 0
-        for entry, n in zip(entries, counts, strict=True):
+        with self.tracer.phase(names, "MEMCPY_IN_FUSION_BUFFER"):
+            offset = 0
+            for resp, entry, n in zip(bucket, entries, counts, strict=True):
+                self._copy_in(buf[offset:offset + n], resp, entry, row, op)
+                offset += n
+        with self.tracer.phase(names, "MPI_ALLREDUCE", {"bytes": buf.nbytes}):
+            self._wait(self.comm.Iallreduce(MPI.IN_PLACE, [buf, mtype], op=mpi_op(row, op)))
+        with self.tracer.phase(names, "MEMCPY_OUT_FUSION_BUFFER"):
+            # Scale once over the whole bucket, in the wire precision, before unpacking.
+            finish_reduce(np, buf, op, contributors, head.postscale, row)
+            offset = 0
+            for entry, n in zip(entries, counts, strict=True):
+                if entry is not None:
+                    np.copyto(entry.output.reshape(-1), buf[offset:offset + n],
+                              casting="unsafe")
+                offset += n
+        for entry in entries:
             if entry is not None:
-                np.copyto(entry.output.reshape(-1), buf[offset:offset + n], casting="unsafe")
                 entry.finish(entry.output)
-            offset += n
 
     def _unfused_input(self, resp: Response, entry: Entry | None, row: DType,
                        op: ReduceOp) -> np.ndarray:

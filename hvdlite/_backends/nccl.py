@@ -20,6 +20,7 @@ from hvdlite._gpu.kernels import batched_copy
 from hvdlite._gpu.runtime import DeviceContext, GpuRuntime
 from hvdlite._negotiation import Kind, Response
 from hvdlite._ops import DTYPES, DType, ReduceOp, finish_reduce, nccl_wire, scale_into
+from hvdlite._trace import Tracer
 from hvdlite._work import Entry
 
 __all__ = ["NcclBackend"]
@@ -28,9 +29,11 @@ __all__ = ["NcclBackend"]
 class NcclBackend:
     """Executes agreed device responses; one cached NCCL communicator per device."""
 
-    def __init__(self, comm: MPI.Intracomm, runtime: GpuRuntime, threshold: int) -> None:
+    def __init__(self, comm: MPI.Intracomm, runtime: GpuRuntime, threshold: int,
+                 tracer: Tracer) -> None:
         from cupy.cuda import nccl
 
+        self.tracer = tracer
         self.nccl = nccl
         self.cupy = runtime.cupy
         self.mpi = comm
@@ -70,9 +73,16 @@ class NcclBackend:
             self.runtime.default_device
         ctx = self.runtime.context(device_id)
         comm = self.communicator(device_id)
+        names = [r.name for r in bucket]
         with self.cupy.cuda.Device(device_id), ctx.stream:
-            self.runtime.wait_ready(ctx, [e.ready for e in live if e.ready is not None])
-            outputs = self._run[bucket[0].kind](ctx, comm, bucket, entries)
+            with self.tracer.phase(names, "WAIT_FOR_DATA"):
+                self.runtime.wait_ready(ctx, [e.ready for e in live if e.ready is not None])
+            kind = bucket[0].kind
+            if kind is Kind.ALLREDUCE and len(bucket) > 1:  # traces its copy phases itself
+                outputs = self._run[kind](ctx, comm, bucket, entries)
+            else:
+                with self.tracer.phase(names, f"NCCL_{kind.name}", sync=self._sync(ctx)):
+                    outputs = self._run[kind](ctx, comm, bucket, entries)
 
         def done() -> None:
             for entry, out in zip(entries, outputs, strict=True):
@@ -82,6 +92,10 @@ class NcclBackend:
         self.runtime.complete(ctx, [e.handle for e in live], done, (entries, outputs))
 
     # -- helpers --------------------------------------------------------------------------
+    def _sync(self, ctx: DeviceContext) -> Callable[[], None] | None:
+        # Timeline on (CPU-sync fallback): end each phase only when the device finished it.
+        return ctx.stream.synchronize if self.runtime.cpu_sync else None
+
     def _wire(self, row: DType) -> tuple[int, int]:
         name, per = nccl_wire(row)
         return getattr(self.nccl, f"NCCL_{name.upper()}"), per
@@ -142,12 +156,17 @@ class NcclBackend:
             offs, np.fromiter((a.data.ptr for a in srcs), np.int64, n),
             offs, np.fromiter((a.data.ptr for a in outs), np.int64, n)]))
         divisor = contributors if op is ReduceOp.AVERAGE else 1
-        batched_copy(wire_name if row.kind != "bool" else "uint8", meta[:2 * n + 1], n, buf,
-                     total, mode=0, scale=head.prescale, divisor=1)
-        comm.allReduce(buf.data.ptr, buf.data.ptr, total, dtype, self._op(row, op),
-                       ctx.stream.ptr)
-        batched_copy(wire_name if row.kind != "bool" else "uint8", meta[2 * n + 1:], n, buf,
-                     total, mode=1, scale=head.postscale, divisor=divisor)
+        names, sync = [r.name for r in bucket], self._sync(ctx)
+        with self.tracer.phase(names, "MEMCPY_IN_FUSION_BUFFER", sync=sync):
+            batched_copy(wire_name, meta[:2 * n + 1], n, buf, total, mode=0,
+                         scale=head.prescale, divisor=1)
+        with self.tracer.phase(names, "NCCL_ALLREDUCE", {"bytes": total * wire_np.itemsize},
+                               sync=sync):
+            comm.allReduce(buf.data.ptr, buf.data.ptr, total, dtype, self._op(row, op),
+                           ctx.stream.ptr)
+        with self.tracer.phase(names, "MEMCPY_OUT_FUSION_BUFFER", sync=sync):
+            batched_copy(wire_name, meta[2 * n + 1:], n, buf, total, mode=1,
+                         scale=head.postscale, divisor=divisor)
         return [None if e is None else o for e, o in zip(entries, outs, strict=True)]
 
     # -- the other collectives -------------------------------------------------------------

@@ -1,0 +1,118 @@
+"""What the engine reports about itself: timeline phases, NVTX ranges and statistics.
+
+One :class:`Tracer` per engine. The timeline and NVTX are optional and cost one attribute test
+per call when off; the statistics are always on (a lock and a few list operations per tensor).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from hvdlite import _nvtx
+from hvdlite._stats import Stats
+
+if TYPE_CHECKING:
+    from hvdlite._negotiation import Response
+    from hvdlite._timeline import Timeline
+    from hvdlite._work import Entry
+
+__all__ = ["Tracer", "open_timeline"]
+
+log = logging.getLogger("hvdlite")
+
+
+def open_timeline(path: str, rank: int, mark_cycles: bool) -> Timeline | None:
+    """A writer for this rank: rank 0 only, unless ``path`` contains ``{rank}``."""
+    if rank != 0 and "{rank}" not in path:
+        return None
+    from hvdlite._timeline import Timeline
+
+    return Timeline(path, rank, mark_cycles=mark_cycles)
+
+
+def _negotiate_phase(entry: Entry) -> str:
+    return f"NEGOTIATE_{entry.request.kind.name}"
+
+
+class Tracer:
+    """Timeline + NVTX + stats, behind the few calls the engine and backends make."""
+
+    def __init__(self, timeline: Timeline | None, nvtx: bool) -> None:
+        self.timeline = timeline
+        self.nvtx = nvtx
+        self.stats = Stats()
+
+    @property
+    def on(self) -> bool:
+        return self.timeline is not None or self.nvtx
+
+    def swap_timeline(self, timeline: Timeline | None) -> Timeline | None:
+        old, self.timeline = self.timeline, timeline
+        return old
+
+    # -- per tensor ----------------------------------------------------------------------
+    def negotiating(self, entries: Sequence[Entry]) -> None:
+        tl = self.timeline
+        if tl is None:
+            return
+        for e in entries:
+            req = e.request
+            args = {"dtype": req.dtype, "shape": list(req.shape),
+                    "bytes": math.prod(req.shape) * np.dtype(req.dtype).itemsize}
+            tl.begin(req.name, _negotiate_phase(e), args, ts_us=e.enqueued_at * 1e6)
+
+    def ready_tick(self, rank: int, names: Sequence[str], cached: bool = False) -> None:
+        tl = self.timeline
+        if tl is not None:
+            label = "CACHE_HIT" if cached else f"RANK_{rank}_READY"
+            for name in names:
+                tl.instant(name, label, {"rank": rank})
+
+    def negotiated(self, responses: Sequence[Response], entries: dict[str, Entry]) -> None:
+        tl = self.timeline
+        if tl is None:
+            return
+        now = tl.now_us()
+        for resp in responses:
+            e = entries.get(resp.name)
+            if e is not None:
+                tl.end(resp.name, _negotiate_phase(e), ts_us=now)
+                tl.begin(resp.name, "QUEUE", ts_us=now)
+
+    def dequeued(self, names: Sequence[str], bucket_id: int) -> None:
+        if self.timeline is not None:
+            self.timeline.end_all(names, "QUEUE", {"bucket": bucket_id})
+
+    @contextlib.contextmanager
+    def phase(self, names: Sequence[str], phase: str, args: dict[str, Any] | None = None,
+              sync: Callable[[], None] | None = None) -> Iterator[None]:
+        """Span ``phase`` on every tensor of a bucket; ``sync`` runs before the span ends (the
+        device CPU-sync fallback, so host timestamps bracket device work)."""
+        tl = self.timeline
+        if tl is None and not self.nvtx:
+            yield
+            return
+        if tl is not None:
+            tl.begin_all(names, phase, args)
+        with _nvtx.range(f"{phase} {names[0]}" + (f" +{len(names) - 1}" if len(names) > 1
+                                                   else ""), self.nvtx):
+            yield
+            if sync is not None and tl is not None:
+                sync()
+        if tl is not None:
+            tl.end_all(names, phase)
+
+    def cycle(self) -> None:
+        if self.timeline is not None:
+            self.timeline.mark_cycle()
+
+    def close(self) -> None:
+        tl = self.swap_timeline(None)
+        if tl is not None:
+            tl.close()
