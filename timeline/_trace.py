@@ -259,7 +259,8 @@ def nesting_errors(spans: list[Span]) -> list[str]:
 
 def merge_continued(spans: list[Span]) -> list[Span]:
     """Join spans split by file rotation (E continued + B continued, same track and name)."""
-    spans = sorted(spans, key=lambda s: (s.pid, s.track, s.start, -s.end))
+    # Ascending end: a zero-length continuation precedes the longer span that resumes it.
+    spans = sorted(spans, key=lambda s: (s.pid, s.track, s.start, s.end))
     out: list[Span] = []
     open_out: dict[tuple[int, str, str], Span] = {}
     for s in spans:

@@ -1,0 +1,399 @@
+"""The Chrome-trace writer: format, validity after every write and after a kill, drops,
+rotation, repeated start/stop."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from hvdlite._timeline import Timeline
+from timeline import load, merge_continued, pair
+from timeline.check import check_file
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    with open(path) as f:
+        data = json.load(f)
+    assert isinstance(data, list)
+    return data
+
+
+def _timed(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [ev for ev in events if ev["ph"] != "M"]
+
+
+def _meta(events: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [ev for ev in events if ev["ph"] == "M" and ev["name"] == name]
+
+
+def test_layout_tracks_and_metadata(tmp_path: Path) -> None:
+    tl = Timeline(str(tmp_path / "t{rank}.json"), 3)
+    assert tl.path == str(tmp_path / "t3.json")
+    tl.begin("grad/a", "NEGOTIATE_ALLREDUCE", {"bytes": 400, "dtype": "float32",
+                                               "shape": (10, 10)}, ts_us=10.0)
+    tl.instant("grad/a", "1", {"rank": 1}, ts_us=11.0)
+    tl.end("grad/a", "NEGOTIATE_ALLREDUCE", ts_us=12.0)
+    tl.begin("grad/b", "QUEUE", ts_us=12.5)
+    tl.end("grad/b", "QUEUE", ts_us=13.0)
+    tl.complete("grad/a", "NCCL_ALLREDUCE", 14.0, 2.5, {"bucket": 7})
+    tl.begin("grad/a", "MEMCPY_OUT_FUSION_BUFFER", ts_us=17.0)
+    tl.end("grad/a", "MEMCPY_OUT_FUSION_BUFFER", ts_us=18.0)
+    tl.close()
+    events = _events(tmp_path / "t3.json")
+    assert {ev["pid"] for ev in events} == {3}
+    assert _meta(events, "process_name")[0]["args"] == {"name": "rank 3"}
+    names = {ev["tid"]: ev["args"]["name"] for ev in _meta(events, "thread_name")}
+    assert sorted(names.values()) == ["grad/a", "grad/b"]  # once per tensor
+    tid = {v: k for k, v in names.items()}
+    assert tid["grad/a"] != tid["grad/b"] and 0 not in names
+    got = [(ev["ph"], ev["name"], names[ev["tid"]], ev["ts"]) for ev in _timed(events)]
+    assert got == [
+        ("B", "NEGOTIATE_ALLREDUCE", "grad/a", 10.0), ("i", "1", "grad/a", 11.0),
+        ("E", "NEGOTIATE_ALLREDUCE", "grad/a", 12.0), ("B", "QUEUE", "grad/b", 12.5),
+        ("E", "QUEUE", "grad/b", 13.0), ("X", "NCCL_ALLREDUCE", "grad/a", 14.0),
+        ("B", "MEMCPY_OUT_FUSION_BUFFER", "grad/a", 17.0),
+        ("E", "MEMCPY_OUT_FUSION_BUFFER", "grad/a", 18.0),
+    ]
+    timed = _timed(events)
+    assert timed[0]["args"] == {"bytes": 400, "dtype": "float32", "shape": [10, 10]}
+    assert timed[1]["s"] == "t" and timed[5]["dur"] == 2.5 and timed[5]["args"] == {"bucket": 7}
+    end = _meta(events, "trace_end")
+    assert len(end) == 1 and end[0]["args"]["dropped"] == 0 and end[0]["args"]["events"] == 8
+    assert events[-1] is end[0] or events[-1] == end[0]
+    assert check_file(str(tmp_path / "t3.json")).ok
+
+
+def test_clock_reference_and_now_us(tmp_path: Path) -> None:
+    before_wall, before = time.time_ns(), time.perf_counter_ns() / 1000.0
+    tl = Timeline(str(tmp_path / "t.json"), 0)
+    now = Timeline.now_us()
+    tl.close()
+    after_wall, after = time.time_ns(), time.perf_counter_ns() / 1000.0
+    assert before <= now <= after
+    sync = _meta(_events(tmp_path / "t.json"), "clock_sync")[0]["args"]
+    assert before <= sync["perf_counter_us"] <= after
+    assert before_wall <= sync["wall_time_ns"] <= after_wall
+    assert sync["segment"] == 0 and sync["rank"] == 0 and sync["version"] == 1
+
+
+def test_default_timestamps_follow_the_clock(tmp_path: Path) -> None:
+    tl = Timeline(str(tmp_path / "t.json"), 0)
+    lo = Timeline.now_us()
+    tl.begin("x", "QUEUE")
+    tl.end("x", "QUEUE")
+    hi = Timeline.now_us()
+    tl.close()
+    stamps = [ev["ts"] for ev in _timed(_events(tmp_path / "t.json"))
+              if ev["name"] == "QUEUE"]
+    assert len(stamps) == 2 and lo - 0.001 <= stamps[0] <= stamps[1] <= hi + 0.001
+
+
+def test_numpy_args_and_bucket_calls(tmp_path: Path) -> None:
+    tl = Timeline(str(tmp_path / "t.json"), 1)
+    args = {"bytes": np.int64(96), "dtype": np.dtype("float16"), "shape": np.array([4, 12])}
+    tl.begin_all(["a", "b", "c"], "MPI_ALLREDUCE", args, ts_us=5.0)
+    tl.end_all(["a", "b", "c"], "MPI_ALLREDUCE", ts_us=9.0)
+    tl.close()
+    timed = _timed(_events(tmp_path / "t.json"))
+    assert [(ev["ph"], ev["ts"]) for ev in timed] == [("B", 5.0)] * 3 + [("E", 9.0)] * 3
+    assert timed[0]["args"] == {"bytes": 96, "dtype": "float16", "shape": [4, 12]}
+    assert len({ev["tid"] for ev in timed}) == 3
+
+
+def test_cycle_marks_only_when_asked(tmp_path: Path) -> None:
+    for enabled in (False, True):
+        path = tmp_path / f"c{enabled}.json"
+        tl = Timeline(str(path), 0, mark_cycles=enabled)
+        tl.mark_cycle(ts_us=1.0)
+        tl.mark_cycle(ts_us=2.0)
+        tl.close()
+        marks = [ev for ev in _timed(_events(path)) if ev["name"] == "CYCLE_START"]
+        assert [(m["ts"], m["tid"], m["s"]) for m in marks] == (
+            [(1.0, 0, "p"), (2.0, 0, "p")] if enabled else [])
+
+
+def test_valid_json_after_every_flush(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    tl = Timeline(str(path), 0, flush_interval_s=30.0)
+    for step in range(5):
+        for i in range(step + 1):
+            tl.begin(f"t{i}", "MPI_ALLREDUCE", {"step": step}, ts_us=100.0 * step + i)
+            tl.end(f"t{i}", "MPI_ALLREDUCE", ts_us=100.0 * step + i + 0.5)
+        tl.flush()
+        timed = _timed(_events(path))
+        assert len(timed) == 2 * sum(range(1, step + 2))
+        assert not _meta(_events(path), "trace_end")
+    tl.close()
+    assert _meta(_events(path), "trace_end")[0]["args"]["events"] == 30
+
+
+def test_writer_flushes_on_its_own(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    tl = Timeline(str(path), 0, flush_interval_s=0.05)
+    tl.instant("x", "tick", ts_us=1.0)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        if any(ev["name"] == "tick" for ev in _events(path)):
+            break
+        time.sleep(0.02)
+    else:
+        pytest.fail("the writer did not write the event within 10 s without flush()")
+    tl.close()
+
+
+def test_full_queue_drops_and_counts(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    # The writer only wakes on flush/close here, so exactly queue_size events are kept.
+    tl = Timeline(str(path), 0, queue_size=5, flush_interval_s=30.0)
+    for i in range(100):
+        tl.instant("x", f"e{i}", ts_us=float(i))
+    assert tl.dropped == 95
+    tl.close()
+    events = _events(path)
+    assert [ev["name"] for ev in _timed(events)] == [f"e{i}" for i in range(5)]
+    assert _meta(events, "trace_end")[0]["args"] == {"dropped": 95, "events": 5, "segment": 0,
+                                                     "rotated": False}
+
+
+def test_close_ends_open_spans_and_is_idempotent(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    tl = Timeline(str(path), 0)
+    tl.begin("a", "NEGOTIATE_ALLREDUCE", ts_us=1.0)
+    tl.begin("a", "ALLREDUCE", ts_us=2.0)
+    tl.begin("a", "QUEUE", ts_us=3.0)
+    tl.close()
+    tl.close()
+    tl.begin("a", "late", ts_us=9.0)  # ignored after close
+    tl.flush()
+    events = _events(path)
+    ends = [(ev["name"], ev["ts"], ev["args"]) for ev in _timed(events) if ev["ph"] == "E"]
+    assert ends == [("QUEUE", 3.0, {"unfinished": True}), ("ALLREDUCE", 3.0, {"unfinished": True}),
+                    ("NEGOTIATE_ALLREDUCE", 3.0, {"unfinished": True})]
+    assert len(_meta(events, "trace_end")) == 1
+    assert check_file(str(path)).ok
+
+
+def test_repeated_start_stop_in_one_process(tmp_path: Path) -> None:
+    baseline = threading.active_count()
+    for k in range(6):
+        tl = Timeline(str(tmp_path / f"run{k % 2}.json"), 0)
+        for i in range(k + 1):
+            tl.begin(f"t{i}", "MPI_ALLREDUCE", ts_us=float(i))
+            tl.end(f"t{i}", "MPI_ALLREDUCE", ts_us=float(i) + 1)
+        tl.close()
+        assert threading.active_count() == baseline
+        events = _events(tmp_path / f"run{k % 2}.json")  # a restart truncates the old file
+        assert len(_timed(events)) == 2 * (k + 1)
+        assert len(_meta(events, "clock_sync")) == 1
+
+
+def _span_count(paths: list[Path]) -> int:
+    spans = []
+    for p in paths:
+        spans.extend(pair(load(str(p))).spans)
+    return len(merge_continued(spans))
+
+
+def test_rotation_keeps_every_file_valid_and_capped(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    (tmp_path / "t.json.1").write_text("stale")
+    (tmp_path / "t.json.2").write_text("stale")
+    tl = Timeline(str(path), 2, max_bytes=3000, flush_interval_s=30.0)
+    tl.begin("outer", "ALLREDUCE", ts_us=0.0)  # stays open across every rotation
+    for i in range(60):
+        tl.begin(f"t{i % 4}", "MPI_ALLREDUCE", {"i": i}, ts_us=1.0 + i)
+        tl.end(f"t{i % 4}", "MPI_ALLREDUCE", ts_us=1.5 + i)
+        if i % 7 == 0:
+            tl.flush()
+    tl.end("outer", "ALLREDUCE", ts_us=100.0)
+    tl.close()
+    files = sorted(tmp_path.glob("t.json*"), key=lambda p: -int(p.suffix[1:] or 0)
+                   if p.suffix != ".json" else 0)
+    n = len(files)
+    assert n >= 4, "3000-byte cap over ~12 KB of events must rotate several times"
+    segments = [_meta(_events(p), "clock_sync")[0]["args"]["segment"] for p in files]
+    assert segments == list(range(n)), "path.N is the oldest, path the newest"
+    for p in files:
+        assert p.stat().st_size <= 3000
+        assert check_file(str(p)).ok, check_file(str(p)).errors
+        ends = _meta(_events(p), "trace_end")
+        assert len(ends) == 1 and ends[0]["args"]["rotated"] == (p != path)
+    # 60 inner spans + the outer one, re-joined across the rotations
+    assert _span_count(files) == 61
+
+
+def test_rotation_keeps_at_most_max_files_old_files(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    tl = Timeline(str(path), 0, max_bytes=1500, max_files=2, flush_interval_s=30.0)
+    for i in range(80):
+        tl.instant("x", f"event-{i}", {"pad": "x" * 40}, ts_us=float(i))
+        tl.flush()
+    tl.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.json", "t.json.1", "t.json.2"]
+    segs = [_meta(_events(tmp_path / n), "clock_sync")[0]["args"]["segment"]
+            for n in ("t.json.2", "t.json.1", "t.json")]
+    assert segs[0] >= 2 and segs == [segs[0], segs[0] + 1, segs[0] + 2]
+    last = [ev["name"] for ev in _timed(_events(path))]
+    assert last[-1] == "event-79"
+
+
+def test_bad_arguments(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="queue_size"):
+        Timeline(str(tmp_path / "t.json"), 0, queue_size=0)
+    with pytest.raises(ValueError, match="max_bytes"):
+        Timeline(str(tmp_path / "t.json"), 0, max_bytes=-1)
+
+
+# ---------------------------------------------------------------- killed processes
+
+_CHILD = """
+import os, signal, sys, time
+from hvdlite._timeline import Timeline
+path, mode = sys.argv[1], sys.argv[2]
+tl = Timeline(path, 0, flush_interval_s=0.05)
+if mode == "handler":
+    def on_term(signum, frame):
+        tl.close()
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, on_term)
+for i in range(50):
+    tl.begin("grad", "MPI_ALLREDUCE", {"i": i})
+    tl.end("grad", "MPI_ALLREDUCE")
+tl.begin("grad", "MEMCPY_OUT_FUSION_BUFFER")
+tl.flush()
+if mode == "exit":
+    os._exit(1)
+print("ready", flush=True)
+if mode == "busy":
+    i = 0
+    while True:
+        tl.instant("grad", "tick", {"i": i})
+        i += 1
+        if i % 1000 == 0:
+            time.sleep(0.001)
+time.sleep(60)
+"""
+
+
+def _child(tmp_path: Path, mode: str, sig: int | None) -> tuple[Path, int]:
+    path = tmp_path / f"{mode}.json"
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(_CHILD))
+    proc = subprocess.Popen([sys.executable, str(script), str(path), mode],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        if sig is not None:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().strip() == "ready"
+            if mode == "busy":
+                time.sleep(0.5)
+            proc.send_signal(sig)
+        rc = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return path, rc
+
+
+@pytest.mark.parametrize("mode,sig", [("plain", signal.SIGTERM), ("plain", signal.SIGINT),
+                                      ("exit", None), ("handler", signal.SIGTERM)])
+def test_file_is_valid_after_kill(tmp_path: Path, mode: str, sig: int | None) -> None:
+    path, rc = _child(tmp_path, mode, sig)
+    assert rc != 0 or mode == "handler"
+    events = _events(path)  # strict json.load
+    spans = [ev for ev in _timed(events) if ev["name"] == "MPI_ALLREDUCE"]
+    assert len(spans) == 100, "every event flushed before the kill is in the file"
+    closed_cleanly = mode == "handler" or sig == signal.SIGINT  # SIGINT -> KeyboardInterrupt
+    assert bool(_meta(events, "trace_end")) == closed_cleanly
+    res = check_file(str(path), lenient=not closed_cleanly)
+    assert res.ok, res.errors
+    if closed_cleanly:
+        last = [ev for ev in _timed(events) if ev["name"] == "MEMCPY_OUT_FUSION_BUFFER"]
+        assert [ev["ph"] for ev in last] == ["B", "E"]
+        assert last[1]["args"] == {"unfinished": True}
+
+
+def test_file_loads_after_sigkill_while_writing(tmp_path: Path) -> None:
+    path, rc = _child(tmp_path, "busy", signal.SIGKILL)
+    assert rc == -signal.SIGKILL
+    trace = load(str(path), lenient=True)
+    ticks = [ev for ev in trace.events if ev.get("name") == "tick"]
+    assert ticks, "events written in the half second before the kill are in the file"
+    assert [ev["args"]["i"] for ev in ticks] == list(range(len(ticks)))
+    assert check_file(str(path), lenient=True).ok
+
+
+def test_close_from_signal_handler_while_flushing(tmp_path: Path) -> None:
+    """close() inside a handler that interrupts flush() on the same thread neither deadlocks
+    nor loses the trace_end record."""
+    path = tmp_path / "t.json"
+    tl = Timeline(str(path), 0, flush_interval_s=30.0)
+    old = signal.signal(signal.SIGUSR1, lambda *_: tl.close())
+    try:
+        tl.begin("a", "QUEUE", ts_us=1.0)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        tl.flush()
+    finally:
+        signal.signal(signal.SIGUSR1, old)
+    assert _meta(_events(path), "trace_end")
+
+
+# ---------------------------------------------------------------- NVTX ranges
+
+def test_nvtx_disabled_is_the_shared_noop() -> None:
+    from hvdlite import _nvtx
+
+    assert _nvtx.range("x", False) is _nvtx.range("y", False)
+    with _nvtx.range("x", False):
+        pass
+    _nvtx.push("x", False)
+    _nvtx.pop(False)
+
+
+def test_nvtx_missing_package_falls_back(monkeypatch: pytest.MonkeyPatch,
+                                         caplog: pytest.LogCaptureFixture) -> None:
+    from hvdlite import _nvtx
+
+    monkeypatch.setitem(sys.modules, "nvtx", None)  # import nvtx -> ImportError
+    _nvtx._reset_for_tests()
+    try:
+        with caplog.at_level("DEBUG", logger="hvdlite"):
+            assert _nvtx.range("a", True) is _nvtx.range("b", False)
+            with _nvtx.range("a", True):
+                _nvtx.push("b", True)
+                _nvtx.pop(True)
+            assert not _nvtx.available()
+        notes = [r for r in caplog.records if "nvtx" in r.getMessage()]
+        assert len(notes) == 1 and notes[0].levelname == "DEBUG"
+    finally:
+        _nvtx._reset_for_tests()
+
+
+def test_nvtx_ranges_with_the_package() -> None:
+    pytest.importorskip("nvtx")
+    from hvdlite import _nvtx
+
+    _nvtx._reset_for_tests()
+    assert _nvtx.available()
+    assert _nvtx._state["domain"] is not None or _nvtx._state["module"] is not None
+    ctx = _nvtx.range("MPI_ALLREDUCE grad/w", True)
+    assert ctx is not _nvtx.range("x", False)
+    with ctx, _nvtx.range("MEMCPY_IN_FUSION_BUFFER bucket 3", True):
+        pass
+    for _ in range(3):
+        _nvtx.push("NEGOTIATE_ALLREDUCE grad/w", True)
+        _nvtx.pop(True)
