@@ -1,0 +1,90 @@
+"""Stall inspector end to end: real ``hvdliterun`` jobs where one rank never submits a tensor.
+
+The warning names the waiting tensor and the missing rank; with a stall shutdown time every
+process ends non-zero within the bound instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_run import _clean_env, _script, hvdliterun
+
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
+
+# Rank 1 submits "other" instead of "grad.w": both wait for a rank that never sends them.
+_DIVERGING = """
+import os, sys, numpy as np, hvdlite as hvd
+hvd.init()
+name = "other" if hvd.rank() == 1 else "grad.w"
+try:
+    hvd.allreduce(np.ones(4, np.float32), name=name)
+except hvd.StallError as exc:
+    print(f"rank {hvd.rank()} StallError: {exc}", flush=True)
+    sys.exit(3)
+print(f"rank {hvd.rank()} finished without error", flush=True)
+"""
+
+# Rank 1 submits "late" only after a pause; rank 0, which waits, declares the stall expected,
+# which silences the inspector (warning and shutdown), so the job succeeds.
+_EXPECTED = """
+import time, numpy as np, hvdlite as hvd
+hvd.init()
+if hvd.rank() == 0:
+    with hvd.expect_stall():
+        hvd.allreduce(np.ones(2), name="late")
+else:
+    time.sleep(4)
+    hvd.allreduce(np.ones(2), name="late")
+print(f"rank {hvd.rank()} done", flush=True)
+"""
+
+
+@pytest.mark.parametrize("np_", [2, 4])
+def test_stall_shutdown_ends_every_rank(tmp_path: Path, np_: int) -> None:
+    script = _script(tmp_path, "stall.py", _DIVERGING)
+    start = time.monotonic()
+    proc = hvdliterun("-np", str(np_), "--stall-check-time-s", "1",
+                      "--stall-shutdown-time-s", "3", "--", sys.executable, script, timeout=90)
+    elapsed = time.monotonic() - start
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert elapsed < 60, f"job took {elapsed:.0f} s to end"
+    assert "finished without error" not in out
+    # Every rank raised the stall error, naming the tensor and the missing rank(s).
+    raised = {int(r) for r in re.findall(r"rank (\d+) StallError: ", out)}
+    assert raised == set(range(np_)), out
+    assert "'grad.w' (missing ranks 1," in out, out
+    assert out.count("StallError: tensor ") == np_, out
+
+
+def test_stall_warning_names_tensor_and_missing_rank(tmp_path: Path) -> None:
+    script = _script(tmp_path, "warn.py", """
+        import time, numpy as np, hvdlite as hvd
+        hvd.init()
+        if hvd.rank() == 1:
+            time.sleep(3.5)
+        hvd.allreduce(np.ones(3), name="slow.tensor")
+        print(f"rank {hvd.rank()} done", flush=True)
+    """)
+    proc = hvdliterun("-np", "2", "--stall-check-time-s", "1", "--", sys.executable, script,
+                      env=_clean_env(HVDLITE_LOG_LEVEL="warning"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "hvdlite stall" in out, out
+    line = next(ln for ln in out.splitlines() if ln.startswith("slow.tensor"))
+    assert re.search(r"allreduce\s+float64\s+\(3,\)\s+0\s+1\b", line), line
+
+
+def test_expect_stall_silences_the_inspector(tmp_path: Path) -> None:
+    script = _script(tmp_path, "expect.py", _EXPECTED)
+    proc = hvdliterun("-np", "2", "--stall-check-time-s", "1", "--stall-shutdown-time-s", "2",
+                      "--", sys.executable, script)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "hvdlite stall" not in out and "StallError" not in out, out
+    assert "rank 0 done" in out and "rank 1 done" in out
