@@ -259,8 +259,9 @@ def nesting_errors(spans: list[Span]) -> list[str]:
 
 def merge_continued(spans: list[Span]) -> list[Span]:
     """Join spans split by file rotation (E continued + B continued, same track and name)."""
-    # Ascending end: a zero-length continuation precedes the longer span that resumes it.
-    spans = sorted(spans, key=lambda s: (s.pid, s.track, s.start, s.end))
+    # A zero-length piece precedes the longer span that resumes it, and a piece that is not a
+    # continuation precedes the continuations that start at the same time.
+    spans = sorted(spans, key=lambda s: (s.pid, s.track, s.start, s.end, s.continued_in))
     out: list[Span] = []
     open_out: dict[tuple[int, str, str], Span] = {}
     for s in spans:
