@@ -1,0 +1,199 @@
+"""Handle semantics for host work: completion from other threads, timeouts, failures, ``then``.
+
+The parts are completed the way the background thread does it (``_set_part`` / ``_fail``),
+from real threads, so the waits below really block and wake.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from hvdlite._handles import Handle
+from hvdlite.errors import MismatchError, ShutdownError
+
+WAIT_S = 10.0  # upper bound for waits that must succeed; never reached when things work
+
+
+def later(fn: Callable[[], Any], delay_s: float = 0.02) -> threading.Thread:
+    """Run ``fn`` on a new thread after ``delay_s``; the caller joins the thread."""
+
+    def run() -> None:
+        time.sleep(delay_s)
+        fn()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_poll_false_until_done_then_true() -> None:
+    h = Handle("a")
+    assert not h.poll() and not h.done()
+    assert "pending" in repr(h)
+    thread = later(lambda: h._set_part(0, 42))
+    assert h.wait(WAIT_S) == 42
+    thread.join()
+    assert h.poll() and h.done()
+    assert h.exception() is None
+    assert repr(h) == "<hvdlite.Handle 'a' done>"
+    assert h.wait() == 42  # waiting again returns the same result
+    assert h.synchronize() == 42
+
+
+def test_grouped_handle_returns_list_in_part_order() -> None:
+    h = Handle("g", parts=3, as_list=True)
+    h._set_part(2, "c")
+    h._set_part(0, "a")
+    assert not h.poll()
+    thread = later(lambda: h._set_part(1, "b"))
+    assert h.wait(WAIT_S) == ["a", "b", "c"]
+    thread.join()
+
+
+def test_single_part_list_handle() -> None:
+    h = Handle("g1", parts=1, as_list=True)
+    h._set_part(0, 7)
+    assert h.wait() == [7]
+
+
+def test_wait_timeout_then_completion() -> None:
+    h = Handle("slow")
+    with pytest.raises(TimeoutError, match="'slow' did not complete in 0.05 s"):
+        h.wait(timeout=0.05)
+    assert not h.poll()
+    with pytest.raises(TimeoutError):
+        h.exception(timeout=0.01)
+    thread = later(lambda: h._set_part(0, "late"))
+    assert h.wait(WAIT_S) == "late"
+    thread.join()
+
+
+def test_failed_part_makes_wait_raise() -> None:
+    h = Handle("m", parts=2, as_list=True)
+    h._set_part(0, "ok")
+    err = MismatchError("tensor 'm.1': dtype differs across ranks")
+    thread = later(lambda: h._fail(err))
+    with pytest.raises(MismatchError) as info:
+        h.wait(WAIT_S)
+    thread.join()
+    assert info.value is err
+    assert h.poll()
+    assert h.exception() is err
+    assert repr(h) == "<hvdlite.Handle 'm' failed>"
+    h._set_part(1, "too late")  # ignored once failed
+    with pytest.raises(MismatchError):
+        h.wait()
+
+
+def test_completion_after_success_is_ignored() -> None:
+    h = Handle("s")
+    h._set_part(0, 1)
+    h._fail(ShutdownError("gone"))
+    h._set_part(0, 2)
+    assert h.wait() == 1
+    assert h.exception() is None
+
+
+def test_exception_waits_for_completion() -> None:
+    h = Handle("e")
+    err = ShutdownError("hvdlite was shut down")
+    thread = later(lambda: h._fail(err))
+    assert h.exception(WAIT_S) is err
+    thread.join()
+
+
+def test_many_waiters_all_wake() -> None:
+    h = Handle("many")
+    results: list[Any] = []
+    lock = threading.Lock()
+
+    def waiter() -> None:
+        value = h.wait(WAIT_S)
+        with lock:
+            results.append(value)
+
+    threads = [threading.Thread(target=waiter) for _ in range(4)]
+    for t in threads:
+        t.start()
+    h._set_part(0, "x")
+    for t in threads:
+        t.join(WAIT_S)
+    assert results == ["x"] * 4
+
+
+def test_then_on_host_handle() -> None:
+    h = Handle("t")
+    child = h.then(lambda v: v * 2)
+    assert child.name == "t.then"
+    assert not child.poll()
+    h._set_part(0, 21)
+    assert child.wait(WAIT_S) == 42
+
+
+def test_then_chains() -> None:
+    h = Handle("t2", parts=2, as_list=True)
+    grand = h.then(sum).then(lambda v: v + 1)
+    h._set_part(0, 3)
+    h._set_part(1, 4)
+    assert grand.wait(WAIT_S) == 8
+
+
+def test_then_propagates_fn_exception() -> None:
+    h = Handle("t3")
+
+    def boom(value: Any) -> Any:
+        raise ValueError(f"bad value {value}")
+
+    child = h.then(boom)
+    h._set_part(0, 5)
+    with pytest.raises(ValueError, match="bad value 5"):
+        child.wait(WAIT_S)
+    assert isinstance(child.exception(), ValueError)
+
+
+def test_then_propagates_collective_failure() -> None:
+    h = Handle("t4")
+    calls: list[Any] = []
+    child = h.then(calls.append)
+    err = MismatchError("tensor 't4': shape differs")
+    h._fail(err)
+    assert child.exception(WAIT_S) is err
+    assert calls == []
+
+
+def test_wait_stream_on_host_handle_waits() -> None:
+    h = Handle("ws")
+    thread = later(lambda: h._set_part(0, "v"), 0.05)
+    h.wait_stream()
+    assert h.poll()
+    thread.join()
+
+
+def test_wait_stream_host_waits_for_completion_not_enqueue() -> None:
+    h = Handle("ws2")
+    h._enqueued(())  # enqueued but not finished: a host handle still waits for the result
+    finished = threading.Event()
+
+    def wait_stream() -> None:
+        h.wait_stream()
+        finished.set()
+
+    thread = threading.Thread(target=wait_stream)
+    thread.start()
+    assert not finished.wait(0.05)
+    h._set_part(0, 1)
+    assert finished.wait(WAIT_S)
+    thread.join()
+
+
+def test_wait_stream_raises_failure() -> None:
+    h = Handle("ws3")
+    thread = later(lambda: h._fail(ShutdownError("down")))
+    with pytest.raises(ShutdownError, match="down"):
+        h.wait_stream()
+    thread.join()
