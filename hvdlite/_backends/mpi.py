@@ -77,7 +77,7 @@ class MPIBackend:
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.fusion = fusion
-        self._run: dict[Kind, Callable[[list[Response], list[Entry | None]], None]] = {
+        self._run: dict[Kind, Callable[[list[Response], list[Entry | None]], Any]] = {
             Kind.ALLREDUCE: self._allreduce,
             Kind.ALLGATHER: self._allgather,
             Kind.BROADCAST: self._broadcast,
@@ -92,7 +92,11 @@ class MPIBackend:
             self._allreduce(bucket, entries)
             return
         with self.tracer.phase([r.name for r in bucket], f"MPI_{kind.name}"):
-            self._run[kind](bucket, entries)
+            out = self._run[kind](bucket, entries)
+        # Completed only after the phase closed, so a caller woken by the handle never sees
+        # a trace with this span still open.
+        if entries[0] is not None:
+            entries[0].finish(out)
 
     def _wait(self, req: MPI.Request) -> None:
         # Nonblocking collective + polling, so a peer's failure notice is seen here too
@@ -163,7 +167,7 @@ class MPIBackend:
             np.multiply(src, resp.prescale, out=dst, casting="unsafe")
 
     # -- the other collectives (never fused) --------------------------------------------
-    def _allgather(self, bucket: list[Response], entries: list[Entry | None]) -> None:
+    def _allgather(self, bucket: list[Response], entries: list[Entry | None]) -> Any:
         resp, entry = bucket[0], entries[0]
         row = DTYPES[resp.dtype]
         mtype, _ = mpi_datatype(row)
@@ -174,23 +178,22 @@ class MPIBackend:
                 else np.empty((0, *trailing), dtype=row.np_dtype))
         counts = [s * per_row for s in resp.sizes]
         self._wait(self.comm.Iallgatherv([send, mtype], [out, (counts, _displs(counts)), mtype]))
-        if entry is not None:
-            entry.finish(out)
+        return out
 
-    def _broadcast(self, bucket: list[Response], entries: list[Entry | None]) -> None:
+    def _broadcast(self, bucket: list[Response], entries: list[Entry | None]) -> Any:
         resp, entry = bucket[0], entries[0]
         mtype, _ = mpi_datatype(DTYPES[resp.dtype])
         if entry is None:
             scratch = np.empty(resp.shape, dtype=DTYPES[resp.dtype].np_dtype)
             self._wait(self.comm.Ibcast([scratch, mtype], root=resp.root))
-            return
+            return None
         assert entry.tensor is not None
         if self.rank == resp.root and entry.output is not entry.tensor.array:
             np.copyto(entry.output, entry.tensor.array)
         self._wait(self.comm.Ibcast([entry.output, mtype], root=resp.root))
-        entry.finish(entry.output)
+        return entry.output
 
-    def _alltoall(self, bucket: list[Response], entries: list[Entry | None]) -> None:
+    def _alltoall(self, bucket: list[Response], entries: list[Entry | None]) -> Any:
         resp, entry = bucket[0], entries[0]
         assert entry is not None and entry.tensor is not None  # no alltoall with joined ranks
         row = DTYPES[resp.dtype]
@@ -205,9 +208,9 @@ class MPIBackend:
         self._wait(self.comm.Ialltoallv(
             [entry.tensor.array, (send_counts, _displs(send_counts)), mtype],
             [out, (recv_counts, _displs(recv_counts)), mtype]))
-        entry.finish(out)
+        return out
 
-    def _reducescatter(self, bucket: list[Response], entries: list[Entry | None]) -> None:
+    def _reducescatter(self, bucket: list[Response], entries: list[Entry | None]) -> Any:
         resp, entry = bucket[0], entries[0]
         row = DTYPES[resp.dtype]
         op = ReduceOp(resp.op)
@@ -224,8 +227,7 @@ class MPIBackend:
                                              recvcounts=[r * per_row for r in rows],
                                              op=mpi_op(row, op)))
         finish_reduce(np, out, op, self.size - len(resp.joined), 1.0, row)
-        if entry is not None:
-            entry.finish(out.astype(row.np_dtype, copy=False))
+        return out.astype(row.np_dtype, copy=False)
 
 
 def _displs(counts: Sequence[int]) -> list[int]:

@@ -1,0 +1,83 @@
+"""The engine's timeline: exact event accounting for known collectives, runtime start/stop,
+and the statistics counters. Every rank writes its own file (``{rank}`` in the path)."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def _spans(path: Path) -> dict[str, list[tuple[str, float, float]]]:
+    """tensor name -> [(phase, begin, end)] in begin order, from B/E pairs per track."""
+    events = json.loads(path.read_text())
+    names = {e["tid"]: e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    open_: dict[tuple[int, str], float] = {}
+    spans: dict[str, list[tuple[str, float, float]]] = defaultdict(list)
+    for e in events:
+        if e.get("ph") == "B":
+            key = (e["tid"], e["name"])
+            assert key not in open_, f"span {key} begun twice"
+            open_[key] = e["ts"]
+        elif e.get("ph") == "E":
+            begin = open_.pop((e["tid"], e["name"]))
+            spans[names[e["tid"]]].append((e["name"], begin, e["ts"]))
+    assert not open_, f"spans never ended: {open_}"
+    for phases in spans.values():
+        phases.sort(key=lambda s: s[1])
+    return spans
+
+
+def test_every_tensor_has_each_phase_once_in_order(hvd: Any, tmp_path: Path) -> None:
+    path = tmp_path / "trace_{rank}.json"
+    hvd.start_timeline(str(path), mark_cycles=True)
+    parts = [np.full(5, i, np.float32) for i in range(4)]
+    hvd.grouped_allreduce(parts, name="tl.group", op=hvd.Sum)  # fused: copy phases
+    hvd.allreduce(np.ones(3), name="tl.single", op=hvd.Sum)
+    hvd.allgather(np.ones((2, 2)), name="tl.gather")
+    hvd.broadcast(np.ones(2), 0, name="tl.bcast")
+    hvd.stop_timeline()
+    spans = _spans(Path(str(path).replace("{rank}", str(hvd.rank()))))
+    fused = ["NEGOTIATE_ALLREDUCE", "QUEUE", "MEMCPY_IN_FUSION_BUFFER", "MPI_ALLREDUCE",
+             "MEMCPY_OUT_FUSION_BUFFER"]
+    want = {f"tl.group.{i}": fused for i in range(4)}
+    want["tl.single"] = ["NEGOTIATE_ALLREDUCE", "QUEUE", "MPI_ALLREDUCE"]
+    want["tl.gather"] = ["NEGOTIATE_ALLGATHER", "QUEUE", "MPI_ALLGATHER"]
+    want["tl.bcast"] = ["NEGOTIATE_BROADCAST", "QUEUE", "MPI_BROADCAST"]
+    assert set(spans) == set(want)
+    for name, phases in want.items():
+        got = spans[name]
+        assert [p for p, _, _ in got] == phases, (name, got)
+        for (_, _, e0), (_, b1, _) in zip(got, got[1:], strict=False):
+            assert e0 <= b1 + 1e-3, (name, got)  # each phase ends before the next begins
+        assert all(e >= b for _, b, e in got), (name, got)
+
+
+def test_runtime_start_stop(hvd: Any, tmp_path: Path) -> None:
+    first, second = tmp_path / "a_{rank}.json", tmp_path / "b_{rank}.json"
+    hvd.start_timeline(str(first))
+    hvd.allreduce(np.ones(2), name="tl.before")
+    hvd.stop_timeline()
+    hvd.allreduce(np.ones(2), name="tl.between")  # not traced
+    hvd.start_timeline(str(second))
+    hvd.allreduce(np.ones(2), name="tl.after")
+    hvd.stop_timeline()
+    me = str(hvd.rank())
+    a = _spans(Path(str(first).replace("{rank}", me)))
+    b = _spans(Path(str(second).replace("{rank}", me)))
+    assert set(a) == {"tl.before"} and set(b) == {"tl.after"}
+
+
+def test_stats_count_operations(hvd: Any) -> None:
+    before = hvd.stats()["ops"].get("allreduce", {}).get("count", 0)
+    for _ in range(5):
+        hvd.allreduce(np.ones(8, np.float32), name="stats.x")
+    snap = hvd.stats()
+    ops = snap["ops"]["allreduce"]
+    assert ops["count"] == before + 5
+    assert ops["latency_p50_s"] > 0 and ops["latency_p99_s"] >= ops["latency_p50_s"]
+    assert 0.0 <= snap["cache"]["hit_rate"] <= 1.0
