@@ -201,12 +201,15 @@ class CoordinatorTable:
             if entry is None:
                 entry = self._pending[req.name] = _Pending(first_seen=now)
             entry.by_rank[rank] = req
+            if req.kind is Kind.JOIN:
+                # A join changes who must submit: tensors waiting only on this rank are ready
+                # now, and must run before the join itself completes (which resets the joined
+                # set their responses depend on).
+                self._ready.extend(n for n, e in self._pending.items()
+                                   if n not in self._ready and n != req.name
+                                   and self._complete(e))
             if self._complete(entry):
                 self._ready.append(req.name)
-            # A join changes who must submit: tensors waiting only on this rank are now ready.
-            if req.kind is Kind.JOIN:
-                self._ready.extend(n for n, e in self._pending.items()
-                                   if n not in self._ready and self._complete(e))
 
     def _complete(self, entry: _Pending) -> bool:
         first = next(iter(entry.by_rank.values()))

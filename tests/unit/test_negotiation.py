@@ -274,11 +274,8 @@ def test_alltoall_with_joined_rank_is_an_error() -> None:
     assert resp.sizes == ()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "JOIN completing in the same add as a tensor it makes ready is answered first and clears "
-    "the joined set, so the tensor runs after the join with joined=() (Average divides by the "
-    "full size). Repro, 2 ranks: rank 1 h=allreduce_async(full(3,4.0),name='x'); join(); "
-    "rank 0 sleep(0.5); join() -> rank 1 h.wait() == 2.0, expected 4.0"))
+# Regression: the JOIN used to be answered first and clear the joined set, so the tensor ran
+# after it with joined=() and Average divided by the full size (rank 1: x=4 -> got 2).
 def test_tensor_made_ready_by_the_last_join_runs_before_the_join() -> None:
     table = CoordinatorTable(2)
     table.add(1, [allreduce("x", op=int(ReduceOp.AVERAGE)), join()], now=0.0)
