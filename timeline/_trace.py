@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
-    "Instant", "Pairing", "Span", "Trace", "TraceError", "clock_refs", "comm_phase",
+    "Instant", "Pairing", "Span", "Trace", "TraceError", "attribute", "clock_refs", "comm_phase",
     "compute_phase", "intersect_length", "load", "merge_continued", "nesting_errors", "pair",
     "percentile", "track_names", "union_length",
 ]
@@ -46,6 +46,8 @@ class Span:
     depth: int
     args: dict[str, Any] = field(default_factory=dict)
     end_args: dict[str, Any] = field(default_factory=dict)
+    payload: int | None = None  # the tensor's bytes, filled in by ``attribute``
+    bucket: Any = None          # the bucket it ran in, filled in by ``attribute``
 
     @property
     def dur(self) -> float:
@@ -276,6 +278,37 @@ def merge_continued(spans: list[Span]) -> list[Span]:
         if s.continued_out:
             open_out[key] = s
     return out
+
+
+def _arg(span: Span, key: str) -> Any:
+    return span.end_args.get(key, span.args.get(key))
+
+
+def attribute(spans: list[Span]) -> None:
+    """Give each span its tensor's payload bytes and its bucket id.
+
+    Per track in time order: a NEGOTIATE_* span starts a new submission, whose ``bytes`` arg is
+    the tensor's payload; a ``bucket`` arg (B or E) on any later span names the bucket until the
+    next negotiation. Without a negotiation in the file, a span's own ``bytes`` arg is used.
+    """
+    by_track: dict[tuple[int, str], list[Span]] = {}
+    for s in spans:
+        by_track.setdefault((s.pid, s.track), []).append(s)
+    for group in by_track.values():
+        group.sort(key=lambda s: (s.start, s.end))
+        payload: int | None = None
+        bucket: Any = None
+        for s in group:
+            if s.name.startswith("NEGOTIATE"):
+                val = s.args.get("bytes")
+                payload = int(val) if isinstance(val, (int, float)) else None
+                bucket = None
+            elif _arg(s, "bucket") is not None:
+                bucket = _arg(s, "bucket")
+            own = s.args.get("bytes")
+            fallback = int(own) if isinstance(own, (int, float)) else None
+            s.payload = payload if payload is not None else fallback
+            s.bucket = bucket
 
 
 def union_length(intervals: list[tuple[float, float]]) -> float:

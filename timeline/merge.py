@@ -61,13 +61,16 @@ def _shifts(traces: list[Trace], align: str) -> tuple[list[float], str]:
         if missing:
             raise MergeError(f"--align offset: no clock_offset event for rank(s) {missing}")
         return [offsets[r] for r in ranks], align
-    shifts = []
+    syncs = []
     for trace, (sync, _) in zip(traces, refs, strict=True):
         if sync is None or not {"wall_time_ns", "perf_counter_us"} <= sync.keys():
             raise MergeError(f"{trace.path}: no clock_sync metadata to align by wall clock "
                              f"(use --align none to merge unaligned)")
-        shifts.append(sync["wall_time_ns"] / 1000.0 - float(sync["perf_counter_us"]))
-    return shifts, align
+        syncs.append((int(sync["wall_time_ns"]), float(sync["perf_counter_us"])))
+    # Relative to the first file: absolute wall-clock microseconds (~1e15) would leave doubles
+    # only a quarter-microsecond of resolution.
+    wall0, perf0 = syncs[0]
+    return [(wall - wall0) / 1000.0 - (perf - perf0) for wall, perf in syncs], align
 
 
 def merge(traces: list[Trace], align: str = "auto") -> list[dict[str, Any]]:

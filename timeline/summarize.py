@@ -14,6 +14,7 @@ import argparse
 import bisect
 import collections
 import json
+import re
 import sys
 from typing import Any
 
@@ -22,6 +23,7 @@ from timeline._trace import (
     Span,
     Trace,
     TraceError,
+    attribute,
     comm_phase,
     compute_phase,
     intersect_length,
@@ -32,7 +34,9 @@ from timeline._trace import (
     union_length,
 )
 
-__all__ = ["main", "summarize", "format_text"]
+__all__ = ["format_text", "main", "parse_size", "summarize"]
+
+_CACHE_HIT = "CACHE_HIT"
 
 
 def _stats(durs: list[float], nbytes: int) -> dict[str, Any]:
@@ -42,9 +46,21 @@ def _stats(durs: list[float], nbytes: int) -> dict[str, Any]:
             "p99_us": percentile(durs, 99), "max_us": durs[-1], "bytes": nbytes}
 
 
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*")
+
+
+def parse_size(text: str) -> int:
+    """'65536', '64MiB', '1.5 MB' -> bytes."""
+    m = _SIZE.fullmatch(text)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 65536, 64MiB, 1.5MB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
 def _nbytes(span: Span) -> int:
-    val = span.args.get("bytes", 0)
-    return int(val) if isinstance(val, (int, float)) else 0
+    return span.payload or 0
 
 
 def _by_phase(spans: list[Span]) -> dict[str, dict[str, Any]]:
@@ -80,43 +96,52 @@ def _negotiation(spans: list[Span], instants: list[Instant]) -> dict[str, dict[s
         del entry["bytes"]
         skews: list[float] = []
         last: collections.Counter[int] = collections.Counter()
+        hits = 0
         for s in negs:
             group = ticks.get((s.pid, s.track), [])
             times = [t.ts for t in group]
             inside = group[bisect.bisect_left(times, s.start):bisect.bisect_right(times, s.end)]
-            ranked = [t for t in inside if _tick_rank(t) is not None]
+            hits += any(t.name == _CACHE_HIT for t in inside)
+            ranked = [(t.ts, r) for t in inside
+                      if t.name != _CACHE_HIT and (r := _tick_rank(t)) is not None]
             if len(ranked) >= 2:
-                skews.append(ranked[-1].ts - ranked[0].ts)
+                skews.append(ranked[-1][0] - ranked[0][0])
             if ranked:
-                last[_tick_rank(ranked[-1]) or 0] += 1
+                last[ranked[-1][1]] += 1
+        entry["cache_hits"] = hits
         entry["skew_mean_us"] = sum(skews) / len(skews) if skews else None
         entry["last_ready"] = {str(r): n for r, n in sorted(last.items())}
         out[tensor] = entry
     return out
 
 
-def _fusion(spans: list[Span]) -> dict[str, Any]:
-    buckets: dict[tuple[int, Any], dict[str, int]] = {}
-    thresholds: dict[tuple[int, Any], int] = {}
+def _fusion(spans: list[Span], threshold: int | None) -> dict[str, Any]:
+    """Per communication phase: buckets, tensors and payload per bucket, fill of the threshold."""
+    members: dict[tuple[str, int, Any], dict[str, int]] = {}
+    given: dict[tuple[int, Any], int] = {}
     for s in spans:
-        if not comm_phase(s.name) or "bucket" not in s.args:
+        if s.bucket is None:
             continue
-        key = (s.pid, s.args["bucket"])
-        buckets.setdefault(key, {})[s.track] = _nbytes(s)
-        thr = s.args.get("threshold")
-        if isinstance(thr, (int, float)) and thr > 0:
-            thresholds[key] = int(thr)
-    if not buckets:
-        return {"buckets": 0, "note": "no communication span carries a 'bucket' arg"}
-    payloads = {k: sum(v.values()) for k, v in buckets.items()}
-    fills = [payloads[k] / thresholds[k] for k in buckets if k in thresholds]
-    return {
-        "buckets": len(buckets),
-        "tensors_per_bucket_mean": sum(len(v) for v in buckets.values()) / len(buckets),
-        "payload_bytes_mean": sum(payloads.values()) / len(buckets),
-        "threshold_bytes": max(thresholds.values()) if thresholds else None,
-        "efficiency_mean": sum(fills) / len(fills) if fills else None,
-    }
+        for args in (s.args, s.end_args):
+            thr = args.get("threshold")
+            if isinstance(thr, (int, float)) and thr > 0:
+                given[(s.pid, s.bucket)] = int(thr)
+        if comm_phase(s.name):
+            members.setdefault((s.name, s.pid, s.bucket), {})[s.track] = _nbytes(s)
+    by_phase: dict[str, dict[str, Any]] = {}
+    for phase in sorted({k[0] for k in members}):
+        keys = [k for k in members if k[0] == phase]
+        payloads = [sum(members[k].values()) for k in keys]
+        fills = [p / t for k, p in zip(keys, payloads, strict=True)
+                 if (t := given.get(k[1:], threshold or 0)) > 0]
+        by_phase[phase] = {
+            "buckets": len(keys),
+            "tensors_per_bucket_mean": sum(len(members[k]) for k in keys) / len(keys),
+            "payload_bytes_mean": sum(payloads) / len(keys),
+            "efficiency_mean": sum(fills) / len(fills) if fills else None,
+        }
+    thresholds = set(given.values()) or ({threshold} if threshold else set())
+    return {"threshold_bytes": max(thresholds) if thresholds else None, "by_phase": by_phase}
 
 
 def _communication(spans: list[Span]) -> dict[str, dict[str, Any]]:
@@ -139,8 +164,9 @@ def _communication(spans: list[Span]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def summarize(traces: list[Trace]) -> dict[str, Any]:
-    """Every figure of the report, as a JSON-ready dict."""
+def summarize(traces: list[Trace], threshold: int | None = None) -> dict[str, Any]:
+    """Every figure of the report, as a JSON-ready dict (``threshold``: the fusion threshold
+    in bytes, for traces whose spans do not carry one)."""
     spans: list[Span] = []
     instants: list[Instant] = []
     unpaired = 0
@@ -154,6 +180,7 @@ def summarize(traces: list[Trace]) -> dict[str, Any]:
                        if isinstance(ev, dict) and ev.get("name") == "trace_end"
                        and ev.get("ph") == "M")
     spans = merge_continued(spans)
+    attribute(spans)
     tensors: dict[str, list[Span]] = collections.defaultdict(list)
     for s in spans:
         tensors[s.track].append(s)
@@ -165,7 +192,7 @@ def summarize(traces: list[Trace]) -> dict[str, Any]:
         "phases": _by_phase(spans),
         "tensors": {name: _by_phase(group) for name, group in sorted(tensors.items())},
         "negotiation": _negotiation(spans, instants),
-        "fusion": _fusion(spans),
+        "fusion": _fusion(spans, threshold),
         "communication": _communication(spans),
     }
 
@@ -215,21 +242,22 @@ def format_text(rep: dict[str, Any], top: int = 20) -> str:
         out.append(name)
         out += _phase_rows(phases, prefix="  ")
     out += ["", "== negotiation wait",
-            f"{'tensor':<28} {'count':>7} {'mean':>11} {'p99':>11} {'rank skew':>11}  last ready"]
+            f"{'tensor':<28} {'count':>7} {'cached':>7} {'mean':>11} {'p99':>11} "
+            f"{'rank skew':>11}  last ready"]
     for name, st in rep["negotiation"].items():
         last = " ".join(f"r{r}:{n}" for r, n in st["last_ready"].items()) or "-"
-        out.append(f"{name[:28]:<28} {st['count']:>7} {_t(st['mean_us']):>11} "
-                   f"{_t(st['p99_us']):>11} {_t(st['skew_mean_us']):>11}  {last}")
-    out += ["", "== fusion"]
+        out.append(f"{name[:28]:<28} {st['count']:>7} {st['cache_hits']:>7} "
+                   f"{_t(st['mean_us']):>11} {_t(st['p99_us']):>11} "
+                   f"{_t(st['skew_mean_us']):>11}  {last}")
     fus = rep["fusion"]
-    if fus["buckets"]:
-        eff = fus["efficiency_mean"]
-        out.append(f"buckets {fus['buckets']}, {fus['tensors_per_bucket_mean']:.2f} tensors and "
-                   f"{_b(fus['payload_bytes_mean'])} per bucket, threshold "
-                   f"{_b(fus['threshold_bytes'])}, efficiency "
-                   f"{'-' if eff is None else f'{eff:.1%}'}")
-    else:
-        out.append(fus["note"])
+    out += ["", f"== fusion (threshold {_b(fus['threshold_bytes'])})",
+            f"{'phase':<28} {'buckets':>7} {'tensors/b':>10} {'payload/b':>10} {'fill':>7}"]
+    for phase, st in fus["by_phase"].items():
+        eff = st["efficiency_mean"]
+        out.append(f"{phase:<28} {st['buckets']:>7} {st['tensors_per_bucket_mean']:>10.2f} "
+                   f"{_b(st['payload_bytes_mean']):>10} {'-' if eff is None else f'{eff:.1%}':>7}")
+    if not fus["by_phase"]:
+        out.append("(no bucket ids in the trace)")
     out += ["", "== communication (per rank)",
             f"{'rank':<6} {'wall':>11} {'comm busy':>11} {'compute':>11} {'overlapped':>11} "
             f"{'exposed':>11}"]
@@ -251,13 +279,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
     ap.add_argument("--top", type=int, default=20,
                     help="tensors shown in the per-tensor table (0 = all; default 20)")
+    ap.add_argument("--threshold", type=parse_size, default=None,
+                    help="fusion threshold (e.g. 64MiB) for traces whose spans carry none")
     args = ap.parse_args(argv)
     try:
         traces = [load(p, lenient=True) for p in args.paths]
     except TraceError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    rep = summarize(traces)
+    rep = summarize(traces, args.threshold)
     print(json.dumps(rep, indent=2) if args.json else format_text(rep, args.top))
     return 0
 

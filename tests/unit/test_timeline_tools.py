@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +15,7 @@ from typing import Any
 import pytest
 
 from hvdlite._timeline import Timeline
-from timeline import Span, check, load, merge, plot, summarize
+from timeline import Span, check, load, merge, pair, plot, summarize
 from timeline import __main__ as cli
 
 pytestmark = pytest.mark.timeout(60)
@@ -49,7 +52,7 @@ def write_rank(path: Path, rank: int, *, offset_us: float | None = None, compute
                                                    "shape": [NBYTES[i] // 4]}, ts_us=b)
             order = (0, 1) if i % 2 == 0 else (1, 0)
             for k, r in enumerate(order if rank == 0 else ()):  # the coordinator's ticks
-                tl.instant(name, str(r), {"rank": r}, ts_us=b + 2 + 3 * k)
+                tl.instant(name, f"RANK_{r}_READY", {"rank": r}, ts_us=b + 2 + 3 * k)
             tl.end(name, "NEGOTIATE_ALLREDUCE", ts_us=b + 10)
         tl.begin_all(TENSORS, "QUEUE", ts_us=b + 10)
         tl.end_all(TENSORS, "QUEUE", ts_us=b + 12)
@@ -194,14 +197,14 @@ def test_summarize_exact_figures(two_ranks: list[Path]) -> None:
     assert set(neg) == set(TENSORS)
     assert neg["grad.0"]["count"] == 2 * STEPS and neg["grad.0"]["mean_us"] == 10.0
     assert neg["grad.0"]["skew_mean_us"] == 3.0  # ticks only on rank 0's trace
-    assert neg["grad.0"]["last_ready"] == {"1": STEPS}
+    assert neg["grad.0"]["last_ready"] == {"1": STEPS} and neg["grad.0"]["cache_hits"] == 0
     assert neg["grad.1"]["last_ready"] == {"0": STEPS}
     fus = rep["fusion"]
-    assert fus["buckets"] == 2 * STEPS  # bucket ids are per rank
-    assert fus["tensors_per_bucket_mean"] == 4.0
-    assert fus["payload_bytes_mean"] == sum(NBYTES)
     assert fus["threshold_bytes"] == THRESHOLD
-    assert fus["efficiency_mean"] == sum(NBYTES) / THRESHOLD
+    assert fus["by_phase"] == {"MPI_ALLREDUCE": {
+        "buckets": 2 * STEPS,  # bucket ids are per rank
+        "tensors_per_bucket_mean": 4.0, "payload_bytes_mean": sum(NBYTES),
+        "efficiency_mean": sum(NBYTES) / THRESHOLD}}
     longest = [_comm_us(s, 3) for s in range(STEPS)]
     r0, r1 = rep["communication"]["0"], rep["communication"]["1"]
     assert r0["comm_busy_us"] == pytest.approx(sum(longest))
@@ -219,7 +222,7 @@ def test_summarize_cli_text_and_json(two_ranks: list[Path],
     assert summarize.main([str(p) for p in two_ranks]) == 0
     text = capsys.readouterr().out
     for needle in ("== per phase", "== per tensor (5 of 5", "== negotiation wait",
-                   "== fusion", "efficiency 62.5%", "== communication", "overlap unknown",
+                   "== fusion (threshold 16.0KiB)", "62.5%", "== communication", "overlap unknown",
                    "grad.3", "r1:5"):
         assert needle in text, needle
     assert summarize.main(["--json", "--top", "1", str(two_ranks[0])]) == 0
@@ -238,6 +241,62 @@ def test_summarize_joins_rotated_segments(tmp_path: Path) -> None:
     b = summarize.summarize([load(str(p)) for p in segments])
     assert b["phases"] == a["phases"] and b["tensors"] == a["tensors"]
     assert b["communication"] == a["communication"] and b["fusion"] == a["fusion"]
+
+
+def write_engine_shaped(path: Path) -> None:
+    """The engine's layout: bucket id on QUEUE's E, the bucket's wire bytes on the collective
+    (the same args for every tensor), cache-hit ticks instead of ready ticks on a cached round."""
+    sizes = {"a": 400, "b": 600}
+    names = list(sizes)
+    tl = Timeline(str(path), 0)
+    for step in range(2):
+        b = 100.0 * step
+        for n, nbytes in sizes.items():
+            tl.begin(n, "NEGOTIATE_ALLREDUCE", {"dtype": "float32", "shape": [nbytes // 4],
+                                                "bytes": nbytes}, ts_us=b)
+            if step == 0:
+                tl.instant(n, "RANK_0_READY", {"rank": 0}, ts_us=b + 1)
+                tl.instant(n, "RANK_1_READY", {"rank": 1}, ts_us=b + 4)
+            else:
+                tl.instant(n, "CACHE_HIT", {"rank": 0}, ts_us=b + 1)
+            tl.end(n, "NEGOTIATE_ALLREDUCE", ts_us=b + 5)
+            tl.begin(n, "QUEUE", ts_us=b + 5)
+        tl.end_all(names, "QUEUE", {"bucket": step}, ts_us=b + 6)
+        for phase, t0, t1, args in (("MEMCPY_IN_FUSION_BUFFER", 6, 7, None),
+                                    ("MPI_ALLREDUCE", 7, 17, {"bytes": 1000}),
+                                    ("MEMCPY_OUT_FUSION_BUFFER", 17, 18, None)):
+            tl.begin_all(names, phase, args, ts_us=b + t0)
+            tl.end_all(names, phase, ts_us=b + t1)
+    tl.close()
+
+
+def test_summarize_engine_layout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "engine.json"
+    write_engine_shaped(path)
+    assert check.check_file(str(path)).ok
+    assert summarize.main(["--json", "--threshold", "4000", str(path)]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["phases"]["MPI_ALLREDUCE"]["bytes"] == 2000  # payload, not 2 x the wire bytes
+    assert rep["phases"]["QUEUE"]["bytes"] == 2000
+    assert rep["tensors"]["a"]["MPI_ALLREDUCE"]["bytes"] == 800
+    assert rep["tensors"]["b"]["MEMCPY_OUT_FUSION_BUFFER"]["bytes"] == 1200
+    assert rep["fusion"] == {"threshold_bytes": 4000, "by_phase": {"MPI_ALLREDUCE": {
+        "buckets": 2, "tensors_per_bucket_mean": 2.0, "payload_bytes_mean": 1000.0,
+        "efficiency_mean": 0.25}}}
+    neg = rep["negotiation"]["a"]
+    assert (neg["count"], neg["cache_hits"], neg["last_ready"], neg["skew_mean_us"]) == (
+        2, 1, {"1": 1}, 3.0)
+
+
+@pytest.mark.parametrize("text,value", [("65536", 65536), ("64MiB", 64 << 20),
+                                        ("1.5 KB", 1500), ("2gib", 2 << 30)])
+def test_parse_size(text: str, value: int) -> None:
+    assert summarize.parse_size(text) == value
+
+
+def test_parse_size_rejects_garbage() -> None:
+    with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
+        summarize.parse_size("64 parsecs")
 
 
 # ---------------------------------------------------------------- merge
@@ -355,6 +414,100 @@ def test_plot_without_matplotlib(two_ranks: list[Path], tmp_path: Path,
     assert plot.main([str(two_ranks[0]), "--out", str(tmp_path / "x.png")]) == 1
     assert "needs matplotlib: pip install 'hvdlite[plot]'" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+# ---------------------------------------------------------------- a real hvdlite trace
+
+_JOB = """
+import sys
+import numpy as np
+import hvdlite as hvd
+hvd.init(timeline=sys.argv[1], fusion_threshold=4096)
+r = hvd.rank()
+for step in range({steps}):
+    hs = [hvd.allreduce_async(np.full(64 * (i + 1), r + i, dtype=np.float32), name=f"grad.{{i}}",
+                              op=hvd.Sum) for i in range(4)]
+    for h in hs:
+        h.wait()
+    hvd.allgather(np.arange(3, dtype=np.int64) + r, name="ag")
+    hvd.broadcast(np.zeros(5), 0, name="bc")
+hvd.shutdown()
+"""
+_LAUNCHER_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
+
+
+def _run_two_ranks(script: Path, *argv: str) -> str:
+    beside = Path(sys.executable).parent / "mpiexec"
+    mpiexec = str(beside) if beside.exists() else "mpiexec"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "HOROVOD_"))}
+    proc = subprocess.Popen([mpiexec, "-n", "2", sys.executable, str(script), *argv], cwd=ROOT,
+                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"2-rank hvdlite job did not finish in 120 s:\n{out[-4000:]}")
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def _sequence_ok(names: list[str], op: str) -> int:
+    """Count submissions in a track's top-level span names; fail on any other order."""
+    n, i = 0, 0
+    while i < len(names):
+        assert names[i:i + 2] == [f"NEGOTIATE_{op}", "QUEUE"], names[i:i + 6]
+        i += 2
+        fused = names[i] == "MEMCPY_IN_FUSION_BUFFER"
+        want = ["MEMCPY_IN_FUSION_BUFFER", f"MPI_{op}", "MEMCPY_OUT_FUSION_BUFFER"] if fused \
+            else [f"MPI_{op}"]
+        assert names[i:i + len(want)] == want, names[i - 2:i + 3]
+        i += len(want)
+        n += 1
+    return n
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(any(v in os.environ for v in _LAUNCHER_VARS),
+                    reason="starts its own mpiexec job; not run from inside one")
+def test_tools_on_a_real_two_rank_trace(tmp_path: Path) -> None:
+    steps = 3
+    script = tmp_path / "job.py"
+    script.write_text(_JOB.format(steps=steps))
+    _run_two_ranks(script, str(tmp_path / "t{rank}.json"))
+    paths = [tmp_path / "t0.json", tmp_path / "t1.json"]
+    for rank, path in enumerate(paths):
+        res = check.check_file(str(path))
+        assert res.ok, res.errors
+        p = load(str(path))
+        spans = sorted(pair(p).spans, key=lambda s: (s.start, -s.end))
+        tracks: dict[str, list[str]] = {}
+        for s in spans:
+            assert s.pid == rank and s.dur >= 0
+            tracks.setdefault(s.track, []).append(s.name)
+        assert set(tracks) == {"grad.0", "grad.1", "grad.2", "grad.3", "ag", "bc"}
+        for name, seq in tracks.items():
+            op = "ALLGATHER" if name == "ag" else "BROADCAST" if name == "bc" else "ALLREDUCE"
+            assert _sequence_ok(seq, op) == steps, (name, seq)
+    rep = summarize.summarize([load(str(p)) for p in paths])
+    ph = rep["phases"]
+    assert ph["NEGOTIATE_ALLREDUCE"]["count"] == ph["MPI_ALLREDUCE"]["count"] == 2 * 4 * steps
+    assert ph["MPI_ALLGATHER"]["count"] == ph["MPI_BROADCAST"]["count"] == 2 * steps
+    assert ph["MPI_ALLREDUCE"]["bytes"] == 2 * steps * sum(64 * (i + 1) * 4 for i in range(4))
+    assert ph["MPI_ALLGATHER"]["bytes"] == 2 * steps * 3 * 8
+    assert ph["QUEUE"]["count"] == 2 * 6 * steps
+    assert rep["unpaired_events"] == 0 and rep["dropped_events"] == 0
+    assert sum(n["count"] for n in rep["negotiation"].values()) == 2 * 6 * steps
+    merged = tmp_path / "merged.json"
+    assert merge.main([str(merged), *map(str, paths)]) == 0
+    assert check.check_file(str(merged)).ok
+    again = summarize.summarize([load(str(merged))])["phases"]
+    assert again.keys() == ph.keys()
+    for name, st in ph.items():  # merged timestamps are rounded to the nanosecond
+        assert (again[name]["count"], again[name]["bytes"]) == (st["count"], st["bytes"])
+        assert again[name]["total_us"] == pytest.approx(st["total_us"], abs=1e-3 * st["count"])
 
 
 # ---------------------------------------------------------------- entry points
