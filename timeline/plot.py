@@ -3,8 +3,9 @@
     python -m timeline.plot PATH... --out timeline.png [--window-ms W] [--tracks N]
 
 Needs matplotlib (``pip install 'hvdlite[plot]'``). The busiest window is the W-long interval,
-starting at some span's start, that holds the most span time (W defaults to a tenth of the
-trace, at least 1 ms); the chart shows the N tracks with the most time in it.
+starting at some span's start, that holds the most time of working spans (every phase except
+NEGOTIATE_*, QUEUE and WAIT_FOR_DATA); W defaults to a tenth of the trace, at least 1 ms. The
+chart shows every span in that window on the N tracks with the most time in it.
 """
 
 from __future__ import annotations
@@ -24,8 +25,16 @@ _MAX_CANDIDATES = 2000
 _MAX_PHASES_IN_HISTOGRAM = 8
 
 
+def waiting_phase(name: str) -> bool:
+    """Phases that wait rather than work: they do not make a window busy."""
+    return name.startswith("NEGOTIATE") or name in ("QUEUE", "WAIT_FOR_DATA")
+
+
 def busiest_window(spans: list[Span], width_us: float) -> tuple[float, float]:
-    """The [start, start + width) interval with the most span time, starting at a span start."""
+    """The [start, start + width) interval with the most working-span time (waiting phases
+    count only when nothing else is there), starting at a span start."""
+    working = [s for s in spans if not waiting_phase(s.name)]
+    spans = working or spans
     starts = np.array([s.start for s in spans], dtype=np.float64)
     ends = np.array([s.end for s in spans], dtype=np.float64)
     candidates = np.unique(starts)

@@ -396,6 +396,9 @@ def test_busiest_window_is_exact() -> None:
              [(0, 10), (100, 150), (120, 160), (400, 405), (1000, 1001)]]
     assert plot.busiest_window(spans, 50.0) == (100.0, 150.0)  # 50 + 30 us covered
     assert plot.busiest_window(spans, 5.0) == (120.0, 125.0)  # two spans overlap there
+    waits = [Span(0, "a", "NEGOTIATE_ALLREDUCE", 0, 900, 0), Span(0, "a", "QUEUE", 900, 990, 0)]
+    assert plot.busiest_window(spans + waits, 50.0) == (100.0, 150.0)  # waiting is not work
+    assert plot.busiest_window(waits, 50.0) == (0.0, 50.0)
 
 
 def test_plot_writes_png(two_ranks: list[Path], tmp_path: Path,
