@@ -108,17 +108,19 @@ class Engine:
         """The device runtime, created on first use (imports CuPy; any thread)."""
         with self._lock:
             if self._gpu is None:
-                from hvdlite._gpu.runtime import GpuRuntime
-
-                cpu_sync = bool(self.config.timeline)
-                if cpu_sync:
-                    log.warning("hvdlite: timeline is on, so device inputs and completions are "
-                                "waited on the CPU (the timeline shows true times; GPU overlap "
-                                "is reduced)")
                 import cupy
 
+                from hvdlite._gpu.runtime import GpuRuntime
+
+                cfg = self.config
                 default = self.local_rank % max(cupy.cuda.runtime.getDeviceCount(), 1)
-                self._gpu = GpuRuntime(default, self.config.async_completion, cpu_sync)
+                self._gpu = GpuRuntime(default, cfg.async_completion,
+                                       cfg.timeline_device_events, self.tracer)
+                if self._gpu.cpu_sync:
+                    log.warning("hvdlite: the timeline is on, so device inputs and completions "
+                                "are waited on the CPU (true times in the trace, less overlap); "
+                                "set timeline_device_events to keep stream waits and time "
+                                "device phases with CUDA events instead")
             return self._gpu
 
     def check_usable(self) -> None:

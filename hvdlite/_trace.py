@@ -108,6 +108,27 @@ class Tracer:
         if tl is not None:
             tl.end_all(names, phase)
 
+    def device_spans(self, timed: Sequence[Any]) -> None:
+        """Event-timed device phases, once their DONE event completed (finalizer thread).
+
+        ``timed`` holds ``(names, phase, start_event, end_event, args)``. Device times are
+        placed on the host clock by taking "now" as the end of the last phase: the finalizer
+        wakes when DONE completes, so spans sit at most its wake-up latency too late.
+        """
+        tl = self.timeline
+        if tl is None or not timed:
+            return
+        import cupy
+
+        elapsed = cupy.cuda.get_elapsed_time
+        first = timed[0][2]
+        origin = tl.now_us() - elapsed(first, timed[-1][3]) * 1e3
+        for names, phase, start, end, args in timed:
+            begin_us = origin + elapsed(first, start) * 1e3
+            dur_us = elapsed(start, end) * 1e3
+            for name in names:
+                tl.complete(name, phase, begin_us, dur_us, args)
+
     def cycle(self) -> None:
         if self.timeline is not None:
             self.timeline.mark_cycle()

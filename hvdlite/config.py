@@ -272,6 +272,11 @@ class Config:
         aliases=("HOROVOD_TIMELINE_MARK_CYCLES",),
         help="Mark each background-loop cycle in the timeline.",
     )  # fmt: skip
+    timeline_device_events: bool = _knob(
+        kind="bool", parse=_parse_bool, default=False, unit="",
+        help="GPU + timeline: time device phases with CUDA event pairs and keep stream waits "
+             "and async completion, instead of the default CPU-sync fallback.",
+    )  # fmt: skip
     stall_check: bool = _knob(
         kind="bool", parse=_parse_bool, default=True, unit="",
         inverted_aliases=("HOROVOD_STALL_CHECK_DISABLE",),

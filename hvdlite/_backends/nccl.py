@@ -8,8 +8,9 @@ for the device on the CPU (except with the timeline on: see ``_gpu/runtime.py``)
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -74,14 +75,15 @@ class NcclBackend:
         ctx = self.runtime.context(device_id)
         comm = self.communicator(device_id)
         names = [r.name for r in bucket]
+        self._timed: list[Any] = []
         with self.cupy.cuda.Device(device_id), ctx.stream:
-            with self.tracer.phase(names, "WAIT_FOR_DATA"):
+            with self._phase(ctx, names, "WAIT_FOR_DATA"):
                 self.runtime.wait_ready(ctx, [e.ready for e in live if e.ready is not None])
             kind = bucket[0].kind
             if kind is Kind.ALLREDUCE and len(bucket) > 1:  # traces its copy phases itself
                 outputs = self._run[kind](ctx, comm, bucket, entries)
             else:
-                with self.tracer.phase(names, f"NCCL_{kind.name}", sync=self._sync(ctx)):
+                with self._phase(ctx, names, f"NCCL_{kind.name}"):
                     outputs = self._run[kind](ctx, comm, bucket, entries)
 
         def done() -> None:
@@ -89,12 +91,23 @@ class NcclBackend:
                 if entry is not None:
                     entry.finish(out)
 
-        self.runtime.complete(ctx, [e.handle for e in live], done, (entries, outputs))
+        self.runtime.complete(ctx, [e.handle for e in live], done, (entries, outputs),
+                              self._timed)
 
     # -- helpers --------------------------------------------------------------------------
-    def _sync(self, ctx: DeviceContext) -> Callable[[], None] | None:
-        # Timeline on (CPU-sync fallback): end each phase only when the device finished it.
-        return ctx.stream.synchronize if self.runtime.cpu_sync else None
+    @contextlib.contextmanager
+    def _phase(self, ctx: DeviceContext, names: list[str], phase: str,
+               args: dict[str, Any] | None = None) -> Iterator[None]:
+        """A device phase on the timeline: bracketed by a CUDA event pair (event-timed mode),
+        or by host timestamps, the span ending after a stream sync (CPU-sync fallback)."""
+        if not self.runtime.event_timed:
+            sync = ctx.stream.synchronize if self.runtime.cpu_sync else None
+            with self.tracer.phase(names, phase, args, sync=sync):
+                yield
+            return
+        start = self.runtime.timing_event(ctx)
+        yield
+        self._timed.append((names, phase, start, self.runtime.timing_event(ctx), args))
 
     def _wire(self, row: DType) -> tuple[int, int]:
         name, per = nccl_wire(row)
@@ -156,15 +169,14 @@ class NcclBackend:
             offs, np.fromiter((a.data.ptr for a in srcs), np.int64, n),
             offs, np.fromiter((a.data.ptr for a in outs), np.int64, n)]))
         divisor = contributors if op is ReduceOp.AVERAGE else 1
-        names, sync = [r.name for r in bucket], self._sync(ctx)
-        with self.tracer.phase(names, "MEMCPY_IN_FUSION_BUFFER", sync=sync):
+        names = [r.name for r in bucket]
+        with self._phase(ctx, names, "MEMCPY_IN_FUSION_BUFFER"):
             batched_copy(wire_name, meta[:2 * n + 1], n, buf, total, mode=0,
                          scale=head.prescale, divisor=1)
-        with self.tracer.phase(names, "NCCL_ALLREDUCE", {"bytes": total * wire_np.itemsize},
-                               sync=sync):
+        with self._phase(ctx, names, "NCCL_ALLREDUCE", {"bytes": total * wire_np.itemsize}):
             comm.allReduce(buf.data.ptr, buf.data.ptr, total, dtype, self._op(row, op),
                            ctx.stream.ptr)
-        with self.tracer.phase(names, "MEMCPY_OUT_FUSION_BUFFER", sync=sync):
+        with self._phase(ctx, names, "MEMCPY_OUT_FUSION_BUFFER"):
             batched_copy(wire_name, meta[2 * n + 1:], n, buf, total, mode=1,
                          scale=head.postscale, divisor=divisor)
         return [None if e is None else o for e, o in zip(entries, outs, strict=True)]

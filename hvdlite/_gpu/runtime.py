@@ -16,7 +16,8 @@ How the streams meet (one device; time flows down)::
     consumer kernel                                                        inputs after DONE)
 
 With the timeline on, READY and DONE are waited on the CPU instead, so host timestamps
-bracket the device work.
+bracket the device work; with ``timeline_device_events`` the streams stay as drawn and each
+device phase is timed by a CUDA event pair, turned into timeline spans once DONE completed.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from hvdlite._trace import Tracer
 from hvdlite.errors import BackendUnavailableError
 
 __all__ = ["GpuRuntime", "import_cupy", "current_stream"]
@@ -169,14 +171,37 @@ class Finalizer:
 class GpuRuntime:
     """All device state of one engine: contexts per device and the finalizer thread."""
 
-    def __init__(self, default_device: int, async_completion: bool, cpu_sync: bool) -> None:
+    def __init__(self, default_device: int, async_completion: bool, device_events: bool,
+                 tracer: Tracer) -> None:
         self.cupy = import_cupy()
         self.default_device = default_device
-        self.cpu_sync = cpu_sync
-        self.async_completion = async_completion and not cpu_sync
+        self.tracer = tracer
+        self._async = async_completion
+        self._device_events = device_events
         self._contexts: dict[int, DeviceContext] = {}
         self._lock = threading.Lock()
         self.finalizer = Finalizer()
+
+    # The timeline can start and stop at run time, so these follow it.
+    @property
+    def cpu_sync(self) -> bool:
+        """Timeline on without event timing: wait on the CPU so host times bracket device work."""
+        return self.tracer.timeline is not None and not self._device_events
+
+    @property
+    def event_timed(self) -> bool:
+        """Timeline on with event timing: device phases timed by CUDA event pairs."""
+        return self.tracer.timeline is not None and self._device_events
+
+    @property
+    def async_completion(self) -> bool:
+        return self._async and not self.cpu_sync
+
+    def timing_event(self, ctx: DeviceContext) -> Any:
+        with self.cupy.cuda.Device(ctx.device_id):
+            event = self.cupy.cuda.Event(block=False, disable_timing=False)
+            event.record(ctx.stream)
+        return event
 
     def context(self, device_id: int) -> DeviceContext:
         ctx = self._contexts.get(device_id)
@@ -210,7 +235,7 @@ class GpuRuntime:
             ctx.release(event, counts[id(event)])
 
     def complete(self, ctx: DeviceContext, handles: Sequence[Any],
-                 done_cb: Callable[[], None], keep: Any) -> None:
+                 done_cb: Callable[[], None], keep: Any, timed: Sequence[Any] = ()) -> None:
         """Record DONE after the enqueued work; complete now (async) or after DONE (sync).
 
         Either way the handles get the DONE event at once, so ``wait_stream`` never waits
@@ -221,11 +246,14 @@ class GpuRuntime:
             done.record(ctx.stream)
         for handle in handles:
             handle._enqueued((done,))
+        spans = (lambda: self.tracer.device_spans(timed)) if timed else None
         if self.async_completion:
             done_cb()
-            self.finalizer.track(done, None, keep)
-        else:
+            self.finalizer.track(done, spans, keep)
+        elif spans is None:
             self.finalizer.track(done, done_cb, keep)
+        else:
+            self.finalizer.track(done, lambda: (spans(), done_cb()), keep)
 
     @staticmethod
     def stream_waiter(framework: str, device_id: int) -> Callable[[Any, Any], None]:

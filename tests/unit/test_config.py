@@ -34,6 +34,7 @@ EXPECTED_DEFAULTS = {
     "async_completion": False,
     "timeline": None,
     "timeline_mark_cycles": False,
+    "timeline_device_events": False,
     "stall_check": True,
     "stall_check_time_s": 60.0,
     "stall_shutdown_time_s": 0.0,
@@ -76,6 +77,7 @@ ENV_CASES = {
     "idle_backoff_max_ms": ("HVDLITE_IDLE_BACKOFF_MAX_MS", None, "0.5", 0.5),
     "log_level": ("HVDLITE_LOG_LEVEL", "HOROVOD_LOG_LEVEL", "DEBUG", "debug"),
     "nvtx": ("HVDLITE_NVTX", None, "TRUE", True),
+    "timeline_device_events": ("HVDLITE_TIMELINE_DEVICE_EVENTS", None, "yes", True),
 }
 
 
@@ -334,6 +336,7 @@ def _non_default_config() -> Config:
         async_completion=True,
         timeline="/tmp/trace.json",
         timeline_mark_cycles=True,
+        timeline_device_events=True,
         stall_check=False,
         stall_check_time_s=1.5,
         stall_shutdown_time_s=9.0,

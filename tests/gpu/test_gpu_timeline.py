@@ -1,0 +1,85 @@
+"""The timeline on the device: the CPU-sync fallback (host times bracket device phases) and
+the opt-in event-timed mode (CUDA event pairs; stream waits and async completion unchanged)."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+cupy = pytest.importorskip("cupy")
+if cupy.cuda.runtime.getDeviceCount() == 0:
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from gpu_util import slow_fill  # noqa: E402
+
+N = 1 << 16
+
+
+def _events(path: str, rank: int) -> list[dict[str, Any]]:
+    return json.loads(Path(path.replace("{rank}", str(rank))).read_text())
+
+
+def _tracks(events: list[dict[str, Any]]) -> dict[int, str]:
+    return {e["tid"]: e["args"]["name"] for e in events
+            if e.get("ph") == "M" and e.get("name") == "thread_name"}
+
+
+@pytest.fixture
+def traced(hvd: Any, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
+    path = str(tmp_path / "gpu_{rank}.json")
+    hvd.shutdown()
+    hvd.init(timeline=path, **request.param)
+    yield path
+    hvd.shutdown()
+    hvd.init()
+
+
+@pytest.mark.parametrize("traced", [{}], indirect=True)
+def test_cpu_sync_fallback_brackets_device_phases(hvd: Any, traced: str) -> None:
+    r = hvd.rank()
+    parts = [cupy.full(1000 + i, r + 1.0, dtype=cupy.float32) for i in range(3)]
+    out = hvd.grouped_allreduce(parts, name="tlg", op=hvd.Sum)
+    assert float(out[0][0]) == sum(k + 1 for k in range(hvd.size()))
+    hvd.shutdown()  # closes the trace
+    events = _events(traced, r)
+    names = _tracks(events)
+    phases = {(names[e["tid"]], e["name"]) for e in events if e.get("ph") == "B"}
+    for i in range(3):
+        for phase in ("NEGOTIATE_ALLREDUCE", "QUEUE", "WAIT_FOR_DATA",
+                      "MEMCPY_IN_FUSION_BUFFER", "NCCL_ALLREDUCE", "MEMCPY_OUT_FUSION_BUFFER"):
+            assert (f"tlg.{i}", phase) in phases, (i, phase)
+    hvd.init(timeline=traced)  # the fixture's teardown shuts down again
+
+
+@pytest.mark.parametrize("traced", [{"timeline_device_events": True,
+                                     "async_completion": True}], indirect=True)
+def test_event_timed_mode_keeps_async_and_times_the_wait(hvd: Any, traced: str) -> None:
+    r = hvd.rank()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        x = cupy.zeros(N, dtype=cupy.float64)
+        slow_fill(x, r + 1, ms=80, stream=stream)
+        h = hvd.allreduce_async(x, name="evt", op=hvd.Sum)
+        got = h.wait()
+        (done,) = h._events
+        still_running = not done.done  # async completion is unchanged by the timeline
+    stream.synchronize()
+    assert still_running, "with event timing on, wait() should not wait for the device"
+    assert float(got.min()) == sum(k + 1 for k in range(hvd.size()))
+    time.sleep(0.5)  # the finalizer turns the event pairs into spans after DONE
+    hvd.shutdown()
+    events = _events(traced, r)
+    names = _tracks(events)
+    spans = {e["name"]: e for e in events if e.get("ph") == "X" and names[e["tid"]] == "evt"}
+    assert {"WAIT_FOR_DATA", "NCCL_ALLREDUCE"} <= set(spans), spans
+    # The stream waited for the 80 ms producer: the event pair around the wait shows it.
+    assert spans["WAIT_FOR_DATA"]["dur"] > 40_000, spans["WAIT_FOR_DATA"]
+    assert spans["NCCL_ALLREDUCE"]["dur"] >= 0
+    print(f"[rank {r}] event-timed: WAIT_FOR_DATA {spans['WAIT_FOR_DATA']['dur']:.0f} us, "
+          f"NCCL_ALLREDUCE {spans['NCCL_ALLREDUCE']['dur']:.0f} us")
+    hvd.init(timeline=traced)
