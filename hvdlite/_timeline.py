@@ -110,6 +110,7 @@ class Timeline:
         self._named: set[int] = set()  # tids whose thread_name is in the current file
         self._reserve = 0       # bytes needed to end every open span at a rotation
         self._written = 0
+        self._orphans = 0       # E events with no matching open span, not written
         self._pending: list[str] = []
         self._pending_bytes = 0  # counted only under a size cap
         self._offset_args: dict[str, Any] | None = None  # re-emitted in every new segment
@@ -282,6 +283,11 @@ class Timeline:
                 self._encode((kind[0], one, name, ts, args, 0.0))
             return
         track = self._track(tensor)
+        if kind == "E" and (not track.open or track.open[-1][0] != name):
+            # No matching open span here (it began before a start_timeline, or the caller
+            # mis-nested): writing it would break the file's pairing, so count it instead.
+            self._orphans += 1
+            return
         ph = "i" if kind == "C" else kind
         rec = f'{{"name":{_dumps(name)},"ph":"{ph}","ts":{ts:.3f},"pid":{self.rank},' \
               f'"tid":{track.tid}'
@@ -301,7 +307,7 @@ class Timeline:
         if kind == "B":
             track.open.append((name, close_len))
             self._reserve += close_len
-        elif kind == "E" and track.open:
+        elif kind == "E":
             self._reserve -= track.open.pop()[1]
         elif kind == "i" and tensor is None and name == "clock_offset":
             self._offset_args = args
@@ -338,6 +344,7 @@ class Timeline:
 
     def _trace_end(self, rotated: bool) -> str:
         return self._meta("trace_end", {"dropped": self._dropped, "events": self._written,
+                                        "orphan_ends": self._orphans,
                                         "segment": self._segment, "rotated": rotated})
 
     def _header(self) -> list[str]:

@@ -72,10 +72,13 @@ def _check_metadata(trace: Trace, res: CheckResult) -> None:
         res.warnings.append("no trace_end record: the writer did not close this file "
                             "(crash, kill, or still running)")
     for ev in ends:
-        dropped = (ev.get("args") or {}).get("dropped", 0)
-        if dropped:
-            res.warnings.append(f"pid {ev.get('pid')}: the writer dropped {dropped} events "
-                                f"(queue full); the trace is incomplete")
+        args = ev.get("args") or {}
+        if args.get("dropped"):
+            res.warnings.append(f"pid {ev.get('pid')}: the writer dropped {args['dropped']} "
+                                f"events (queue full); the trace is incomplete")
+        if args.get("orphan_ends"):
+            res.warnings.append(f"pid {ev.get('pid')}: the writer skipped "
+                                f"{args['orphan_ends']} E events that matched no open span")
 
 
 def check_file(path: str, lenient: bool = False) -> CheckResult:

@@ -165,7 +165,7 @@ def test_full_queue_drops_and_counts(tmp_path: Path) -> None:
     events = _events(path)
     assert [ev["name"] for ev in _timed(events)] == [f"e{i}" for i in range(5)]
     assert _meta(events, "trace_end")[0]["args"] == {"dropped": 95, "events": 5, "segment": 0,
-                                                     "rotated": False}
+                                                     "orphan_ends": 0, "rotated": False}
 
 
 def test_close_ends_open_spans_and_is_idempotent(tmp_path: Path) -> None:
@@ -184,6 +184,25 @@ def test_close_ends_open_spans_and_is_idempotent(tmp_path: Path) -> None:
                     ("NEGOTIATE_ALLREDUCE", 3.0, {"unfinished": True})]
     assert len(_meta(events, "trace_end")) == 1
     assert check_file(str(path)).ok
+
+
+def test_unmatched_ends_are_skipped_and_counted(tmp_path: Path) -> None:
+    """An E whose B went to an earlier timeline (a restart mid-flight) or that does not match
+    the innermost open span is not written, so the file still pairs."""
+    path = tmp_path / "t.json"
+    tl = Timeline(str(path), 0)
+    tl.end("a", "QUEUE", ts_us=1.0)                 # began before this timeline started
+    tl.begin("a", "MPI_ALLREDUCE", ts_us=2.0)
+    tl.end("a", "MEMCPY_OUT_FUSION_BUFFER", ts_us=3.0)  # not the innermost open span
+    tl.end("a", "MPI_ALLREDUCE", ts_us=4.0)
+    tl.close()
+    events = _events(path)
+    assert [(ev["ph"], ev["name"]) for ev in _timed(events)] == [
+        ("B", "MPI_ALLREDUCE"), ("E", "MPI_ALLREDUCE")]
+    end = _meta(events, "trace_end")[0]["args"]
+    assert (end["orphan_ends"], end["events"]) == (2, 2)
+    res = check_file(str(path))
+    assert res.ok and any("skipped 2 E events" in w for w in res.warnings)
 
 
 def test_repeated_start_stop_in_one_process(tmp_path: Path) -> None:
