@@ -37,3 +37,13 @@ def slow_fill(out: Any, value: float, ms: float, stream: Any) -> None:
         flag = cupy.zeros(1, dtype=cupy.int32)
         _kernel()((1,), (256,), (cupy.int64(int(ms * 1e6)), flag, out, cupy.int64(out.size),
                                  cupy.float64(value)))
+
+
+def warm_up(hvd: Any, n: int) -> None:
+    """One float64 allreduce of ``n`` elements and one small one, so the device context, the
+    NCCL communicator and the memory pool exist before a test times anything: a first
+    cudaMalloc / cudaHostAlloc may synchronise the whole device, which would wait for a
+    spinning producer and hide what the test looks for."""
+    for size in (n, 8):
+        hvd.allreduce(cupy.ones(size, dtype=cupy.float64), name=f"warm-up.{size}", op=hvd.Sum)
+    cupy.cuda.Device().synchronize()

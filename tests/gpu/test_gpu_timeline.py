@@ -15,7 +15,7 @@ cupy = pytest.importorskip("cupy")
 if cupy.cuda.runtime.getDeviceCount() == 0:
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from gpu_util import slow_fill  # noqa: E402
+from gpu_util import slow_fill, warm_up  # noqa: E402
 
 N = 1 << 16
 
@@ -60,6 +60,7 @@ def test_cpu_sync_fallback_brackets_device_phases(hvd: Any, traced: str) -> None
                                      "async_completion": True}], indirect=True)
 def test_event_timed_mode_keeps_async_and_times_the_wait(hvd: Any, traced: str) -> None:
     r = hvd.rank()
+    warm_up(hvd, N)
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         x = cupy.zeros(N, dtype=cupy.float64)
