@@ -96,7 +96,8 @@ def test_async_completion_wait_returns_before_device(hvd: Any, completion: str) 
         # CuPy's pool keeps free blocks per stream: give this stream one for the output, so
         # the call does not cudaMalloc while the producer spins.
         cupy.cuda.runtime.deviceSynchronize()
-        del cupy.empty(N, dtype=cupy.float64).data
+        spare = cupy.empty(N, dtype=cupy.float64)
+        del spare
         x = cupy.zeros(N, dtype=cupy.float64)
         slow_fill(x, hvd.rank() + 1, ms=100, stream=stream)
         h = hvd.allreduce_async(x, name="acw", op=hvd.Sum)

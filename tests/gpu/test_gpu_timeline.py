@@ -66,7 +66,8 @@ def test_event_timed_mode_keeps_async_and_times_the_wait(hvd: Any, traced: str) 
         # CuPy's pool keeps free blocks per stream: give this stream one for the output, so
         # the call does not cudaMalloc while the producer spins.
         cupy.cuda.runtime.deviceSynchronize()
-        del cupy.empty(N, dtype=cupy.float64).data
+        spare = cupy.empty(N, dtype=cupy.float64)
+        del spare
         x = cupy.zeros(N, dtype=cupy.float64)
         slow_fill(x, r + 1, ms=80, stream=stream)
         h = hvd.allreduce_async(x, name="evt", op=hvd.Sum)
