@@ -131,6 +131,22 @@ class DeviceContext:
         return dev
 
 
+class _Once:
+    """Runs a completion callback exactly once, whichever thread gets there first."""
+
+    __slots__ = ("_fn", "_lock")
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn: Callable[[], None] | None = fn
+        self._lock = threading.Lock()
+
+    def __call__(self) -> None:
+        with self._lock:
+            fn, self._fn = self._fn, None
+        if fn is not None:
+            fn()
+
+
 class Finalizer:
     """A thread that waits for DONE events on the CPU and then runs completion callbacks.
 
@@ -244,16 +260,21 @@ class GpuRuntime:
         with self.cupy.cuda.Device(ctx.device_id):  # events belong to the current device
             done = self.cupy.cuda.Event(block=False, disable_timing=True)
             done.record(ctx.stream)
-        for handle in handles:
-            handle._enqueued((done,))
         spans = (lambda: self.tracer.device_spans(timed)) if timed else None
         if self.async_completion:
+            for handle in handles:
+                handle._enqueued((done,))
             done_cb()
             self.finalizer.track(done, spans, keep)
-        elif spans is None:
-            self.finalizer.track(done, done_cb, keep)
+            return
+        once = _Once(done_cb)
+        for handle in handles:
+            handle._completions.append(once)  # a waiting caller may complete it first
+            handle._enqueued((done,))
+        if spans is None:
+            self.finalizer.track(done, once, keep)
         else:
-            self.finalizer.track(done, lambda: (spans(), done_cb()), keep)
+            self.finalizer.track(done, lambda: (spans(), once()), keep)
 
     @staticmethod
     def stream_waiter(framework: str, device_id: int) -> Callable[[Any, Any], None]:
