@@ -111,7 +111,8 @@ class Tracer:
     def device_spans(self, timed: Sequence[Any]) -> None:
         """Event-timed device phases, once their DONE event completed (finalizer thread).
 
-        ``timed`` holds ``(names, phase, start_event, end_event, args)``. Device times are
+        ``timed`` holds ``(names, phase, start_event, end_event, args)``; each tensor's device
+        spans go on a track "<name> [device]". Device times are
         placed on the host clock by taking "now" as the end of the last phase: the finalizer
         wakes when DONE completes, so spans sit at most its wake-up latency too late.
         """
@@ -127,7 +128,9 @@ class Tracer:
             begin_us = origin + elapsed(first, start) * 1e3
             dur_us = elapsed(start, end) * 1e3
             for name in names:
-                tl.complete(name, phase, begin_us, dur_us, args)
+                # A track of its own: these spans arrive after DONE, when the same name may
+                # already be negotiating its next step on the host track.
+                tl.complete(f"{name} [device]", phase, begin_us, dur_us, args)
 
     def cycle(self) -> None:
         if self.timeline is not None:

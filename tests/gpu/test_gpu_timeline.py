@@ -81,7 +81,8 @@ def test_event_timed_mode_keeps_async_and_times_the_wait(hvd: Any, traced: str) 
     hvd.shutdown()
     events = _events(traced, r)
     names = _tracks(events)
-    spans = {e["name"]: e for e in events if e.get("ph") == "X" and names[e["tid"]] == "evt"}
+    spans = {e["name"]: e for e in events
+             if e.get("ph") == "X" and names[e["tid"]] == "evt [device]"}
     assert {"WAIT_FOR_DATA", "NCCL_ALLREDUCE"} <= set(spans), spans
     # The stream waited for the 80 ms producer: the event pair around the wait shows it.
     assert spans["WAIT_FOR_DATA"]["dur"] > 40_000, spans["WAIT_FOR_DATA"]
