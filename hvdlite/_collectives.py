@@ -230,7 +230,7 @@ def grouped_allreduce(tensors: Sequence[Any], name: str | None = None, op: Reduc
     """Blocking :func:`grouped_allreduce_async`: returns the list of reduced arrays."""
     handle = grouped_allreduce_async(tensors, name, op, prescale_factor, postscale_factor,
                                      stream=stream)
-    return handle.wait()  # type: ignore[no-any-return]
+    return handle.wait()
 
 
 def grouped_allreduce_async_(tensors: Sequence[Any], name: str | None = None,
@@ -247,7 +247,7 @@ def grouped_allreduce_(tensors: Sequence[Any], name: str | None = None, op: Redu
     """Blocking in-place grouped allreduce; returns the list of (updated) tensors."""
     handle = grouped_allreduce_async_(tensors, name, op, prescale_factor, postscale_factor,
                                       stream=stream)
-    return handle.wait()  # type: ignore[no-any-return]
+    return handle.wait()
 
 
 def _as_list(tensors: Sequence[Any]) -> list[Any]:

@@ -226,6 +226,7 @@ class Negotiator:
         gathered = self.comm.gather(payload, root=0)
         decided = None
         if self.table is not None:
+            assert gathered is not None  # rank 0 is the gather root
             for rank, reqs in enumerate(gathered):
                 requests = [unpack_request(t) for t in reqs]
                 self.table.add(rank, requests, now)

@@ -151,7 +151,7 @@ class MPIBackend:
         assert entry.tensor is not None
         out = entry.output
         scale_into(np, out, entry.tensor.array, resp.prescale, row)
-        return out  # type: ignore[no-any-return]
+        return out
 
     @staticmethod
     def _copy_in(dst: np.ndarray, resp: Response, entry: Entry | None, row: DType,

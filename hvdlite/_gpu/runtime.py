@@ -273,8 +273,13 @@ class GpuRuntime:
             handle._enqueued((done,))
         if spans is None:
             self.finalizer.track(done, once, keep)
-        else:
-            self.finalizer.track(done, lambda: (spans(), once()), keep)
+            return
+
+        def spans_then_complete() -> None:
+            spans()
+            once()
+
+        self.finalizer.track(done, spans_then_complete, keep)
 
     @staticmethod
     def stream_waiter(framework: str, device_id: int) -> Callable[[Any, Any], None]:
