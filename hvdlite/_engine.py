@@ -39,6 +39,7 @@ if TYPE_CHECKING:
 
     from hvdlite._backends.nccl import NcclBackend
     from hvdlite._gpu.runtime import GpuRuntime
+    from hvdlite._timeline import Timeline
 
 log = logging.getLogger("hvdlite")
 
@@ -90,7 +91,8 @@ class Engine:
 
         self.fusion = FusionBuffers(self.config.fusion_threshold, host_alloc)
         cfg = self.config
-        self.tracer = Tracer(open_timeline(cfg.timeline, self.rank, cfg.timeline_mark_cycles)
+        self.clock_offset_us = _clock_offset_us(self._ctrl)
+        self.tracer = Tracer(self.open_timeline(cfg.timeline, cfg.timeline_mark_cycles)
                              if cfg.timeline else None, cfg.nvtx)
         self.negotiator = Negotiator(self._ctrl, self.config, self.tracer)
         self.mpi = MPIBackend(self._data, self.fusion, self.negotiator.failures.check,
@@ -102,6 +104,10 @@ class Engine:
         self._nccl: NcclBackend | None = None  # created by the loop at the first device bucket
         self._thread = threading.Thread(target=self._run, name="hvdlite-background", daemon=True)
         self._thread.start()
+
+    def open_timeline(self, path: str, mark_cycles: bool) -> Timeline | None:
+        return open_timeline(path, self.rank, mark_cycles, self.config.timeline_max_bytes,
+                             self.clock_offset_us)
 
     # -- submission (any thread) ------------------------------------------------------------
     def gpu_runtime(self) -> GpuRuntime:
@@ -231,7 +237,8 @@ class Engine:
         fused = len(bucket) > 1
         self.tracer.stats.record_bucket(len(bucket), payload,
                                         self.config.fusion_threshold if fused else payload)
-        self.tracer.dequeued([r.name for r in bucket], next(self._buckets))
+        self.tracer.dequeued([r.name for r in bucket], next(self._buckets),
+                             self.config.fusion_threshold)
 
     def _run_bucket(self, bucket: list[Response], entries: list[Entry | None]) -> None:
         head = bucket[0]
@@ -312,6 +319,20 @@ class Engine:
                 comm.Free()  # Free() resets the handle to COMM_NULL: a second call is a no-op
 
 
+def _clock_offset_us(comm: MPI.Intracomm) -> float:
+    """Rank 0's timeline clock minus this rank's, in microseconds (collective, at init).
+
+    Three broadcasts of rank 0's clock; the smallest difference wins, since a late receive only
+    ever adds to it. Good to the broadcast latency, microseconds on one host.
+    """
+    best = float("inf")
+    for _ in range(3):
+        comm.Barrier()
+        theirs = comm.bcast(time.perf_counter_ns() / 1e3 if comm.Get_rank() == 0 else None)
+        best = min(best, time.perf_counter_ns() / 1e3 - theirs)
+    return -best if comm.Get_rank() else 0.0
+
+
 def _configure_logging(level: str) -> None:
     names = {"trace": logging.DEBUG, "fatal": logging.CRITICAL}
     logger = logging.getLogger("hvdlite")
@@ -369,7 +390,7 @@ def start_timeline(path: str, mark_cycles: bool = False) -> None:
     contains ``{rank}``), replacing one already running. Thread-safe; not collective.
     With device tensors, inputs and completions are then waited on the CPU (see README)."""
     engine = default_engine()
-    old = engine.tracer.swap_timeline(open_timeline(path, engine.rank, mark_cycles))
+    old = engine.tracer.swap_timeline(engine.open_timeline(path, mark_cycles))
     if old is not None:
         old.close()
 

@@ -27,13 +27,20 @@ __all__ = ["Tracer", "open_timeline"]
 log = logging.getLogger("hvdlite")
 
 
-def open_timeline(path: str, rank: int, mark_cycles: bool) -> Timeline | None:
-    """A writer for this rank: rank 0 only, unless ``path`` contains ``{rank}``."""
+def open_timeline(path: str, rank: int, mark_cycles: bool, max_bytes: int = 0,
+                  clock_offset_us: float = 0.0) -> Timeline | None:
+    """A writer for this rank: rank 0 only, unless ``path`` contains ``{rank}``.
+
+    ``clock_offset_us`` (rank 0's clock minus this rank's, measured at init) goes into the
+    trace so ``timeline merge`` can line the ranks up.
+    """
     if rank != 0 and "{rank}" not in path:
         return None
     from hvdlite._timeline import Timeline
 
-    return Timeline(path, rank, mark_cycles=mark_cycles)
+    tl = Timeline(path, rank, mark_cycles=mark_cycles, max_bytes=max_bytes)
+    tl.instant(None, "clock_offset", {"offset_us": clock_offset_us})
+    return tl
 
 
 def _negotiate_phase(entry: Entry) -> str:
@@ -85,9 +92,9 @@ class Tracer:
                 tl.end(resp.name, _negotiate_phase(e), ts_us=now)
                 tl.begin(resp.name, "QUEUE", ts_us=now)
 
-    def dequeued(self, names: Sequence[str], bucket_id: int) -> None:
+    def dequeued(self, names: Sequence[str], bucket_id: int, threshold: int) -> None:
         if self.timeline is not None:
-            self.timeline.end_all(names, "QUEUE", {"bucket": bucket_id})
+            self.timeline.end_all(names, "QUEUE", {"bucket": bucket_id, "threshold": threshold})
 
     @contextlib.contextmanager
     def phase(self, names: Sequence[str], phase: str, args: dict[str, Any] | None = None,

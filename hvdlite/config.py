@@ -272,6 +272,11 @@ class Config:
         aliases=("HOROVOD_TIMELINE_MARK_CYCLES",),
         help="Mark each background-loop cycle in the timeline.",
     )  # fmt: skip
+    timeline_max_bytes: int = _knob(
+        kind="size", parse=parse_size, default=0, unit="bytes",
+        help="Cap on a timeline file; past it the file is rotated to PATH.1, PATH.2, ... "
+             "(0 = no cap).",
+    )  # fmt: skip
     timeline_device_events: bool = _knob(
         kind="bool", parse=_parse_bool, default=False, unit="",
         help="GPU + timeline: time device phases with CUDA event pairs and keep stream waits "

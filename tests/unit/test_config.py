@@ -34,6 +34,7 @@ EXPECTED_DEFAULTS = {
     "async_completion": False,
     "timeline": None,
     "timeline_mark_cycles": False,
+    "timeline_max_bytes": 0,
     "timeline_device_events": False,
     "stall_check": True,
     "stall_check_time_s": 60.0,
@@ -78,6 +79,7 @@ ENV_CASES = {
     "log_level": ("HVDLITE_LOG_LEVEL", "HOROVOD_LOG_LEVEL", "DEBUG", "debug"),
     "nvtx": ("HVDLITE_NVTX", None, "TRUE", True),
     "timeline_device_events": ("HVDLITE_TIMELINE_DEVICE_EVENTS", None, "yes", True),
+    "timeline_max_bytes": ("HVDLITE_TIMELINE_MAX_BYTES", None, "1MiB", 1 << 20),
 }
 
 
@@ -336,6 +338,7 @@ def _non_default_config() -> Config:
         async_completion=True,
         timeline="/tmp/trace.json",
         timeline_mark_cycles=True,
+        timeline_max_bytes=1 << 20,
         timeline_device_events=True,
         stall_check=False,
         stall_check_time_s=1.5,
