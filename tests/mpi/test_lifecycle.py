@@ -19,6 +19,7 @@ from mpi_util import (
     make_input,
     reference_allreduce,
     seed_for,
+    timed_barrier,
 )
 
 import hvdlite
@@ -124,6 +125,8 @@ def test_shutdown_fails_pending_handles(hvd: Any, restart: Callable[..., Any]) -
                             name=f"pending.burst.{i}", op=hvd.Sum)
         for i in range(50)
     ]  # fmt: skip
+    # Once a peer has shut down, new submissions fail at the call: submit everything first.
+    timed_barrier("all submitted before shutdown")
     hvd.shutdown()
     if held is not None:
         assert held.poll()
