@@ -130,3 +130,30 @@ def test_cached_name_then_mismatch(hvd: Any) -> None:
     seed = seed_for(name, "after")
     got = hvd.allreduce(make_input(seed, rank, (4,), "int32"), name=name, op=hvd.Sum)
     assert_equal_result(got, reference_allreduce(all_inputs(seed, size, (4,), "int32"), "Sum"))
+
+
+def test_pending_hit_whose_slot_is_evicted(hvd: Any, restart: Callable[..., Any]) -> None:
+    """Rank 0 waits on X as a cache hit while Y's response takes X's only slot.
+
+    The other ranks submit X only after Y ran twice (so Y now owns the slot on every rank);
+    X must still be negotiated and complete with the right values.
+    """
+    restart(cache_capacity=1)
+    rank, size = hvd.rank(), hvd.size()
+    if size < 2:
+        pytest.skip("needs a rank whose cache hit waits for the others")
+    seeds = {n: seed_for("evicted_hit", n) for n in ("X0", "X", "Y0", "Y1")}
+    inputs = {n: make_input(s, rank, (3,), "int32") for n, s in seeds.items()}
+
+    def want(tag: str) -> np.ndarray:
+        return reference_allreduce(all_inputs(seeds[tag], size, (3,), "int32"), "Sum")
+
+    assert_equal_result(hvd.allreduce(inputs["X0"], name="X", op=hvd.Sum), want("X0"))
+    late_x = None
+    if rank == 0:
+        late_x = hvd.allreduce_async(inputs["X"], name="X", op=hvd.Sum)
+    for tag in ("Y0", "Y1"):
+        assert_equal_result(hvd.allreduce(inputs[tag], name="Y", op=hvd.Sum), want(tag), tag)
+    if late_x is None:
+        late_x = hvd.allreduce_async(inputs["X"], name="X", op=hvd.Sum)
+    assert_equal_result(late_x.wait(timeout=20), want("X"), "X after its slot was evicted")
