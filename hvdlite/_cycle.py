@@ -240,7 +240,12 @@ class Negotiator:
             entry = entries.get(resp.name)
             # Every rank must put, in the same order, so slots agree; a rank without the
             # request stores None, which never matches and so forces renegotiation.
-            self.cache.put(resp, entry.request if entry is not None else None)
+            victim = self.cache.put(resp, entry.request if entry is not None else None)
+            # A hit still waiting on the evicted slot would now point at another tensor:
+            # send it in full instead (every rank evicted the same slot, so all do the same).
+            hit = self._hits.pop(victim, None) if victim >= 0 else None
+            if hit is not None:
+                self._uncached.append(entries[hit[0]].request)
         return responses, fatal
 
     def _shutdown_reason(self, stopping: bool) -> ShutdownError:

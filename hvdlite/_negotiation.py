@@ -300,15 +300,17 @@ class ResponseCache:
         assert cached is not None, f"cache slot {slot} is empty"
         return cached[0]
 
-    def put(self, response: Response, request: Request | None) -> None:
+    def put(self, response: Response, request: Request | None) -> int:
+        """Cache ``response``; return the slot evicted to make room for it (-1 if none)."""
         if self.capacity == 0 or response.error or response.kind in (Kind.JOIN, Kind.BARRIER):
-            return
+            return -1
         if response.joined:
-            return  # depends on who had joined: not reusable later
+            return -1  # depends on who had joined: not reusable later
         old = self._by_name.pop(response.name, None)
         if old is not None:
             self._slots[old] = None
             self._free.append(old)
+        victim = -1
         if not self._free:
             _, victim = self._by_name.popitem(last=False)
             self._slots[victim] = None
@@ -316,6 +318,7 @@ class ResponseCache:
         slot = self._free.pop()
         self._slots[slot] = (response, request)
         self._by_name[response.name] = slot
+        return victim
 
     def touch(self, slot: int) -> None:
         cached = self._slots[slot]
