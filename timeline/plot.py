@@ -1,6 +1,6 @@
 """Plot a timeline: a Gantt chart of the busiest window and a per-phase duration histogram.
 
-    python -m timeline.plot PATH... --out timeline.png [--window-ms W] [--tracks N]
+    python -m timeline.plot PATH... --out timeline.png [--window-ms W] [--tracks N] [--start-ms S]
 
 Needs matplotlib (``pip install 'hvdlite[plot]'``). The busiest window is the W-long interval,
 starting at some span's start, that holds the most time of working spans (every phase except
@@ -60,7 +60,8 @@ def _load_matplotlib() -> Any:
     return plt
 
 
-def plot(paths: list[str], out: str, window_ms: float | None = None, tracks: int = 40) -> str:
+def plot(paths: list[str], out: str, window_ms: float | None = None, tracks: int = 40,
+         start_ms: float | None = None) -> str:
     """Render ``out`` (PNG); returns a one-line description of what was drawn."""
     plt = _load_matplotlib()
     spans: list[Span] = []
@@ -72,7 +73,11 @@ def plot(paths: list[str], out: str, window_ms: float | None = None, tracks: int
     t0 = min(s.start for s in spans)
     extent = max(s.end for s in spans) - t0
     width = window_ms * 1e3 if window_ms else min(extent, max(extent / 10.0, 1000.0)) or 1.0
-    lo, hi = busiest_window(spans, width)
+    if start_ms is None:
+        lo, hi = busiest_window(spans, width)
+    else:  # a chosen window, e.g. past a warm-up whose long spans dominate "busiest"
+        lo = t0 + start_ms * 1e3
+        hi = lo + width
     inside = [s for s in spans if s.end >= lo and s.start <= hi]
     busy: dict[tuple[int, str], float] = collections.defaultdict(float)
     for s in inside:
@@ -83,6 +88,8 @@ def plot(paths: list[str], out: str, window_ms: float | None = None, tracks: int
     fig, (gantt, hist) = plt.subplots(2, 1, figsize=(14, 4 + 0.25 * len(rows) + 4),
                                       gridspec_kw={"height_ratios": [max(len(rows), 4), 6]})
     _draw_gantt(gantt, inside, rows, colors, lo, hi)
+    if start_ms is not None:
+        gantt.set_title(f"window from {start_ms:g} ms")
     _draw_histogram(hist, spans, colors)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
@@ -145,9 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window-ms", type=float, default=None,
                     help="Gantt window width (default: a tenth of the trace, >= 1 ms)")
     ap.add_argument("--tracks", type=int, default=40, help="tracks shown (default 40)")
+    ap.add_argument("--start-ms", type=float, default=None,
+                    help="draw the window starting this many ms into the trace instead of "
+                         "the busiest one")
     args = ap.parse_args(argv)
     try:
-        print(plot(args.paths, args.out, args.window_ms, args.tracks))
+        print(plot(args.paths, args.out, args.window_ms, args.tracks, args.start_ms))
     except (RuntimeError, TraceError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
