@@ -11,6 +11,7 @@ there and orders its own stream after it, so the caller never synchronises.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -138,9 +139,8 @@ def _request(engine: Engine, kind: Kind, name: str, ref: TensorRef, row: DType, 
         opv = int(check_op(row, op, what))
         prescale = _check_factor(prescale, "prescale_factor", row, what)
         postscale = _check_factor(postscale, "postscale_factor", row, what)
-    if kind is Kind.BROADCAST and (isinstance(root, bool) or not isinstance(root, int)
-                                   or not 0 <= root < engine.size):
-        raise ValueError(f"{what}: root_rank must be an int in [0, {engine.size}), got {root!r}")
+    if kind is Kind.BROADCAST:
+        root = _root(root, engine.size, what)
     if kind in (Kind.ALLGATHER, Kind.ALLTOALL, Kind.REDUCESCATTER) and not shape:
         raise ValueError(f"{what}: needs at least one dimension, got a 0-d tensor; "
                          "reshape it to (1,)")
@@ -153,6 +153,16 @@ def _request(engine: Engine, kind: Kind, name: str, ref: TensorRef, row: DType, 
     device = "cpu" if not ref.is_cuda else "cuda"
     return Request(name, kind, row.name, shape, device, opv, root, prescale, postscale,
                    split_t, group, group_size)
+
+
+def _root(root: object, size: int, what: str) -> int:
+    try:
+        value = operator.index(root)  # type: ignore[arg-type]  # int or NumPy integer
+    except TypeError:
+        value = -1
+    if isinstance(root, bool) or not 0 <= value < size:
+        raise ValueError(f"{what}: root_rank must be an int in [0, {size}), got {root!r}")
+    return value
 
 
 def _splits(splits: Sequence[int] | None, rows: int, size: int, what: str) -> tuple[int, ...]:

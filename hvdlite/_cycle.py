@@ -57,7 +57,8 @@ class CycleResult:
 class Negotiator:
     """This rank's side of negotiation: cache state, pending hits and (on rank 0) the table."""
 
-    def __init__(self, comm: MPI.Intracomm, config: Config, tracer: Tracer) -> None:
+    def __init__(self, comm: MPI.Intracomm, config: Config, tracer: Tracer,
+                 block_in_mpi: bool = False) -> None:
         self.comm = comm
         self.tracer = tracer
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
@@ -76,7 +77,11 @@ class Negotiator:
         self._hits: dict[int, tuple[str, float]] = {}  # slot -> (name, since)
         self.cycles = 0
         self.cache_hits = 0
-        self.failures = FailureChannel(comm)
+        self.failures = FailureChannel(comm, comm.bcast(time.time_ns() if self.rank == 0
+                                                        else None))
+        # While work flows, wait inside MPI (GIL released) rather than poll from Python, unless
+        # ranks outnumber this host's cores: MPI's busy-wait would then starve the other ranks.
+        self.block_in_mpi = block_in_mpi
 
     # -- pacing ------------------------------------------------------------------------
     @property
@@ -191,6 +196,9 @@ class Negotiator:
         if req.Test():
             return
         busy = self._busy
+        if busy and self.block_in_mpi:
+            self.failures.wait(req)
+            return
         hot_until = time.perf_counter() + (_HOT_POLL_S if busy else 0.0)
         nap, cap = 10e-6, (_BUSY_NAP_S if busy else self.idle_max_s)
         while not req.Test():

@@ -12,6 +12,7 @@ import contextlib
 import itertools
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -94,14 +95,21 @@ class Engine:
         self.clock_offset_us = _clock_offset_us(self._ctrl)
         self.tracer = Tracer(self.open_timeline(cfg.timeline, cfg.timeline_mark_cycles)
                              if cfg.timeline else None, cfg.nvtx)
-        self.negotiator = Negotiator(self._ctrl, self.config, self.tracer)
-        self.mpi = MPIBackend(self._data, self.fusion, self.negotiator.failures.check,
-                              self.tracer)
+        # Each rank runs two busy threads at times (training + background): waiting inside MPI
+        # (a busy-wait) only pays off with a core for each.
+        block = 2 * self.local_size <= _cores()
+        self.negotiator = Negotiator(self._ctrl, self.config, self.tracer, block)
+        self.mpi = MPIBackend(self._data, self.fusion, self.negotiator.failures, self.tracer,
+                              block)
         self._buckets = itertools.count()
         self._expecting_stall = 0
         self._entries: dict[str, Entry] = {}
         self._gpu: GpuRuntime | None = None  # created at the first device tensor
         self._nccl: NcclBackend | None = None  # created by the loop at the first device bucket
+        self._switch_interval = sys.getswitchinterval()
+        if self.config.gil_switch_interval_us > 0:
+            sys.setswitchinterval(min(self._switch_interval,
+                                      self.config.gil_switch_interval_us / 1e6))
         self._thread = threading.Thread(target=self._run, name="hvdlite-background", daemon=True)
         self._thread.start()
 
@@ -307,6 +315,7 @@ class Engine:
 
         self.negotiator.failures.close()
         self.tracer.close()
+        sys.setswitchinterval(self._switch_interval)
         # Device work must drain before its communicators go away.
         if self._gpu is not None:
             self._gpu.synchronize()
@@ -317,6 +326,14 @@ class Engine:
         for comm in (self._ctrl, self._data):
             if comm != MPI.COMM_NULL:
                 comm.Free()  # Free() resets the handle to COMM_NULL: a second call is a no-op
+
+
+def _cores() -> int:
+    """CPUs this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _clock_offset_us(comm: MPI.Intracomm) -> float:

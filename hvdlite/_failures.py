@@ -28,8 +28,11 @@ _SEND_WAIT_S = 5.0
 class FailureChannel:
     """The posted receive, its check, and the announcement of a local failure."""
 
-    def __init__(self, comm: MPI.Intracomm) -> None:
+    def __init__(self, comm: MPI.Intracomm, generation: int) -> None:
         self.comm = comm
+        # Notices carry the engine's generation (agreed at init): one left unmatched when an
+        # earlier engine failed everywhere at once must not fail a later engine.
+        self.generation = generation
         self._buf = np.zeros(_MAX_BYTES, dtype=np.uint8)
         self._status = MPI.Status()
         self._req = comm.Irecv([self._buf, MPI.BYTE], source=MPI.ANY_SOURCE, tag=_TAG)
@@ -37,17 +40,38 @@ class FailureChannel:
 
     def check(self) -> None:
         """Raise the failure a peer announced, if any (cheap: one MPI_Test)."""
-        if self._error is None and self._req.Test(self._status):
-            count = self._status.Get_count(MPI.BYTE)
-            text = self._buf[:count].tobytes().decode("utf-8", "replace")
-            self._error = HvdliteError(
-                f"rank {self._status.Get_source()} failed, so this rank stopped too: {text}")
+        while self._error is None and self._req.Test(self._status):
+            self._received()
         if self._error is not None:
             raise self._error
 
+    def wait(self, req: MPI.Request) -> None:
+        """Block (GIL released, inside MPI) until ``req`` completes or a peer's failure
+        notice arrives, which is raised. One GIL hand-off per wait, where polling from Python
+        pays one per poll (each costing up to a switch interval while the training thread is
+        busy in Python)."""
+        if self._error is not None:
+            raise self._error
+        while MPI.Request.Waitany([req, self._req], self._status) == 1:
+            self._received()
+            if self._error is not None:
+                raise self._error
+
+    def _received(self) -> None:
+        count = self._status.Get_count(MPI.BYTE)
+        generation, _, text = self._buf[:count].tobytes().decode("utf-8", "replace").partition(
+            ":")
+        if generation != str(self.generation):  # a stale notice: listen again
+            self._req = self.comm.Irecv([self._buf, MPI.BYTE], source=MPI.ANY_SOURCE,
+                                        tag=_TAG)
+            return
+        self._error = HvdliteError(
+            f"rank {self._status.Get_source()} failed, so this rank stopped too: {text}")
+
     def announce(self, message: str) -> None:
         """Send ``message`` to every other rank; wait a little for the sends to leave."""
-        data = np.frombuffer(message.encode("utf-8")[:_MAX_BYTES], dtype=np.uint8).copy()
+        wire = f"{self.generation}:{message}".encode()[:_MAX_BYTES]
+        data = np.frombuffer(wire, dtype=np.uint8).copy()
         me = self.comm.Get_rank()
         reqs = [self.comm.Isend([data, MPI.BYTE], dest=r, tag=_TAG)
                 for r in range(self.comm.Get_size()) if r != me]

@@ -127,7 +127,12 @@ def mismatch_message(name: str, by_rank: dict[int, Request]) -> str:
             fix = _FIXES.get(label, f"pass the same {label} on every rank")
             return f"tensor {name!r}: {label} differs across ranks: {shown}; {fix}"
     if first.group and len({r.group_size for r in by_rank.values()}) > 1:
-        return f"tensor {name!r}: grouped call with differing group sizes across ranks"
+        sizes: dict[int, list[int]] = {}
+        for rank in sorted(by_rank):
+            sizes.setdefault(by_rank[rank].group_size, []).append(rank)
+        shown = "; ".join(f"{_ranks(r)} grouped {n} tensors" for n, r in sizes.items())
+        return (f"tensor {name!r}: grouped call sizes differ across ranks: {shown}; pass the "
+                "same number of tensors on every rank")
     return ""
 
 

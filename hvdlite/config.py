@@ -302,6 +302,12 @@ class Config:
         kind="float", parse=_parse_positive, default=10.0, unit="ms",
         help="Longest sleep of the background loop while no rank has work.",
     )  # fmt: skip
+    gil_switch_interval_us: float = _knob(
+        kind="float", parse=_parse_non_negative, default=500.0, unit="us",
+        help="While hvdlite runs, cap Python's GIL switch interval (sys.setswitchinterval) at "
+             "this; its background thread waits that long for the GIL whenever the training "
+             "thread is busy in Python. 0 = leave it alone.",
+    )  # fmt: skip
     log_level: str = _knob(
         kind="choice", parse=_parse_log_level, default="warning", unit="",
         choices=LOG_LEVELS, aliases=("HOROVOD_LOG_LEVEL",),

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from hvdlite._failures import FailureChannel
 from hvdlite._fusion import FusionBuffers
 from hvdlite._negotiation import Kind, Response
 from hvdlite._ops import DTYPES, DType, ReduceOp, finish_reduce, scale_into
@@ -69,11 +70,12 @@ def _rows_split(total: int, parts: int) -> list[int]:
 class MPIBackend:
     """Executes agreed responses on host arrays over one MPI communicator."""
 
-    def __init__(self, comm: MPI.Intracomm, fusion: FusionBuffers,
-                 check_peers: Callable[[], None], tracer: Tracer) -> None:
+    def __init__(self, comm: MPI.Intracomm, fusion: FusionBuffers, failures: FailureChannel,
+                 tracer: Tracer, block_in_mpi: bool) -> None:
         self.comm = comm
         self.tracer = tracer
-        self._check_peers = check_peers
+        self.failures = failures
+        self.block_in_mpi = block_in_mpi
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.fusion = fusion
@@ -99,10 +101,14 @@ class MPIBackend:
             entries[0].finish(out)
 
     def _wait(self, req: MPI.Request) -> None:
-        # Nonblocking collective + polling, so a peer's failure notice is seen here too
-        # (a blocking call would wait forever for a rank whose loop died).
+        # Nonblocking collective waited together with the peers' failure notice (a plain
+        # blocking call would wait forever for a rank whose loop died): inside MPI when this
+        # host has a core per rank, else polled with CPU yields.
+        if self.block_in_mpi:
+            self.failures.wait(req)
+            return
         while not req.Test():
-            self._check_peers()
+            self.failures.check()
             os.sched_yield()  # GIL and CPU; sleep(0) would cost ~50 us of timer slack
 
     # -- allreduce --------------------------------------------------------------------

@@ -40,6 +40,7 @@ EXPECTED_DEFAULTS = {
     "stall_check_time_s": 60.0,
     "stall_shutdown_time_s": 0.0,
     "idle_backoff_max_ms": 10.0,
+    "gil_switch_interval_us": 500.0,
     "log_level": "warning",
     "nvtx": False,
 }
@@ -76,6 +77,7 @@ ENV_CASES = {
         30.0,
     ),
     "idle_backoff_max_ms": ("HVDLITE_IDLE_BACKOFF_MAX_MS", None, "0.5", 0.5),
+    "gil_switch_interval_us": ("HVDLITE_GIL_SWITCH_INTERVAL_US", None, "100", 100.0),
     "log_level": ("HVDLITE_LOG_LEVEL", "HOROVOD_LOG_LEVEL", "DEBUG", "debug"),
     "nvtx": ("HVDLITE_NVTX", None, "TRUE", True),
     "timeline_device_events": ("HVDLITE_TIMELINE_DEVICE_EVENTS", None, "yes", True),
@@ -344,6 +346,7 @@ def _non_default_config() -> Config:
         stall_check_time_s=1.5,
         stall_shutdown_time_s=9.0,
         idle_backoff_max_ms=3.0,
+        gil_switch_interval_us=0.0,
         log_level="trace",
         nvtx=True,
     )

@@ -199,7 +199,8 @@ def test_group_size_mismatch() -> None:
     reqs = {0: allreduce("g.0", group="g", group_size=2),
             1: allreduce("g.0", group="g", group_size=3)}
     assert _mismatch(reqs).error == (
-        "tensor 'g.0': grouped call with differing group sizes across ranks")
+        "tensor 'g.0': grouped call sizes differ across ranks: rank 0 grouped 2 tensors; "
+        "rank 1 grouped 3 tensors; pass the same number of tensors on every rank")
 
 
 def test_build_response_copies_parameters() -> None:
