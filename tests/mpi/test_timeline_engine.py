@@ -14,8 +14,11 @@ import numpy as np
 def _spans(path: Path) -> dict[str, list[tuple[str, float, float]]]:
     """tensor name -> [(phase, begin, end)] in begin order, from B/E pairs per track."""
     events = json.loads(path.read_text())
-    names = {e["tid"]: e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    names = {
+        e["tid"]: e["args"]["name"]
+        for e in events
+        if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
     open_: dict[tuple[int, str], float] = {}
     spans: dict[str, list[tuple[str, float, float]]] = defaultdict(list)
     for e in events:
@@ -42,8 +45,13 @@ def test_every_tensor_has_each_phase_once_in_order(hvd: Any, tmp_path: Path) -> 
     hvd.broadcast(np.ones(2), 0, name="tl.bcast")
     hvd.stop_timeline()
     spans = _spans(Path(str(path).replace("{rank}", str(hvd.rank()))))
-    fused = ["NEGOTIATE_ALLREDUCE", "QUEUE", "MEMCPY_IN_FUSION_BUFFER", "MPI_ALLREDUCE",
-             "MEMCPY_OUT_FUSION_BUFFER"]
+    fused = [
+        "NEGOTIATE_ALLREDUCE",
+        "QUEUE",
+        "MEMCPY_IN_FUSION_BUFFER",
+        "MPI_ALLREDUCE",
+        "MEMCPY_OUT_FUSION_BUFFER",
+    ]
     want = {f"tl.group.{i}": fused for i in range(4)}
     want["tl.single"] = ["NEGOTIATE_ALLREDUCE", "QUEUE", "MPI_ALLREDUCE"]
     want["tl.gather"] = ["NEGOTIATE_ALLGATHER", "QUEUE", "MPI_ALLGATHER"]
