@@ -109,6 +109,8 @@ class Negotiator:
         if expecting_stall:
             flags |= EXPECT_STALL
         sent = len(self._uncached)
+        if entries:
+            self._busy = True  # local work waits on this round: poll it hot
         vec = self._vector(flags)
         self._allreduce(vec)
         seen = int(~vec[0])
@@ -192,7 +194,9 @@ class Negotiator:
         # cores starves the training threads). While work flows, poll hot for a short while
         # (a late Test() delays every rank's next collective), then back off; idle, the naps
         # grow to the idle backoff so an idle engine costs next to nothing.
-        req = self.comm.Iallreduce(MPI.IN_PLACE, [vec, MPI.UINT64_T], op=MPI.BAND)
+        self._wait(self.comm.Iallreduce(MPI.IN_PLACE, [vec, MPI.UINT64_T], op=MPI.BAND))
+
+    def _wait(self, req: MPI.Request) -> None:
         if req.Test():
             return
         busy = self._busy
@@ -200,7 +204,9 @@ class Negotiator:
             self.failures.wait(req)
             return
         hot_until = time.perf_counter() + (_HOT_POLL_S if busy else 0.0)
-        nap, cap = 10e-6, (_BUSY_NAP_S if busy else self.idle_max_s)
+        # Idle, peers arrive within one idle wait of each other: start the naps long so an
+        # idle cycle costs a few wake-ups, not a dozen (each one a GIL hand-off as well).
+        nap, cap = (10e-6, _BUSY_NAP_S) if busy else (self.idle_max_s / 8, self.idle_max_s)
         while not req.Test():
             self.failures.check()
             if time.perf_counter() < hot_until:
@@ -231,6 +237,9 @@ class Negotiator:
                     quiet: bool) -> tuple[list[Response], str]:
         payload = [pack_request(r) for r in self._uncached]
         self._uncached = []
+        # The blocking gather below busy-waits inside MPI until every rank is there; ranks
+        # that nap between polls may still be asleep, so meet at a polled barrier first.
+        self._wait(self.comm.Ibarrier())
         gathered = self.comm.gather(payload, root=0)
         decided = None
         if self.table is not None:

@@ -299,7 +299,7 @@ class Config:
         help="Seconds of stall after which hvdlite fails with StallError; 0 = never.",
     )  # fmt: skip
     idle_backoff_max_ms: float = _knob(
-        kind="float", parse=_parse_positive, default=10.0, unit="ms",
+        kind="float", parse=_parse_positive, default=20.0, unit="ms",
         help="Longest sleep of the background loop while no rank has work.",
     )  # fmt: skip
     gil_switch_interval_us: float = _knob(

@@ -39,7 +39,7 @@ EXPECTED_DEFAULTS = {
     "stall_check": True,
     "stall_check_time_s": 60.0,
     "stall_shutdown_time_s": 0.0,
-    "idle_backoff_max_ms": 10.0,
+    "idle_backoff_max_ms": 20.0,
     "gil_switch_interval_us": 500.0,
     "log_level": "warning",
     "nvtx": False,
