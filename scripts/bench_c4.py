@@ -4,9 +4,10 @@ A trial is ``--chunks`` units of pure-Python work (about 1 ms each). In the busy
 main thread submits ``--per-chunk`` 4-byte ``allreduce_async`` calls before each unit (1000 in
 all by default) and waits for them after the last unit; only the work units are timed, so the
 submit calls' own cost is reported apart and what the loop time shows is the background
-thread's interference (GIL hand-offs, CPU it takes) while it negotiates and reduces. Conditions:
-without hvdlite (before ``init`` and again after ``shutdown``), hvdlite idle, hvdlite busy; idle
-and busy trials alternate. Targets: busy slowdown <= 15%, idle <= 5%, versus without.
+thread's interference (GIL hand-offs, CPU it takes) while it negotiates and reduces. Each
+cycle runs one trial of every condition in turn: without hvdlite, then ``init``, a settle pause,
+idle, busy, idle right after busy, ``shutdown``; a slowdown is the median over cycles of the
+loop time over the same cycle's time without hvdlite. Targets: busy <= 15%, idle <= 5%.
 
     mpiexec -n 2 python scripts/bench_c4.py --np 2 --json c4.json
 """
