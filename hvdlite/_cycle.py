@@ -190,13 +190,14 @@ class Negotiator:
         return [int(i) for i in np.flatnonzero(flat)]
 
     def _allreduce(self, vec: np.ndarray) -> None:
-        # Poll instead of blocking: a blocking MPI wait spins a core (and with more ranks than
-        # cores starves the training threads). While work flows, poll hot for a short while
-        # (a late Test() delays every rank's next collective), then back off; idle, the naps
-        # grow to the idle backoff so an idle engine costs next to nothing.
+        # See _wait: inside MPI while work flows (if this host has the cores), else polled.
         self._wait(self.comm.Iallreduce(MPI.IN_PLACE, [vec, MPI.UINT64_T], op=MPI.BAND))
 
     def _wait(self, req: MPI.Request) -> None:
+        # While work flows, wait inside MPI with the GIL released (one hand-off) when every
+        # busy thread has a core; otherwise poll: hot for a short while (a late Test() delays
+        # every rank's next collective), then back off. Idle, the naps grow to the idle backoff
+        # so an idle engine costs next to nothing. Either way a peer's failure notice ends it.
         if req.Test():
             return
         busy = self._busy

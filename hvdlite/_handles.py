@@ -186,7 +186,7 @@ class Handle:
                 return
             import cupy
 
-            value = self.wait() if not self._async else self._value_when_enqueued()
+            value = self.wait() if not self._async else self._result_without_stream_wait()
             with cupy.cuda.Device(self._device):  # this thread's current device may differ
                 stream = cupy.cuda.Stream(non_blocking=True)
                 self._waiter(self, stream)
@@ -214,7 +214,9 @@ class Handle:
         for completion in list(self._completions):
             completion()
 
-    def _value_when_enqueued(self) -> Any:
+    def _result_without_stream_wait(self) -> Any:
+        """The result, without ``wait``'s stream wait on the calling thread's current stream
+        (``then`` orders its own side stream instead)."""
         with self._cond:
             self._cond.wait_for(self.poll)
         if self._exc is not None:

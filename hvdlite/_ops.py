@@ -129,7 +129,7 @@ def check_op(row: DType, op: object, what: str) -> ReduceOp:
     return op
 
 
-def scale_into(xp: Any, dst: Any, src: Any, factor: float, row: DType) -> None:
+def scale_into(xp: Any, dst: Any, src: Any, factor: float) -> None:
     """``dst[...] = src * factor`` with hvdlite's scaling rules, for NumPy or CuPy (``xp``).
 
     Float and complex tensors scale in their own precision; integer tensors are scaled in
@@ -150,7 +150,7 @@ def finish_reduce(xp: Any, buf: Any, op: ReduceOp, contributors: int, postscale:
             xp.floor_divide(buf, contributors, out=buf)
         else:
             xp.divide(buf, contributors, out=buf)
-    scale_into(xp, buf, buf, postscale, row)
+    scale_into(xp, buf, buf, postscale)
 
 
 # NCCL carries these element types; complex travels as pairs of its real type.

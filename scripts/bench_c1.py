@@ -175,9 +175,9 @@ def targets(res: dict[str, Any], size: int) -> list[dict[str, Any]]:
     return lines
 
 
-def main() -> None:
-    bl.install_abort_hook()
-    p = bl.base_parser(__doc__.splitlines()[0])
+def parse_args(doc: str) -> Any:
+    """The C1 workload's arguments (shared with bench_c5, which times the same step)."""
+    p = bl.base_parser(doc.splitlines()[0])
     p.add_argument("--set", choices=["resnet50", "bert_large"], default="resnet50")
     p.add_argument("--op", choices=["sum", "average"], default="sum")
     p.add_argument("--reps", type=int, default=20)
@@ -186,6 +186,12 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.reps, args.warmup, args.tensors = 3, 1, args.tensors or 30
+    return args
+
+
+def main() -> None:
+    bl.install_abort_hook()
+    args = parse_args(__doc__)
     world = MPI.COMM_WORLD
     bl.check_size(world, args.np)
     bl.run_metadata(world, args)

@@ -17,7 +17,7 @@ import time
 
 import _benchlib as bl
 import numpy as np
-from bench_c1 import Case, reference
+from bench_c1 import Case, parse_args, reference
 from mpi4py import MPI
 
 import hvdlite as hvd
@@ -25,15 +25,7 @@ import hvdlite as hvd
 
 def main() -> None:
     bl.install_abort_hook()
-    p = bl.base_parser(__doc__.splitlines()[0])
-    p.add_argument("--set", choices=["resnet50", "bert_large"], default="resnet50")
-    p.add_argument("--op", choices=["sum", "average"], default="sum")
-    p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--tensors", type=int, default=None, help="use only the first N tensors")
-    args = p.parse_args()
-    if args.quick:
-        args.reps, args.warmup, args.tensors = 3, 1, args.tensors or 30
+    args = parse_args(__doc__)
     world = MPI.COMM_WORLD
     bl.check_size(world, args.np)
     comm = world.Dup()

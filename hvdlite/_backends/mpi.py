@@ -156,7 +156,7 @@ class MPIBackend:
             return np.full(resp.shape, row.identity(op), dtype=row.np_dtype)
         assert entry.tensor is not None
         out = entry.output
-        scale_into(np, out, entry.tensor.array, resp.prescale, row)
+        scale_into(np, out, entry.tensor.array, resp.prescale)
         return out
 
     @staticmethod
@@ -166,11 +166,7 @@ class MPIBackend:
             dst.fill(row.identity(op))
             return
         assert entry.tensor is not None
-        src = entry.tensor.array.reshape(-1)
-        if resp.prescale == 1.0:
-            np.copyto(dst, src, casting="unsafe")
-        else:
-            np.multiply(src, resp.prescale, out=dst, casting="unsafe")
+        scale_into(np, dst, entry.tensor.array.reshape(-1), resp.prescale)
 
     # -- the other collectives (never fused) --------------------------------------------
     def _allgather(self, bucket: list[Response], entries: list[Entry | None]) -> Any:

@@ -135,7 +135,7 @@ class NcclBackend:
             out = self._identity(head, row) if entry is None else entry.output
             src = out if entry is None else entry.tensor.array  # type: ignore[union-attr]
             if head.prescale != 1.0:
-                scale_into(self.cupy, out, src, head.prescale, row)
+                scale_into(self.cupy, out, src, head.prescale)
                 src = out
             comm.allReduce(src.data.ptr, out.data.ptr, out.size * per, dtype,
                            self._op(row, op), ctx.stream.ptr)

@@ -47,7 +47,7 @@ def main() -> None:
         a2a = hvd.alltoall(cupy.arange(2 * n, dtype=cupy.float32), name="a2a")
         step(f"a2a {a2a}")
         t0 = time.perf_counter()
-        for i in range(200):
+        for _ in range(200):
             hvd.allreduce(x, name="lat", op=hvd.Sum)
         step(f"latency {(time.perf_counter() - t0) / 200 * 1e6:.1f} us")
         host = hvd.allreduce(np.ones(3), name="host", op=hvd.Sum)

@@ -190,26 +190,24 @@ def test_integer_scaling_truncates_toward_zero(name: str, factor: float) -> None
     src = np.array(values, dtype=row.np_dtype)
     expected = [math.trunc(float(v) * factor) for v in values]
     dst = np.empty_like(src)
-    scale_into(np, dst, src, factor, row)
+    scale_into(np, dst, src, factor)
     assert dst.tolist() == expected
     np.testing.assert_array_equal(src, np.array(values, dtype=row.np_dtype))  # input untouched
 
 
 def test_integer_scaling_in_place_and_in_float64() -> None:
-    row = DTYPES["int64"]
     big = 2**60 + 12345
     buf = np.array([big, -big, 9], np.int64)
-    scale_into(np, buf, buf, 0.1, row)
+    scale_into(np, buf, buf, 0.1)
     assert buf.tolist() == [math.trunc(float(big) * 0.1), -math.trunc(float(big) * 0.1), 0]
 
 
 def test_unit_factor_is_an_exact_copy() -> None:
-    row = DTYPES["int64"]
     src = np.array([2**62 + 1, -(2**62) - 3], np.int64)  # not exact in float64
     dst = np.zeros_like(src)
-    scale_into(np, dst, src, 1.0, row)
+    scale_into(np, dst, src, 1.0)
     assert dst.tolist() == src.tolist()
-    scale_into(np, src, src, 1.0, row)
+    scale_into(np, src, src, 1.0)
     assert src.tolist() == [2**62 + 1, -(2**62) - 3]
 
 
@@ -218,7 +216,7 @@ def test_float_scaling_keeps_precision(name: str) -> None:
     row = DTYPES[name]
     src = np.array([1.0, -3.0, 0.1, 1000.0], dtype=row.np_dtype)
     dst = np.empty_like(src)
-    scale_into(np, dst, src, 0.25, row)
+    scale_into(np, dst, src, 0.25)
     assert dst.dtype == row.np_dtype
     np.testing.assert_array_equal(dst, src * row.np_dtype.type(0.25))
 
