@@ -83,13 +83,18 @@ def _submit(kind: Kind, tensors: Sequence[Any], name: str | None, *, op: ReduceO
         return handle
     entries = []
     ready: dict[tuple[str, int], Any] = {}  # one READY event per (device, stream) per call
+    checked: dict[tuple[str, bool], tuple[int, float, float]] = {}  # per dtype, not per tensor
     for i, tensor in enumerate(tensors):
         tname = f"{base}.{i}" if group else base
         what = f"{kind.name.lower()} of tensor {tname!r}"
         ref = wrap(tensor, what)
         row = lookup_dtype(ref.array.dtype, what)
-        req = _request(engine, kind, tname, ref, row, what, op, root, prescale, postscale,
-                       splits, base if group else "", len(tensors) if group else 0)
+        key = (row.name, ref.is_cuda)
+        if key not in checked:
+            checked[key] = _check_reduction(kind, row, ref.is_cuda, op, prescale, postscale,
+                                            what)
+        req = _request(engine, kind, tname, ref, row.name, what, checked[key], root, splits,
+                       base if group else "", len(tensors) if group else 0)
         user_out = outs[i] if outs is not None else None
         entry = Entry(req, ref, _output(kind, ref, user_out, inplace, what), handle, i)
         if inplace or user_out is not None:
@@ -109,15 +114,16 @@ def _prepare_device(engine: Engine, entry: Entry, ref: TensorRef, handle: Handle
     # Record READY on the caller's stream now: the background thread orders hvdlite's stream
     # after it (cudaStreamWaitEvent) instead of waiting for the producer on the CPU. All
     # tensors of one call come from the same stream, so they share one event.
-    runtime = engine.gpu_runtime()
-    device_id = int(ref.device.split(":")[1])
     key = (ref.device, id(stream))
-    if key not in ready:
-        ready[key] = runtime.record_ready(ref.framework, device_id, stream)
-    entry.ready = ready[key]
-    handle._waiter = runtime.stream_waiter(ref.framework, device_id)
-    handle._async = runtime.async_completion
-    handle._device = device_id
+    event = ready.get(key)
+    if event is None:
+        runtime = engine.gpu_runtime()
+        device_id = int(ref.device.split(":")[1])
+        event = ready[key] = runtime.record_ready(ref.framework, device_id, stream)
+        handle._waiter = runtime.stream_waiter(ref.framework, device_id)
+        handle._async = runtime.async_completion
+        handle._device = device_id
+    entry.ready = event
 
 
 def _share_ready(engine: Engine, entries: list[Entry]) -> None:
@@ -130,29 +136,36 @@ def _share_ready(engine: Engine, entries: list[Entry]) -> None:
             engine.gpu_runtime().context(int(ref.device.split(":")[1])).share(event, n)
 
 
-def _request(engine: Engine, kind: Kind, name: str, ref: TensorRef, row: DType, what: str,
-             op: ReduceOp, root: int, prescale: float, postscale: float,
-             splits: Sequence[int] | None, group: str, group_size: int) -> Request:
-    shape = tuple(int(d) for d in ref.array.shape)
+def _check_reduction(kind: Kind, row: DType, is_cuda: bool, op: ReduceOp, prescale: float,
+                     postscale: float, what: str) -> tuple[int, float, float]:
+    """The checks that depend only on the dtype: op, scale factors, device support."""
     opv = 0
     if kind in (Kind.ALLREDUCE, Kind.REDUCESCATTER):
         opv = int(check_op(row, op, what))
         prescale = _check_factor(prescale, "prescale_factor", row, what)
         postscale = _check_factor(postscale, "postscale_factor", row, what)
+    if is_cuda:
+        check_device_dtype(row, ReduceOp(opv) if kind in (Kind.ALLREDUCE, Kind.REDUCESCATTER)
+                           else None, what)
+    return opv, prescale, postscale
+
+
+def _request(engine: Engine, kind: Kind, name: str, ref: TensorRef, dtype: str, what: str,
+             checked: tuple[int, float, float], root: int, splits: Sequence[int] | None,
+             group: str, group_size: int) -> Request:
+    shape = tuple(int(d) for d in ref.array.shape)
+    opv, prescale, postscale = checked
     if kind is Kind.BROADCAST:
         root = _root(root, engine.size, what)
     if kind in (Kind.ALLGATHER, Kind.ALLTOALL, Kind.REDUCESCATTER) and not shape:
         raise ValueError(f"{what}: needs at least one dimension, got a 0-d tensor; "
                          "reshape it to (1,)")
-    if ref.is_cuda:
-        check_device_dtype(row, ReduceOp(opv) if kind in (Kind.ALLREDUCE, Kind.REDUCESCATTER)
-                           else None, what)
     split_t: tuple[int, ...] = ()
     if kind is Kind.ALLTOALL:
         split_t = _splits(splits, shape[0], engine.size, what)
     device = "cpu" if not ref.is_cuda else "cuda"
-    return Request(name, kind, row.name, shape, device, opv, root, prescale, postscale,
-                   split_t, group, group_size)
+    return Request(name, kind, dtype, shape, device, opv, root, prescale, postscale, split_t,
+                   group, group_size)
 
 
 def _root(root: object, size: int, what: str) -> int:

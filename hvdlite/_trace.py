@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 __all__ = ["Tracer", "open_timeline"]
 
 log = logging.getLogger("hvdlite")
+_NOTHING = contextlib.nullcontext()
 
 
 def open_timeline(path: str, rank: int, mark_cycles: bool, max_bytes: int = 0,
@@ -96,15 +97,18 @@ class Tracer:
         if self.timeline is not None:
             self.timeline.end_all(names, "QUEUE", {"bucket": bucket_id, "threshold": threshold})
 
-    @contextlib.contextmanager
     def phase(self, names: Sequence[str], phase: str, args: dict[str, Any] | None = None,
-              sync: Callable[[], None] | None = None) -> Iterator[None]:
+              sync: Callable[[], None] | None = None) -> contextlib.AbstractContextManager[None]:
         """Span ``phase`` on every tensor of a bucket; ``sync`` runs before the span ends (the
         device CPU-sync fallback, so host timestamps bracket device work)."""
+        if self.timeline is None and not self.nvtx:
+            return _NOTHING  # the hot path: no generator built per phase
+        return self._phase(names, phase, args, sync)
+
+    @contextlib.contextmanager
+    def _phase(self, names: Sequence[str], phase: str, args: dict[str, Any] | None,
+               sync: Callable[[], None] | None) -> Iterator[None]:
         tl = self.timeline
-        if tl is None and not self.nvtx:
-            yield
-            return
         if tl is not None:
             tl.begin_all(names, phase, args)
         with _nvtx.range(f"{phase} {names[0]}" + (f" +{len(names) - 1}" if len(names) > 1

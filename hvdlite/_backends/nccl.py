@@ -95,16 +95,18 @@ class NcclBackend:
                               self._timed)
 
     # -- helpers --------------------------------------------------------------------------
-    @contextlib.contextmanager
     def _phase(self, ctx: DeviceContext, names: list[str], phase: str,
-               args: dict[str, Any] | None = None) -> Iterator[None]:
+               args: dict[str, Any] | None = None) -> contextlib.AbstractContextManager[None]:
         """A device phase on the timeline: bracketed by a CUDA event pair (event-timed mode),
         or by host timestamps, the span ending after a stream sync (CPU-sync fallback)."""
         if not self.runtime.event_timed:
             sync = ctx.stream.synchronize if self.runtime.cpu_sync else None
-            with self.tracer.phase(names, phase, args, sync=sync):
-                yield
-            return
+            return self.tracer.phase(names, phase, args, sync=sync)
+        return self._event_phase(ctx, names, phase, args)
+
+    @contextlib.contextmanager
+    def _event_phase(self, ctx: DeviceContext, names: list[str], phase: str,
+                     args: dict[str, Any] | None) -> Iterator[None]:
         start = self.runtime.timing_event(ctx)
         yield
         self._timed.append((names, phase, start, self.runtime.timing_event(ctx), args))

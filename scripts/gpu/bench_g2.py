@@ -8,6 +8,9 @@ each variant in turn, on the same float32 buffers:
 - hvdlite, async completion on: ``allreduce_async(...).wait()`` returns once the work is
   enqueued and the caller's stream is ordered after it (result usable by work on that stream);
   also the same plus a stream synchronise (result usable on the host);
+- hvdlite, async completion on, ``wait()`` alone: the call, then an untimed poll until the
+  handle is complete (work negotiated and enqueued), then ``wait()`` timed by itself: the
+  cost of ordering the caller's stream after the collective, with no CPU wait on the device;
 - raw CuPy NCCL ``allReduce`` + stream synchronise; raw NCCL enqueue only (the floor for
   "stream ordered");
 - torch.distributed NCCL ``all_reduce(async_op=True).wait()`` (stream ordered) and the same +
@@ -22,6 +25,7 @@ async completion off p50 <= 100 us, p99 <= 300 us; on (call -> ``wait()``) p50 <
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +37,7 @@ import hvdlite as hvd
 HVD_SYNC = "hvdlite allreduce, async completion off"
 HVD_WAIT = "hvdlite async completion on: call -> wait()"
 HVD_WAIT_SYNC = "hvdlite async completion on: wait() + stream sync"
+HVD_WAIT_ONLY = "hvdlite async completion on: wait() alone, handle enqueued"
 RAW_SYNC = "raw NCCL + stream sync"
 RAW_ENQ = "raw NCCL enqueue only"
 TORCH_WAIT = "torch all_reduce + wait() (stream ordered)"
@@ -130,6 +135,25 @@ def check(
         )
 
 
+def time_wait_alone(gpu: gl.Gpu, b: Buffers, settle: Callable[[], None]) -> np.ndarray:
+    """Seconds spent in ``wait()`` on a handle that already completed (async completion),
+    slowest rank per call; the result is checked after every call."""
+    clock = time.perf_counter
+    samples = np.empty(gpu.args.repeats, dtype=np.float64)
+    for i in range(gpu.args.repeats):
+        gpu.barrier()
+        gl.poison(b.y)
+        h = hvd.allreduce_async(b.x, name=f"g2w.{b.nbytes}", op=hvd.Sum, out=b.y)
+        while not h.poll():
+            pass
+        t0 = clock()
+        h.wait()
+        samples[i] = clock() - t0
+        settle()
+        gl.check_equal(gpu, b.y, b.ref, f"{HVD_WAIT_ONLY}, {gl.human_bytes(b.nbytes)}")
+    return gl.max_over_ranks(gpu.comm, samples)
+
+
 def run_block(
     gpu: gl.Gpu, raw: gl.RawNccl, torch: Any, bufs: list[Buffers], async_block: bool
 ) -> dict[int, dict[str, Any]]:
@@ -145,6 +169,8 @@ def run_block(
         fns = variants(gpu, raw, torch, b, async_block)
         check(gpu, torch, fns, b, "before timing")
         times = gl.time_round_robin(gpu, fns, gpu.args.repeats, gpu.args.warmup, after=settle)
+        if async_block:
+            times[HVD_WAIT_ONLY] = time_wait_alone(gpu, b, settle)
         check(gpu, torch, fns, b, "after timing")
         out[b.nbytes] = {k: gl.stats(v) for k, v in times.items()}
     return out

@@ -213,7 +213,8 @@ def timeline_run(gpu: gl.Gpu, st: Layers) -> tuple[np.ndarray, dict[str, Any]]:
     finally:
         a.steps = steps
     hvd.shutdown()
-    exists = gpu.comm.allgather(bool(path) and os.path.exists(path))
+    mine = path.replace("{rank}", str(gpu.rank)) if path else ""
+    exists = gpu.comm.allgather(bool(mine) and os.path.exists(mine))
     return times, {"path": path, "exists_per_rank": exists}
 
 

@@ -31,7 +31,9 @@ export CUPY_TF32="${CUPY_TF32:-0}"
 export HVDLITE_ENABLE_ASYNC_COMPLETION="${HVDLITE_ENABLE_ASYNC_COMPLETION:-0}"
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
-MPIRUN=(mpirun --allow-run-as-root --oversubscribe -n 2
+# --bind-to none: Open MPI binds each rank to ONE core when -n <= 2, so the training thread,
+# hvdlite's background thread and the finalizer would share it (hvdliterun passes this too).
+MPIRUN=(mpirun --allow-run-as-root --oversubscribe --bind-to none -n 2
         -x PATH -x LD_LIBRARY_PATH -x PYTHONPATH -x NCCL_NVLS_ENABLE
         -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS -x CUPY_TF32
         -x HVDLITE_ENABLE_ASYNC_COMPLETION -x PYTHONUNBUFFERED)

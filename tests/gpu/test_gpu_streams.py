@@ -100,16 +100,24 @@ def test_async_completion_wait_returns_before_device(hvd: Any, completion: str) 
         del spare
         x = cupy.zeros(N, dtype=cupy.float64)
         slow_fill(x, hvd.rank() + 1, ms=100, stream=stream)
-        h = hvd.allreduce_async(x, name="acw", op=hvd.Sum)
         t0 = time.perf_counter()
+        h = hvd.allreduce_async(x, name="acw", op=hvd.Sum)
+        # With async completion the handle completes once the work is enqueued on hvdlite's
+        # stream (negotiation done), while the producer still spins on the device.
+        deadline = t0 + 30
+        while not h.poll() and time.perf_counter() < deadline:
+            time.sleep(1e-4)
+        enqueued_ms = (time.perf_counter() - t0) * 1e3
+        assert h.poll(), "not enqueued within 30 s"
+        t1 = time.perf_counter()
         got = h.wait()
-        waited_us = (time.perf_counter() - t0) * 1e6
+        waited_us = (time.perf_counter() - t1) * 1e6
         (done,) = h._events
         pending = not done.done
         consumer = got * 2.0 + 1.0  # on `stream`, ordered after DONE by wait()
     stream.synchronize()
-    print(f"[rank {hvd.rank()}] async wait() returned after {waited_us:.1f} us; "
-          f"collective still pending then: {pending}")
+    print(f"[rank {hvd.rank()}] async: enqueued {enqueued_ms:.2f} ms after the call; wait() "
+          f"then returned in {waited_us:.1f} us; collective still pending then: {pending}")
     assert pending, "wait() returned only after the device finished"
     want = _expect_sum(hvd, lambda k: k + 1)
     assert float(consumer.min()) == 2 * want + 1 and float(consumer.max()) == 2 * want + 1
