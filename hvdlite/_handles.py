@@ -105,6 +105,17 @@ class Handle:
             if self._remaining == 0:
                 self._cond.notify_all()
 
+    def _set_parts(self, parts: Sequence[tuple[int, Any]]) -> None:
+        """Several parts at once (one bucket's members of a grouped call): one lock trip."""
+        with self._cond:
+            if self._remaining <= 0:
+                return
+            for index, value in parts:
+                self._results[index] = value
+            self._remaining -= len(parts)
+            if self._remaining <= 0:
+                self._cond.notify_all()
+
     def _fail(self, exc: BaseException) -> None:
         with self._cond:
             if self._remaining <= 0:

@@ -62,18 +62,23 @@ class Stats:
 
     def record_op(self, op: str, nbytes: int, latency_s: float) -> None:
         """One finished collective: its op name, payload bytes and submit-to-done latency."""
+        self.record_ops(op, [(nbytes, latency_s)])
+
+    def record_ops(self, op: str, done: list[tuple[int, float]]) -> None:
+        """Several finished collectives of one op: ``(payload bytes, latency)`` each."""
         with self._lock:
             st = self._ops.get(op)
             if st is None:
                 st = self._ops[op] = _OpStats()
-            st.count += 1
-            st.nbytes += nbytes
-            st.total_s += latency_s
-            if len(st.ring) < self.window:
-                st.ring.append(latency_s)
-            else:
-                st.ring[st.pos] = latency_s
-                st.pos = (st.pos + 1) % self.window
+            for nbytes, latency_s in done:
+                st.count += 1
+                st.nbytes += nbytes
+                st.total_s += latency_s
+                if len(st.ring) < self.window:
+                    st.ring.append(latency_s)
+                else:
+                    st.ring[st.pos] = latency_s
+                    st.pos = (st.pos + 1) % self.window
 
     def record_negotiation(self, seconds: float) -> None:
         """Time one tensor (or one round) spent in negotiation."""

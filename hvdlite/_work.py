@@ -10,7 +10,7 @@ from hvdlite._handles import Handle
 from hvdlite._negotiation import Request
 from hvdlite._tensors import TensorRef
 
-__all__ = ["Entry"]
+__all__ = ["Entry", "finish_all"]
 
 
 @dataclass(slots=True, eq=False)
@@ -35,15 +35,38 @@ class Entry:
 
     def finish(self, value: Any, events: tuple[Any, ...] = ()) -> None:
         if self.stats is not None:
-            nbytes = self.tensor.array.nbytes if self.tensor is not None else 0
-            self.stats.record_op(self.request.kind.name.lower(), nbytes,
+            self.stats.record_op(self.request.kind.name.lower(), self._nbytes(),
                                  time.perf_counter() - self.enqueued_at)
+        self.handle._set_part(self.index, self._user_value(value), events)
+
+    def _nbytes(self) -> int:
+        return self.tensor.array.nbytes if self.tensor is not None else 0
+
+    def _user_value(self, value: Any) -> Any:
         ref = self.tensor
         if "user" in self.extra:  # in place or out=: hand back the caller's own object
-            value = self.extra["user"]
-        elif ref is not None and value is not None and not isinstance(value, int):
-            value = ref.to_user(value)
-        self.handle._set_part(self.index, value, events)
+            return self.extra["user"]
+        if ref is not None and value is not None and not isinstance(value, int):
+            return ref.to_user(value)
+        return value
 
     def fail(self, exc: BaseException) -> None:
         self.handle._fail(exc)
+
+
+def finish_all(entries: list[Entry | None], values: list[Any]) -> None:
+    """Complete a bucket's entries: one stats update, one handle update per handle (a grouped
+    call's tensors share one), instead of a lock round trip per tensor."""
+    live = [(e, v) for e, v in zip(entries, values, strict=True) if e is not None]
+    if not live:
+        return
+    stats = live[0][0].stats
+    if stats is not None:
+        now = time.perf_counter()
+        stats.record_ops(live[0][0].request.kind.name.lower(),
+                         [(e._nbytes(), now - e.enqueued_at) for e, _ in live])
+    by_handle: dict[int, tuple[Handle, list[tuple[int, Any]]]] = {}
+    for e, v in live:
+        by_handle.setdefault(id(e.handle), (e.handle, []))[1].append((e.index, e._user_value(v)))
+    for handle, parts in by_handle.values():
+        handle._set_parts(parts)

@@ -19,7 +19,7 @@ from hvdlite._fusion import FusionBuffers
 from hvdlite._negotiation import Kind, Response
 from hvdlite._ops import DTYPES, DType, ReduceOp, finish_reduce, scale_into
 from hvdlite._trace import Tracer
-from hvdlite._work import Entry
+from hvdlite._work import Entry, finish_all
 
 __all__ = ["MPIBackend", "mpi_datatype", "mpi_op"]
 
@@ -146,9 +146,7 @@ class MPIBackend:
                     np.copyto(entry.output.reshape(-1), buf[offset:offset + n],
                               casting="unsafe")
                 offset += n
-        for entry in entries:
-            if entry is not None:
-                entry.finish(entry.output)
+        finish_all(entries, [None if e is None else e.output for e in entries])
 
     def _unfused_input(self, resp: Response, entry: Entry | None, row: DType,
                        op: ReduceOp) -> np.ndarray:

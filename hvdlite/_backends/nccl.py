@@ -22,7 +22,7 @@ from hvdlite._gpu.runtime import DeviceContext, GpuRuntime
 from hvdlite._negotiation import Kind, Response
 from hvdlite._ops import DTYPES, DType, ReduceOp, finish_reduce, nccl_wire, scale_into
 from hvdlite._trace import Tracer
-from hvdlite._work import Entry
+from hvdlite._work import Entry, finish_all
 
 __all__ = ["NcclBackend"]
 
@@ -87,9 +87,7 @@ class NcclBackend:
                     outputs = self._run[kind](ctx, comm, bucket, entries)
 
         def done() -> None:
-            for entry, out in zip(entries, outputs, strict=True):
-                if entry is not None:
-                    entry.finish(out)
+            finish_all(entries, outputs)
 
         self.runtime.complete(ctx, [e.handle for e in live], done, (entries, outputs),
                               self._timed)
