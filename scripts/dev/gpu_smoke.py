@@ -6,6 +6,7 @@ Run: mpirun -n N python scripts/dev/gpu_smoke.py  (N = 1 or 2, one GPU per rank)
 from __future__ import annotations
 
 import faulthandler
+import os
 import sys
 import time
 
@@ -14,7 +15,8 @@ import numpy as np
 
 import hvdlite as hvd
 
-faulthandler.dump_traceback_later(25, exit=True)
+# A hang dumps every thread's stack and exits (SMOKE_HANG_S, e.g. longer under a profiler).
+faulthandler.dump_traceback_later(float(os.environ.get("SMOKE_HANG_S", "25")), exit=True)
 
 
 def step(msg: str) -> None:

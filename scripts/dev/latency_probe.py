@@ -101,7 +101,10 @@ def main() -> None:
     install()
     hvd.init()
     rank = hvd.rank()
-    host = (lambda: (np.ones(1, np.float32), np.empty(1, np.float32)))
+
+    def host() -> tuple[Any, Any]:
+        return np.ones(1, np.float32), np.empty(1, np.float32)
+
     configs: list[tuple[str, dict[str, Any], Callable[[Any], None] | None]] = [
         ("default", {}, None),
         ("gil cap off", {"gil_switch_interval_us": 0}, None),
@@ -114,7 +117,10 @@ def main() -> None:
         import cupy
 
         cupy.cuda.Device(rank % cupy.cuda.runtime.getDeviceCount()).use()
-        dev = (lambda: (cupy.ones(1, cupy.float32), cupy.empty(1, cupy.float32)))
+
+        def dev() -> tuple[Any, Any]:
+            return cupy.ones(1, cupy.float32), cupy.empty(1, cupy.float32)
+
         for label, setup, tweak in configs:
             probe(f"cuda {label}", dev, args.calls, setup, tweak)
         probe("cuda async", dev, args.calls, {"async_completion": True})

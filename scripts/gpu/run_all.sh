@@ -73,7 +73,7 @@ git log -1 --oneline 2>/dev/null
 if ls tests/gpu/test_*.py >/dev/null 2>&1; then
   # --tag-output prefixes each line with [job,rank]: the two ranks' tracebacks stay apart.
   run_step "GPU tests" 200 "${MPIRUN[@]}" --tag-output "$PY" -m mpi4py -m pytest tests/gpu -q \
-    -rsfE --tb=long --maxfail=5 -p no:cacheprovider
+    -rsfEP --tb=long --maxfail=5 -p no:cacheprovider
 else
   STATUS+=("GPU tests: none in tests/gpu")
 fi
