@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import re
@@ -284,31 +285,65 @@ def _arg(span: Span, key: str) -> Any:
     return span.end_args.get(key, span.args.get(key))
 
 
+DEVICE_SUFFIX = " [device]"  # event-timed device spans of tensor X live on track "X [device]"
+
+
 def attribute(spans: list[Span]) -> None:
     """Give each span its tensor's payload bytes and its bucket id.
 
     Per track in time order: a NEGOTIATE_* span starts a new submission, whose ``bytes`` arg is
     the tensor's payload; a ``bucket`` arg (B or E) on any later span names the bucket until the
     next negotiation. Without a negotiation in the file, a span's own ``bytes`` arg is used.
+    A device track ("X [device]") takes both from the submission of host track X that was the
+    latest to begin negotiating before the device span started.
     """
     by_track: dict[tuple[int, str], list[Span]] = {}
     for s in spans:
         by_track.setdefault((s.pid, s.track), []).append(s)
-    for group in by_track.values():
-        group.sort(key=lambda s: (s.start, s.end))
-        payload: int | None = None
-        bucket: Any = None
-        for s in group:
-            if s.name.startswith("NEGOTIATE"):
-                val = s.args.get("bytes")
-                payload = int(val) if isinstance(val, (int, float)) else None
-                bucket = None
-            elif _arg(s, "bucket") is not None:
-                bucket = _arg(s, "bucket")
-            own = s.args.get("bytes")
-            fallback = int(own) if isinstance(own, (int, float)) else None
+    submissions: dict[tuple[int, str], list[tuple[float, int | None, Any]]] = {}
+    for key, group in by_track.items():
+        if not key[1].endswith(DEVICE_SUFFIX):
+            submissions[key] = _attribute_host(group)
+    for (pid, track), group in by_track.items():
+        if track.endswith(DEVICE_SUFFIX):
+            _attribute_device(group, submissions.get((pid, track[:-len(DEVICE_SUFFIX)]), []))
+
+
+def _attribute_host(group: list[Span]) -> list[tuple[float, int | None, Any]]:
+    """Attribute one host track; returns its submissions as (start, payload, bucket)."""
+    group.sort(key=lambda s: (s.start, s.end))
+    subs: list[list[Any]] = []
+    payload: int | None = None
+    bucket: Any = None
+    for s in group:
+        if s.name.startswith("NEGOTIATE"):
+            val = s.args.get("bytes")
+            payload = int(val) if isinstance(val, (int, float)) else None
+            bucket = None
+            subs.append([s.start, payload, None])
+        elif _arg(s, "bucket") is not None:
+            bucket = _arg(s, "bucket")
+            if subs:
+                subs[-1][2] = bucket
+        own = s.args.get("bytes")
+        fallback = int(own) if isinstance(own, (int, float)) else None
+        s.payload = payload if payload is not None else fallback
+        s.bucket = bucket
+    return [(start, pay, buck) for start, pay, buck in subs]
+
+
+def _attribute_device(group: list[Span], subs: list[tuple[float, int | None, Any]]) -> None:
+    starts = [start for start, _, _ in subs]
+    for s in group:
+        i = bisect.bisect_right(starts, s.start) - 1
+        own = s.args.get("bytes")
+        fallback = int(own) if isinstance(own, (int, float)) else None
+        if i >= 0:
+            _, payload, bucket = subs[i]
             s.payload = payload if payload is not None else fallback
             s.bucket = bucket
+        else:
+            s.payload = fallback
 
 
 def union_length(intervals: list[tuple[float, float]]) -> float:

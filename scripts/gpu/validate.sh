@@ -33,8 +33,8 @@ M=(mpirun --allow-run-as-root --oversubscribe --bind-to none -n 2 -x PATH -x LD_
     # range stack around each profiled kernel and --print-nvtx-rename names the kernel after
     # it: the batched copy kernels must show up under hvdlite's MEMCPY_*_FUSION_BUFFER ranges.
     echo "=== Nsight Compute: NVTX ranges around hvdlite's kernels (1 rank)"
-    HVDLITE_NVTX=1 SMOKE_HANG_S=110 timeout 120 ncu --nvtx --print-nvtx-rename kernel --kernel-name \
-      regex:batched --launch-count 4 --section LaunchStats python3 scripts/dev/gpu_smoke.py
+    timeout 120 ncu --nvtx --print-nvtx-rename kernel --kernel-name 'regex:batched|nccl' \
+      --launch-count 4 --section LaunchStats python3 scripts/dev/nvtx_kernels.py
   fi
 } > "$OUT/extra.log" 2>&1
 echo "extras exit $?"

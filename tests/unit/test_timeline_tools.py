@@ -288,6 +288,33 @@ def test_summarize_engine_layout(tmp_path: Path, capsys: pytest.CaptureFixture[s
         2, 1, {"1": 1}, 3.0)
 
 
+def test_summarize_attributes_device_tracks(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """Event-timed device spans (track "X [device]", complete events written after DONE, even
+    after X's next negotiation began) take X's payload and bucket of the submission they ran
+    for, not those of whatever X negotiates next."""
+    path = tmp_path / "dev.json"
+    tl = Timeline(str(path), 0)
+    for step, nbytes in enumerate((400, 800)):
+        b = 100.0 * step
+        tl.begin("x", "NEGOTIATE_ALLREDUCE", {"bytes": nbytes}, ts_us=b)
+        tl.end("x", "NEGOTIATE_ALLREDUCE", ts_us=b + 5)
+        tl.begin("x", "QUEUE", ts_us=b + 5)
+        tl.end("x", "QUEUE", {"bucket": 10 + step}, ts_us=b + 6)
+    for step in range(2):  # written late, as the finalizer does
+        tl.complete("x [device]", "NCCL_ALLREDUCE", 100.0 * step + 7, 20.0)
+    tl.close()
+    assert check.check_file(str(path)).ok
+    assert summarize.main(["--json", str(path)]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["tensors"]["x [device]"]["NCCL_ALLREDUCE"]["bytes"] == 1200
+    assert rep["phases"]["NCCL_ALLREDUCE"] == rep["tensors"]["x [device]"]["NCCL_ALLREDUCE"]
+    spans = pair(load(str(path))).spans
+    summarize.attribute(spans)
+    buckets = sorted(s.bucket for s in spans if s.track == "x [device]")
+    assert buckets == [10, 11]
+
+
 @pytest.mark.parametrize("text,value", [("65536", 65536), ("64MiB", 64 << 20),
                                         ("1.5 KB", 1500), ("2gib", 2 << 30)])
 def test_parse_size(text: str, value: int) -> None:
