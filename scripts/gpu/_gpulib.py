@@ -544,8 +544,12 @@ def metadata(gpu: Gpu) -> dict[str, Any]:
         "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(),
         "cuda_driver": cp.cuda.runtime.driverGetVersion(),
         "nccl_cupy": cp.cuda.nccl.get_version(),
-        "git_commit": _git("rev-parse", "--short", "HEAD"),
-        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        # The device machine gets a copy of the working tree whose .git may lag behind it:
+        # the launcher can name the commit the tree really is (HVDLITE_BENCH_COMMIT).
+        "git_commit": os.environ.get("HVDLITE_BENCH_COMMIT") or _git("rev-parse", "--short",
+                                                                     "HEAD"),
+        "git_dirty": (False if os.environ.get("HVDLITE_BENCH_COMMIT") else
+                      bool(_git("status", "--porcelain", "--untracked-files=no"))),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "args": vars(gpu.args),
         "env": {

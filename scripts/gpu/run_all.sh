@@ -30,13 +30,15 @@ export LD_LIBRARY_PATH="${LD_LIBRARY_PATH:-}"
 export CUPY_TF32="${CUPY_TF32:-0}"
 export HVDLITE_ENABLE_ASYNC_COMPLETION="${HVDLITE_ENABLE_ASYNC_COMPLETION:-0}"
 export PYTHONUNBUFFERED=1
+# The commit the tree is (the device copy's .git can lag behind it); empty = ask git.
+export HVDLITE_BENCH_COMMIT="${HVDLITE_BENCH_COMMIT:-}"
 PY="${PYTHON:-python3}"
 # --bind-to none: Open MPI binds each rank to ONE core when -n <= 2, so the training thread,
 # hvdlite's background thread and the finalizer would share it (hvdliterun passes this too).
 MPIRUN=(mpirun --allow-run-as-root --oversubscribe --bind-to none -n 2
         -x PATH -x LD_LIBRARY_PATH -x PYTHONPATH -x NCCL_NVLS_ENABLE
         -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS -x CUPY_TF32
-        -x HVDLITE_ENABLE_ASYNC_COMPLETION -x PYTHONUNBUFFERED)
+        -x HVDLITE_ENABLE_ASYNC_COMPLETION -x PYTHONUNBUFFERED -x HVDLITE_BENCH_COMMIT)
 BUDGET_S="${BUDGET_S:-510}"
 STATUS=()
 FAILED=0
