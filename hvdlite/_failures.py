@@ -23,7 +23,6 @@ log = logging.getLogger("hvdlite")
 _TAG = 7_001  # only hvdlite's private communicator carries it
 _MAX_BYTES = 4096
 _SEND_WAIT_S = 5.0
-_SPIN_S = 50e-6  # Test() with the GIL held before a blocking wait gives it up
 
 
 class FailureChannel:
@@ -53,13 +52,6 @@ class FailureChannel:
         busy in Python)."""
         if self._error is not None:
             raise self._error
-        # A blocking wait hands the GIL to the training thread, and taking it back costs up
-        # to a whole switch interval while that thread runs Python; between live peers most
-        # rounds complete within microseconds, so poll briefly without giving it up first.
-        until = time.perf_counter() + _SPIN_S
-        while time.perf_counter() < until:
-            if req.Test():
-                return
         while MPI.Request.Waitany([req, self._req], self._status) == 1:
             self._received()
             if self._error is not None:

@@ -5,7 +5,7 @@ handle completes, like a training loop that keeps launching work. Prints the med
 completion on rank 0. Compare ``HVDLITE_GIL_SWITCH_INTERVAL_US=0`` (Python's 5 ms default)
 with the default cap.
 
-    mpiexec -n 2 python scripts/dev/gil_busy.py [--steps 60] [--no-spin]
+    mpiexec -n 2 python scripts/dev/gil_busy.py [--steps 60]
 """
 
 from __future__ import annotations
@@ -16,17 +16,12 @@ import time
 import numpy as np
 
 import hvdlite as hvd
-from hvdlite import _failures
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--no-spin", action="store_true",
-                    help="block in MPI at once instead of polling ~50 us with the GIL held")
     args = ap.parse_args()
-    if args.no_spin:
-        _failures._SPIN_S = 0.0
     hvd.init()
     x = np.ones(4, np.float32)
     waits = []
@@ -39,8 +34,7 @@ def main() -> None:
         waits.append(time.perf_counter() - t0)
         assert float(h.wait()[0]) == hvd.size()
     if hvd.rank() == 0:
-        print(f"median completion while the main thread is busy"
-              f"{' (no spin)' if args.no_spin else ''}: "
+        print(f"median completion while the main thread is busy: "
               f"{np.median(waits) * 1e6:.0f} us over {args.steps} steps")
     hvd.shutdown()
 

@@ -21,7 +21,7 @@ import numpy as np
 from mpi4py import MPI
 
 import hvdlite as hvd
-from hvdlite import _cycle, _engine, _failures
+from hvdlite import _cycle, _engine
 from hvdlite._backends import mpi as mpi_backend
 
 MARKS: list[tuple[str, float]] = []
@@ -109,8 +109,7 @@ def main() -> None:
         ("default", {}, None),
         ("gil cap off", {"gil_switch_interval_us": 0}, None),
         ("polled waits", {}, lambda e: setattr(e.negotiator, "block_in_mpi", False)),
-        ("no spin before MPI waits", {}, lambda e: setattr(_failures, "_SPIN_S", 0.0)),
-        ("default again", {}, lambda e: setattr(_failures, "_SPIN_S", 50e-6)),
+        ("default again", {}, None),
     ]
     for label, setup, tweak in configs:
         probe(f"host {label}", host, args.calls, setup, tweak)
