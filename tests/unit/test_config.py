@@ -40,7 +40,7 @@ EXPECTED_DEFAULTS = {
     "stall_check_time_s": 60.0,
     "stall_shutdown_time_s": 0.0,
     "idle_backoff_max_ms": 20.0,
-    "gil_switch_interval_us": 500.0,
+    "gil_switch_interval_us": 200.0,
     "log_level": "warning",
     "nvtx": False,
 }
