@@ -140,13 +140,17 @@ class Handle:
         arrays with asynchronous completion on, this returns once the work is enqueued and the
         caller's current stream is ordered after it (no CPU block on the device).
         """
-        if not self.poll():
-            # A short hot poll first: small collectives finish within tens of microseconds,
-            # and a condition-variable wake-up costs about as much again.
+        # Sync completion of device work: wait for the DONE events on this thread rather than
+        # for the finalizer to do it and wake us (one thread hand-off less). Decided by the
+        # handle's kind: the loop attaches the completions only once the work is enqueued.
+        here = self._device >= 0 and not self._async and timeout is None
+        ready = self._is_enqueued if here else self.poll
+        if not ready():
+            # A short hot poll first: a condition-variable wake-up costs tens of microseconds.
             until = time.perf_counter() + _SPIN_S
-            while not self.poll() and time.perf_counter() < until:
+            while not ready() and time.perf_counter() < until:
                 os.sched_yield()
-        if not self.poll() and self._completions and timeout is None:
+        if here and not self.poll():
             self._complete_here()
         with self._cond:
             if not self._cond.wait_for(self.poll, timeout):

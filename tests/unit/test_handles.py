@@ -197,3 +197,61 @@ def test_wait_stream_raises_failure() -> None:
     with pytest.raises(ShutdownError, match="down"):
         h.wait_stream()
     thread.join()
+
+
+class _DoneEvent:
+    """Stands in for a DONE event in the handle's own protocol (no device involved): it only
+    records which thread waited on it."""
+
+    def __init__(self) -> None:
+        self.waited_by: list[str] = []
+
+    def synchronize(self) -> None:
+        self.waited_by.append(threading.current_thread().name)
+
+
+def _sync_device_handle() -> Handle:
+    h = Handle("dev", parts=1)
+    h._device, h._async = 0, False  # what _prepare_device sets for sync completion
+    return h
+
+
+def test_sync_device_wait_completes_on_the_waiting_thread() -> None:
+    """The loop enqueues after wait() began (the usual case for a small collective) and hands
+    over a completion; the waiter runs it itself instead of waiting for the finalizer."""
+    h = _sync_device_handle()
+    ev = _DoneEvent()
+    ran_on: list[str] = []
+
+    def complete() -> None:
+        ran_on.append(threading.current_thread().name)
+        h._set_part(0, "result")
+
+    def loop_enqueues() -> None:  # what GpuRuntime.complete does for sync completion
+        h._completions.append(complete)
+        h._enqueued((ev,))
+
+    t = later(loop_enqueues, 0.05)
+    assert h.wait() == "result"
+    t.join(WAIT_S)
+    me = threading.current_thread().name
+    assert ev.waited_by == [me] and ran_on == [me]
+
+
+def test_sync_device_wait_raises_failure_before_enqueue() -> None:
+    h = _sync_device_handle()
+    t = later(lambda: h._fail(MismatchError("tensor 'dev': shapes differ")))
+    with pytest.raises(MismatchError, match="shapes differ"):
+        h.wait()
+    t.join(WAIT_S)
+
+
+def test_sync_device_wait_with_timeout_leaves_completion_to_others() -> None:
+    """With a timeout the waiter does not block on DONE itself; the finalizer's completion
+    (here: another thread) wakes it."""
+    h = _sync_device_handle()
+    with pytest.raises(TimeoutError):
+        h.wait(timeout=0.01)
+    t = later(lambda: h._set_part(0, 7))
+    assert h.wait(timeout=WAIT_S) == 7
+    t.join(WAIT_S)
