@@ -118,7 +118,7 @@ def _prepare_device(engine: Engine, entry: Entry, ref: TensorRef, handle: Handle
     event = ready.get(key)
     if event is None:
         runtime = engine.gpu_runtime()
-        device_id = int(ref.device.split(":")[1])
+        device_id = ref.device_id
         event = ready[key] = runtime.record_ready(ref.framework, device_id, stream)
         handle._waiter = runtime.stream_waiter(ref.framework, device_id)
         handle._async = runtime.async_completion
@@ -133,7 +133,7 @@ def _share_ready(engine: Engine, entries: list[Entry]) -> None:
             uses.setdefault(id(e.ready), [e.ready, 0, e.tensor])[1] += 1
     for event, n, ref in uses.values():
         if n > 1:
-            engine.gpu_runtime().context(int(ref.device.split(":")[1])).share(event, n)
+            engine.gpu_runtime().context(ref.device_id).share(event, n)
 
 
 def _check_reduction(kind: Kind, row: DType, is_cuda: bool, op: ReduceOp, prescale: float,

@@ -28,6 +28,7 @@ class TensorRef:
     device: str
     framework: str
     to_user: Callable[[Any], Any]
+    device_id: int = -1  # CUDA device ordinal; -1 for host memory
 
     @property
     def is_cuda(self) -> bool:
@@ -50,7 +51,8 @@ def wrap(obj: Any, what: str) -> TensorRef:
     module = _module_of(obj)
     if module == "cupy":
         _require_contiguous(obj.flags.c_contiguous, what, "cupy.ascontiguousarray(x)")
-        return TensorRef(obj, f"cuda:{obj.device.id}", "cupy", _identity)
+        device_id = obj.device.id
+        return TensorRef(obj, f"cuda:{device_id}", "cupy", _identity, device_id)
     if module == "torch":
         return _wrap_torch(obj, what)
     raise TypeError(
@@ -74,7 +76,7 @@ def _wrap_torch(t: Any, what: str) -> TensorRef:
         import cupy
 
         return TensorRef(cupy.from_dlpack(t.detach()), f"cuda:{t.device.index}", "torch",
-                         torch.from_dlpack)
+                         torch.from_dlpack, int(t.device.index))
     raise TypeError(f"{what}: torch tensors on device {t.device} are not supported (cpu, cuda)")
 
 
@@ -85,6 +87,6 @@ def empty_like_ref(ref: TensorRef, shape: tuple[int, ...] | None = None) -> Any:
     if ref.is_cuda:
         import cupy
 
-        with cupy.cuda.Device(arr.device.id):
+        with cupy.cuda.Device(ref.device_id):
             return cupy.empty(shape, dtype=arr.dtype)
     return np.empty(shape, dtype=arr.dtype)

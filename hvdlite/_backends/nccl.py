@@ -70,7 +70,7 @@ class NcclBackend:
     def run(self, bucket: list[Response], entries: list[Entry | None]) -> None:
         """Enqueue one bucket on the device and hand its completion to the runtime."""
         live = [e for e in entries if e is not None]
-        device_id = live[0].tensor.array.device.id if live and live[0].tensor else \
+        device_id = live[0].tensor.device_id if live and live[0].tensor else \
             self.runtime.default_device
         ctx = self.runtime.context(device_id)
         comm = self.communicator(device_id)

@@ -195,6 +195,7 @@ class GpuRuntime:
         self._async = async_completion
         self._device_events = device_events
         self._contexts: dict[int, DeviceContext] = {}
+        self._waiters: dict[tuple[str, int], Callable[[Any, Any], None]] = {}
         self._lock = threading.Lock()
         self.finalizer = Finalizer()
 
@@ -281,16 +282,20 @@ class GpuRuntime:
 
         self.finalizer.track(done, spans_then_complete, keep)
 
-    @staticmethod
-    def stream_waiter(framework: str, device_id: int) -> Callable[[Any, Any], None]:
-        """For Handle.wait: make the caller's stream (default: current) wait on the events."""
+    def stream_waiter(self, framework: str, device_id: int) -> Callable[[Any, Any], None]:
+        """For Handle.wait: make the caller's stream (default: current) wait on the events.
+        One function per (framework, device), made once."""
+        key = (framework, device_id)
+        waiter = self._waiters.get(key)
+        if waiter is None:
 
-        def wait(handle: Any, stream: Any) -> None:
-            target = stream if stream is not None else current_stream(framework, device_id)
-            for event in handle._events:
-                target.wait_event(event)
+            def waiter(handle: Any, stream: Any) -> None:
+                target = stream if stream is not None else current_stream(framework, device_id)
+                for event in handle._events:
+                    target.wait_event(event)
 
-        return wait
+            self._waiters[key] = waiter
+        return waiter
 
     def synchronize(self) -> None:
         """Wait for everything hvdlite enqueued on its streams (used at shutdown)."""
