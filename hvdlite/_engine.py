@@ -97,7 +97,10 @@ class Engine:
                              if cfg.timeline else None, cfg.nvtx)
         # Each rank runs two busy threads at times (training + background): waiting inside MPI
         # (a busy-wait) only pays off with a core for each.
-        block = 2 * self.local_size <= _cores()
+        cores = _cores()
+        block = 2 * self.local_size <= cores
+        if cores == 1 and (os.cpu_count() or 1) > 1:
+            log.warning(_ONE_CORE)
         self.negotiator = Negotiator(self._ctrl, self.config, self.tracer, block)
         self.mpi = MPIBackend(self._data, self.fusion, self.negotiator.failures, self.tracer,
                               block)
@@ -326,6 +329,11 @@ class Engine:
         for comm in (self._ctrl, self._data):
             if comm != MPI.COMM_NULL:
                 comm.Free()  # Free() resets the handle to COMM_NULL: a second call is a no-op
+
+
+_ONE_CORE = ("hvdlite: this rank may run on one CPU core only (its affinity mask), shared by "
+             "the training thread and hvdlite's background thread; launch with hvdliterun or "
+             "give each rank more cores (Open MPI: mpirun --bind-to none)")
 
 
 def _cores() -> int:

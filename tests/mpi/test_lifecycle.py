@@ -199,3 +199,26 @@ def test_precedence_override_env_yaml(
     assert default_engine().config.cache_capacity == 44
     assert default_engine().negotiator.cache.capacity == 44
     _sum_check(hvd, "precedence")
+
+
+def test_one_core_per_rank_is_warned_about(hvd: Any, restart: Callable[..., Any],
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    """A rank pinned to one core (Open MPI's default binding for small jobs) shares it between
+    the training thread and the background thread: init says so and names the fix."""
+    import os
+
+    before = os.sched_getaffinity(0)
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("needs a machine with more than one core")
+    try:
+        os.sched_setaffinity(0, {min(before)})
+        with caplog.at_level("WARNING", logger="hvdlite"):
+            restart()
+        assert any("one CPU core" in r.getMessage() and "--bind-to none" in r.getMessage()
+                   for r in caplog.records), [r.getMessage() for r in caplog.records]
+    finally:
+        os.sched_setaffinity(0, before)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="hvdlite"):
+        restart()
+    assert not any("one CPU core" in r.getMessage() for r in caplog.records) or len(before) == 1
