@@ -42,6 +42,7 @@ def _stamp(cls: Any, method: str, before: str | None, after: str | None) -> None
 
 
 def install() -> None:
+    _stamp(_engine.Engine, "submit", "submit_start", "submitted")
     _stamp(_engine.Engine, "_drain", None, "drained")
     _stamp(_cycle.Negotiator, "cycle", "cycle_start", "cycle_end")
     _stamp(mpi_backend.MPIBackend, "run", "data_start", "data_end")
