@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from mpi4py import MPI
@@ -48,6 +48,11 @@ _BUSY_NAP_S = 100e-6  # longest nap between polls while work flows
 _WORD = (1 << 64) - 1
 
 
+def _plain_nap(seconds: float) -> bool:
+    time.sleep(seconds)
+    return False
+
+
 def _pack(slots: Collection[int]) -> int:
     """Slot numbers -> a bit mask."""
     mask = 0
@@ -76,7 +81,8 @@ class Negotiator:
     """This rank's side of negotiation: cache state, pending hits and (on rank 0) the table."""
 
     def __init__(self, comm: MPI.Intracomm, config: Config, tracer: Tracer,
-                 block_in_mpi: bool = False) -> None:
+                 block_in_mpi: bool = False,
+                 nap: Callable[[float], bool] | None = None) -> None:
         self.comm = comm
         self.tracer = tracer
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
@@ -103,6 +109,9 @@ class Negotiator:
         # While work flows, wait inside MPI (GIL released) rather than poll from Python, unless
         # ranks outnumber this host's cores: MPI's busy-wait would then starve the other ranks.
         self.block_in_mpi = block_in_mpi
+        # Sleeps up to the given seconds; True if local work arrived meanwhile (the engine
+        # passes a wait on its wake-up queue; alone, a plain sleep that never cuts short).
+        self._nap = nap if nap is not None else _plain_nap
 
     # -- pacing ------------------------------------------------------------------------
     @property
@@ -206,13 +215,22 @@ class Negotiator:
         # While work flows, wait inside MPI with the GIL released (one hand-off) when every
         # busy thread has a core; otherwise poll: hot for a short while (a late Test() delays
         # every rank's next collective), then back off. Idle, the naps grow to the idle backoff
-        # so an idle engine costs next to nothing. Either way a peer's failure notice ends it.
+        # so an idle engine costs next to nothing, but local work cuts a nap short: a round
+        # entered idle must not sleep through this rank's next submission. Either way a peer's
+        # failure notice ends the wait.
         if req.Test():
             return
         busy = self._busy
-        if busy and self.block_in_mpi:
-            self.failures.wait(req)
-            return
+        while True:
+            if busy and self.block_in_mpi:
+                self.failures.wait(req)
+                return
+            if self._poll(req, busy):
+                return
+            busy = True  # work arrived during an idle nap: wait for this round as busy
+
+    def _poll(self, req: MPI.Request, busy: bool) -> bool:
+        """Poll ``req`` until done (True), or until local work cuts an idle nap short (False)."""
         hot_until = time.perf_counter() + (_HOT_POLL_S if busy else 0.0)
         # Idle, peers arrive within one idle wait of each other: start the naps long so an
         # idle cycle costs a few wake-ups, not a dozen (each one a GIL hand-off as well).
@@ -221,9 +239,12 @@ class Negotiator:
             self.failures.check()
             if time.perf_counter() < hot_until:
                 os.sched_yield()  # yields GIL and CPU; sleep(0) costs ~50 us of timer slack
-            else:
+            elif busy:
                 time.sleep(nap)
-                nap = min(nap * 2, cap)
+            elif self._nap(nap):
+                return False
+            nap = min(nap * 2, cap)
+        return True
 
     def _evict(self, slots: list[int], entries: dict[str, Entry]) -> None:
         for slot in slots:

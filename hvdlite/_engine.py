@@ -104,7 +104,8 @@ class Engine:
         block = 2 * self.local_size <= cores
         if cores == 1 and (os.cpu_count() or 1) > 1:
             log.warning(_ONE_CORE)
-        self.negotiator = Negotiator(self._ctrl, self.config, self.tracer, block)
+        self.negotiator = Negotiator(self._ctrl, self.config, self.tracer, block,
+                                     self._idle_nap)
         self.mpi = MPIBackend(self._data, self.fusion, self.negotiator.failures, self.tracer,
                               block)
         self._buckets = itertools.count()
@@ -225,6 +226,16 @@ class Engine:
                 wake.get_nowait()
         except queue.Empty:
             pass
+
+    def _idle_nap(self, seconds: float) -> bool:
+        """A nap of the negotiation's idle wait that ends early when work is submitted here;
+        the wake-up token goes back, so the next _wait_for_work does not sleep either."""
+        try:
+            self._wake.get(timeout=seconds)
+        except queue.Empty:
+            return False
+        self._wake.put(None)
+        return True
 
     def _drain(self) -> list[Entry]:
         with self._lock:

@@ -104,3 +104,45 @@ def test_unnamed_requests_get_matching_names(hvd: Any) -> None:
             all_inputs(seed_for("unnamed_sync", step), size, (3,), "int32"), "Sum"
         )
         assert_equal_result(hvd.allreduce(x, op=hvd.Sum), want, f"unnamed blocking #{step}")
+
+
+def test_idle_nap_is_cut_short_by_local_work() -> None:
+    """A negotiation round entered while idle naps between polls; work submitted on this rank
+    must end the nap, and the rest of the round is waited as busy (no more idle naps) instead
+    of being slept through. Driven on COMM_SELF: the round is a receive whose message a timer
+    sends a little after the local work arrived."""
+    import threading
+
+    from mpi4py import MPI
+
+    from hvdlite._cycle import Negotiator
+    from hvdlite._trace import Tracer
+    from hvdlite.config import load_config
+
+    comm = MPI.COMM_SELF.Dup()
+    naps: list[float] = []
+    try:
+        for arrive_on in (1, 3):  # local work arrives during the first / third idle nap
+            timer = threading.Timer(
+                0.05, lambda: comm.Send([np.ones(1, np.uint8), MPI.BYTE], dest=0, tag=5))
+
+            def nap(seconds: float, arrive_on: int = arrive_on,
+                    timer: threading.Timer = timer) -> bool:
+                naps.append(seconds)
+                if len(naps) == arrive_on:
+                    timer.start()  # the round completes only later
+                    return True
+                return False
+
+            neg = Negotiator(comm, load_config(None, {}), Tracer(None, False), False, nap)
+            neg._busy = False  # an idle round
+            buf = np.zeros(1, np.uint8)
+            naps.clear()
+            neg._wait(comm.Irecv([buf, MPI.BYTE], source=0, tag=5))
+            timer.join()
+            first = neg.idle_max_s / 8
+            assert naps == [first * 2 ** k for k in range(arrive_on)], naps
+            assert buf[0] == 1
+            neg.failures.close()
+    finally:
+        comm.Free()
