@@ -183,10 +183,12 @@ class Engine:
             while True:
                 self._wait_for_work()
                 new = self._drain()
+                working = bool(self._entries)
                 t0 = time.perf_counter()
                 cycle = self.negotiator.cycle(new, self._entries, self._stop_requested,
                                               self._expecting_stall > 0)
-                self.tracer.stats.record_negotiation(time.perf_counter() - t0)
+                if working:  # idle rounds (mostly naps waiting for peers) are not negotiation
+                    self.tracer.stats.record_negotiation(time.perf_counter() - t0)
                 self.tracer.negotiated(cycle.responses, self._entries)
                 self.tracer.cycle()
                 self._execute(cycle.responses)

@@ -218,8 +218,8 @@ class Handle:
 
     def _complete_here(self) -> None:
         """Sync completion: wait for the DONE events on this thread and complete the parts
-        here, instead of waiting for the finalizer thread to do it and then wake us (two
-        thread hand-offs saved on every blocking device collective)."""
+        here, instead of waiting for the finalizer thread to do it and then wake us (one
+        thread hand-off saved on every blocking device collective)."""
         with self._cond:
             self._cond.wait_for(self._is_enqueued)
         if self.poll():

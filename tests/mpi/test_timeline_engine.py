@@ -4,6 +4,7 @@ and the statistics counters. Every rank writes its own file (``{rank}`` in the p
 from __future__ import annotations
 
 import json
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -89,3 +90,7 @@ def test_stats_count_operations(hvd: Any) -> None:
     assert ops["count"] == before + 5
     assert ops["latency_p50_s"] > 0 and ops["latency_p99_s"] >= ops["latency_p50_s"]
     assert 0.0 <= snap["cache"]["hit_rate"] <= 1.0
+    neg = snap["negotiation"]
+    assert neg["count"] >= 1 and neg["max_s"] > 0
+    time.sleep(0.1)  # the loops keep cycling while idle; those rounds carry no work
+    assert hvd.stats()["negotiation"]["count"] == neg["count"]
