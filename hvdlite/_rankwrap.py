@@ -1,8 +1,9 @@
 """Per-rank wrapper used by ``hvdliterun``: ``python -I .../hvdlite/_rankwrap.py <command...>``.
 
-It is run by path in isolated mode, not with ``-m hvdlite._rankwrap``: importing the hvdlite
-package loads mpi4py, and a wrapper that initialised MPI would take the rank's place in the job.
-It uses the standard library only.
+It is run by path in isolated mode, not with ``-m hvdlite._rankwrap``: then it depends on
+nothing the user's environment puts on the path (PYTHONPATH, the working directory), and it
+must never initialise MPI, which would take the rank's place in the job. It uses the standard
+library only.
 
 It runs the user's command as a child, forwards signals to it, and when the child fails
 (non-zero exit or killed by a signal) prints one tagged line to stderr and drops a small JSON
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     """Run ``argv`` (default: ``sys.argv[1:]``) as the rank's program; exit as it did."""
     command = sys.argv[1:] if argv is None else argv
     if not command:
-        sys.exit("usage: python -m hvdlite._rankwrap COMMAND [ARGS...]")
+        sys.exit("usage: python -I .../hvdlite/_rankwrap.py COMMAND [ARGS...]")
     rank = rank_from_env()
     received: list[int] = []
     # If the MPI process manager dies without cleaning up, SIGTERM reaches us and the child.

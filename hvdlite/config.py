@@ -10,9 +10,10 @@ Where a value comes from, strongest first (:func:`load_config`)::
 
     overrides (init() keyword / hvdliterun flag) > environment > YAML file > default
 
-Environment variables are ``HVDLITE_<NAME>``; the matching Horovod variable
-(``HOROVOD_FUSION_THRESHOLD``, ``HOROVOD_CYCLE_TIME``, ...) is accepted as an alias, with the
-same unit as in Horovod. When both are set, the ``HVDLITE_`` one wins.
+Environment variables are ``HVDLITE_<NAME>`` (a few keep Horovod's word order, e.g.
+``HVDLITE_ENABLE_ASYNC_COMPLETION``; the table in docs/config.md lists each); the matching
+Horovod variable (``HOROVOD_FUSION_THRESHOLD``, ``HOROVOD_CYCLE_TIME``, ...) is accepted as an
+alias, with the same unit as in Horovod. When both are set, the ``HVDLITE_`` one wins.
 
 Importing this module has no side effects.
 """
@@ -24,7 +25,7 @@ import difflib
 import math
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -209,11 +210,6 @@ class Knob:
         """The ``hvdliterun`` option for this knob (booleans also get ``--no-...``)."""
         return "--" + self.name.replace("_", "-")
 
-    @property
-    def env_names(self) -> tuple[str, ...]:
-        """Every environment variable read for this knob, strongest first."""
-        return (self.env, *self.aliases, *self.inverted_aliases)
-
 
 def _knob(
     *,
@@ -296,7 +292,8 @@ class Config:
         kind="float", parse=_parse_non_negative, default=0.0, unit="s",
         env="HVDLITE_STALL_SHUTDOWN_TIME_SECONDS",
         aliases=("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",),
-        help="Seconds of stall after which hvdlite fails with StallError; 0 = never.",
+        help="Seconds of stall after which hvdlite fails with StallError; 0 = never. Needs "
+             "stall_check; acts no earlier than stall_check_time_s.",
     )  # fmt: skip
     idle_backoff_max_ms: float = _knob(
         kind="float", parse=_parse_positive, default=20.0, unit="ms",
@@ -318,9 +315,11 @@ class Config:
         help="Emit NVTX ranges around the pipeline phases (needs the nvtx package).",
     )  # fmt: skip
 
-    def to_env(self) -> dict[str, str]:
-        """Return ``HVDLITE_*`` variables for every knob; :func:`load_config` reads them back."""
-        return {k.env: format_value(k, getattr(self, k.name)) for k in KNOBS}
+    def to_env(self, names: Collection[str] | None = None) -> dict[str, str]:
+        """Return ``HVDLITE_*`` variables for every knob (or those in ``names``);
+        :func:`load_config` reads them back."""
+        return {k.env: format_value(k, getattr(self, k.name)) for k in KNOBS
+                if names is None or k.name in names}
 
 
 def _build_knobs() -> tuple[Knob, ...]:

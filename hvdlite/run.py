@@ -392,7 +392,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # A preset report directory (on a shared file system) lets ranks on other hosts report too.
     report_base = os.environ.get(_rankwrap.REPORT_DIR_ENV) or None
     with tempfile.TemporaryDirectory(prefix="hvdliterun-", dir=report_base) as report_dir:
-        forward = {**config.to_env(), _rankwrap.REPORT_DIR_ENV: report_dir}
+        # Only what was set (flag, environment, --config): a knob left at its default must
+        # not shadow a rank's own init(config=...) file, which the environment would beat.
+        chosen = [name for name, source in sources.items() if source != "default"]
+        forward = {**config.to_env(chosen), _rankwrap.REPORT_DIR_ENV: report_dir}
         env = {k: v for k, v in os.environ.items() if k != CONFIG_ENV} | forward
         flavor = mpi_flavor(mpiexec)
         if flavor == "openmpi":

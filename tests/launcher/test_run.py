@@ -201,17 +201,22 @@ report = {
     "rank": rank,
     "env": {k: v for k, v in os.environ.items() if k.startswith("HVDLITE_")},
     "config": dataclasses.asdict(load_config()),
+    # The rank's own YAML, as init(config=...) would read it (only below the environment).
+    "own": dataclasses.asdict(load_config(sys.argv[2])) if len(sys.argv) > 2 else None,
 }
 with open(os.path.join(sys.argv[1], f"rank-{rank}.json"), "w") as f:
     json.dump(report, f)
 """
 
 
-def _probe(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> list[dict]:
+def _probe(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
+           own: Path | None = None) -> list[dict]:
     script = _script(tmp_path, "probe.py", ENV_PROBE.replace("RANK", RANK_OF))
     out = tmp_path / "out"
     out.mkdir()
-    result = hvdliterun("-np", "2", *args, "--", sys.executable, script, str(out), env=env)
+    extra = [str(own)] if own is not None else []
+    result = hvdliterun("-np", "2", *args, "--", sys.executable, script, str(out), *extra,
+                        env=env)
     assert result.returncode == 0, result.stderr
     reports = [json.loads((out / f"rank-{r}.json").read_text()) for r in (0, 1)]
     assert [r["rank"] for r in reports] == [0, 1]
@@ -234,10 +239,23 @@ def test_settings_reach_every_rank_with_precedence(tmp_path: Path) -> None:
         assert report["config"]["cycle_time_ms"] == 4.0  # env > YAML
         assert report["config"]["cache_capacity"] == 3  # YAML > default
         assert report["env"]["HVDLITE_FUSION_THRESHOLD"] == "3000"
-        for name, value in expected.to_env().items():
-            assert report["env"][name] == value
+        # Exactly what was set is forwarded; knobs left at their defaults are not.
+        set_here = {"fusion_threshold", "cycle_time_ms", "cache_capacity", "async_completion"}
+        assert report["env"] == expected.to_env(set_here) | {
+            k: v for k, v in report["env"].items() if k == "HVDLITE_RUN_REPORT_DIR"}
         assert load_config(environ=report["env"]) == expected
         assert "HVDLITE_CONFIG" not in report["env"]
+
+
+def test_rank_config_file_applies_to_knobs_not_set_at_launch(tmp_path: Path) -> None:
+    """A rank's own init(config=...) file: the launcher's flags still win (they reach the
+    rank as environment), but knobs the launch left at their defaults come from the file."""
+    own = tmp_path / "rank.yaml"
+    own.write_text("fusion_threshold: 5\ncache_capacity: 7\n")
+    reports = _probe(tmp_path, "--fusion-threshold", "3000", env=_clean_env(), own=own)
+    for report in reports:
+        assert report["own"]["fusion_threshold"] == 3000  # launcher flag > rank's file
+        assert report["own"]["cache_capacity"] == 7  # rank's file > default
 
 
 def test_hvdlite_config_variable_is_resolved_by_the_launcher(tmp_path: Path) -> None:
@@ -297,7 +315,9 @@ def test_verbose_prints_command_and_settings(tmp_path: Path) -> None:
     assert len(command) == 1
     assert "mpiexec" in command[0] and " -n 2 " in command[0]
     assert command[0].endswith(f"{script} 'a b'")
-    assert "-genv HVDLITE_CYCLE_TIME_MS 3.0" in command[0]
+    forwarded = ("-x HVDLITE_CYCLE_TIME_MS" if mpi_flavor(find_mpiexec(None) or "") == "openmpi"
+                 else "-genv HVDLITE_CYCLE_TIME_MS 3.0")
+    assert forwarded in command[0]
     assert "hvdliterun: cycle_time_ms = 3.0  [--cycle-time-ms]" in lines
     assert "hvdliterun: log_level = 'warning'  [default]" in lines
 
