@@ -138,23 +138,6 @@ def max_over_ranks(comm: MPI.Comm, values: np.ndarray) -> np.ndarray:
     return out
 
 
-def time_reps(comm: MPI.Comm, fn: Callable[[], object], reps: int, warmup: int) -> np.ndarray:
-    """Run ``fn`` ``warmup`` times, then ``reps`` times each after a barrier.
-
-    Returns the per-repeat wall time in seconds, maximum over ranks (a collective is finished
-    when the slowest rank is).
-    """
-    for _ in range(warmup):
-        fn()
-    times = np.empty(reps, dtype=np.float64)
-    for i in range(reps):
-        comm.Barrier()
-        t0 = time.perf_counter()
-        fn()
-        times[i] = time.perf_counter() - t0
-    return max_over_ranks(comm, times)
-
-
 def stats(seconds: np.ndarray) -> dict[str, float]:
     """Summary of a sample of durations (seconds): median, p99, min, max, mean, n."""
     if seconds.size == 0 or not bool(np.all(seconds > 0)):

@@ -28,6 +28,7 @@ def main() -> None:
     args = parse_args(__doc__)
     world = MPI.COMM_WORLD
     bl.check_size(world, args.np)
+    bl.run_metadata(world, args)  # records the start: date, commit, load
     comm = world.Dup()
     hvd.init()
     case = Case(args, comm)

@@ -10,8 +10,7 @@ last and ``--json PATH`` gets everything. A benchmark that cannot vouch for its 
 with status 2 and a ``REFUSED:`` line instead of reporting.
 
 This module imports neither CuPy nor torch at import time, so the pure helpers (argument
-parsing, data formulas on NumPy, statistics, tables) run and are tested on machines without a
-GPU.
+parsing, data formulas on NumPy, statistics, tables) also run on machines without a GPU.
 """
 
 from __future__ import annotations
@@ -548,8 +547,11 @@ def metadata(gpu: Gpu) -> dict[str, Any]:
         # the launcher can name the commit the tree really is (HVDLITE_BENCH_COMMIT).
         "git_commit": os.environ.get("HVDLITE_BENCH_COMMIT") or _git("rev-parse", "--short",
                                                                      "HEAD"),
-        "git_dirty": (False if os.environ.get("HVDLITE_BENCH_COMMIT") else
+        # None: unknown (the named commit was not checked against the tree).
+        "git_dirty": (None if os.environ.get("HVDLITE_BENCH_COMMIT") else
                       bool(_git("status", "--porcelain", "--untracked-files=no"))),
+        "commit_source": ("HVDLITE_BENCH_COMMIT" if os.environ.get("HVDLITE_BENCH_COMMIT")
+                          else "git"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "args": vars(gpu.args),
         "env": {

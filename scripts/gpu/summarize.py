@@ -25,9 +25,16 @@ def summary(path: Path) -> str:
     head = (
         f"== {data.get('benchmark', path.stem)} | {meta.get('gpu', '?')} x "
         f"{meta.get('ranks', '?')} | commit {meta.get('git_commit', '?')}"
-        f"{' (dirty)' if meta.get('git_dirty') else ''} | {meta.get('date_utc', '?')}"
+        f"{_tree_state(meta)} | {meta.get('date_utc', '?')}"
     )
     return f"{head}\n{data.get('table', '(no table)')}"
+
+
+def _tree_state(meta: dict) -> str:
+    """' (dirty)', '' for a clean tree, ' (named by the launcher)' when git was not asked."""
+    if meta.get("git_dirty") is None and meta.get("commit_source") == "HVDLITE_BENCH_COMMIT":
+        return " (named by the launcher)"
+    return " (dirty)" if meta.get("git_dirty") else ""
 
 
 def main(argv: list[str]) -> int:
@@ -40,3 +47,4 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
