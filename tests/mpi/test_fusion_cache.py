@@ -68,6 +68,11 @@ def test_fusion_thresholds(hvd: Any, restart: Callable[..., Any], threshold: int
     expected = threshold if isinstance(threshold, int) else 1 << 30
     assert default_engine().config.fusion_threshold == expected
     _run_workload(hvd, f"fusion{expected}", steps=3)
+    fusion = hvd.stats()["fusion"]  # this engine's buckets only (restart made a new one)
+    if expected == 0:
+        assert fusion["buckets"] == fusion["tensors"], fusion  # nothing fused
+    elif expected == 1 << 30:
+        assert fusion["tensors"] > fusion["buckets"], fusion  # something fused
 
 
 @pytest.mark.parametrize("capacity", [None, 0, 3])

@@ -135,14 +135,37 @@ def test_idle_nap_is_cut_short_by_local_work() -> None:
                 return False
 
             neg = Negotiator(comm, load_config(None, {}), Tracer(None, False), False, nap)
-            neg._busy = False  # an idle round
-            buf = np.zeros(1, np.uint8)
-            naps.clear()
-            neg._wait(comm.Irecv([buf, MPI.BYTE], source=0, tag=5))
-            timer.join()
-            first = neg.idle_max_s / 8
-            assert naps == [first * 2 ** k for k in range(arrive_on)], naps
-            assert buf[0] == 1
-            neg.failures.close()
+            try:
+                neg._busy = False  # an idle round
+                buf = np.zeros(1, np.uint8)
+                naps.clear()
+                neg._wait(comm.Irecv([buf, MPI.BYTE], source=0, tag=5))
+                timer.join()
+                assert len(naps) == arrive_on, naps  # no idle nap once the work arrived
+                assert buf[0] == 1
+            finally:
+                neg.failures.close()
     finally:
         comm.Free()
+
+
+def test_engine_idle_nap_ends_when_work_is_submitted() -> None:
+    """The engine's half: its nap is a wait on the wake-up queue that a submission ends, and
+    the token goes back so the loop's next wait for work does not sleep either."""
+    import queue
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from hvdlite._engine import Engine
+
+    wake: queue.SimpleQueue[None] = queue.SimpleQueue()
+    fake = SimpleNamespace(_wake=wake)  # _idle_nap uses nothing else of the engine
+    assert Engine._idle_nap(fake, 0.01) is False  # nothing submitted: a plain nap
+    timer = threading.Timer(0.02, wake.put, (None,))
+    timer.start()
+    t0 = time.perf_counter()
+    assert Engine._idle_nap(fake, 30.0) is True
+    assert time.perf_counter() - t0 < 20.0, "slept through the submission"
+    timer.join()
+    assert wake.get_nowait() is None  # the token is back for _wait_for_work

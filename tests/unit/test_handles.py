@@ -216,6 +216,7 @@ def _sync_device_handle() -> Handle:
     return h
 
 
+@pytest.mark.timeout(10)  # a regression here is a hang
 def test_sync_device_wait_completes_on_the_waiting_thread() -> None:
     """The loop enqueues after wait() began (the usual case for a small collective) and hands
     over a completion; the waiter runs it itself instead of waiting for the finalizer."""
@@ -238,6 +239,7 @@ def test_sync_device_wait_completes_on_the_waiting_thread() -> None:
     assert ev.waited_by == [me] and ran_on == [me]
 
 
+@pytest.mark.timeout(10)
 def test_sync_device_wait_raises_failure_before_enqueue() -> None:
     h = _sync_device_handle()
     t = later(lambda: h._fail(MismatchError("tensor 'dev': shapes differ")))
@@ -246,6 +248,7 @@ def test_sync_device_wait_raises_failure_before_enqueue() -> None:
     t.join(WAIT_S)
 
 
+@pytest.mark.timeout(10)
 def test_sync_device_wait_with_timeout_leaves_completion_to_others() -> None:
     """With a timeout the waiter does not block on DONE itself; the finalizer's completion
     (here: another thread) wakes it."""
