@@ -215,7 +215,7 @@ class Engine:
     def _wait_for_work(self) -> None:
         # Right after a busy cycle the next request usually follows within microseconds (a
         # training loop submits again as soon as its wait returns): poll briefly before
-        # sleeping, which saves the ~20 us of an event wake-up per operation.
+        # sleeping, which saves a thread wake-up (~5-10 us, scripts/dev/thread_handoff.py) per op.
         if self.negotiator.busy and not self._queue:
             until = time.perf_counter() + _LINGER_S
             while not self._queue and time.perf_counter() < until:
@@ -265,12 +265,12 @@ class Engine:
                 raise
 
     def _account(self, bucket: list[Response]) -> None:
+        # The buffer a bucket could fill: the fusion threshold, or its own size unfused (a
+        # lone tensor, any non-allreduce) -- the same figure for stats() and the timeline.
         payload = sum(nbytes(r) for r in bucket)
-        fused = len(bucket) > 1
-        self.tracer.stats.record_bucket(len(bucket), payload,
-                                        self.config.fusion_threshold if fused else payload)
-        self.tracer.dequeued([r.name for r in bucket], next(self._buckets),
-                             self.config.fusion_threshold)
+        room = self.config.fusion_threshold if len(bucket) > 1 else payload
+        self.tracer.stats.record_bucket(len(bucket), payload, room)
+        self.tracer.dequeued([r.name for r in bucket], next(self._buckets), room)
 
     def _run_bucket(self, bucket: list[Response], entries: list[Entry | None]) -> None:
         head = bucket[0]
@@ -443,10 +443,7 @@ def start_timeline(path: str, mark_cycles: bool = False) -> None:
 
 def stop_timeline() -> None:
     """Stop the running timeline (if any) and leave its file complete and valid JSON."""
-    engine = default_engine()
-    old = engine.tracer.swap_timeline(None)
-    if old is not None:
-        old.close()
+    default_engine().tracer.close()
 
 
 def stats() -> dict[str, Any]:

@@ -77,13 +77,16 @@ class Timeline:
     in the new one with ``args.continued = true``. ``queue_size`` bounds the events waiting for
     the writer; beyond it events are dropped and counted (``dropped``), never blocking the caller.
 
+    ``clock_offset_us`` (rank 0's clock minus this rank's) is written as a ``clock_offset``
+    instant at the start of every file, so each segment can be aligned on its own.
+
     ``close()`` may be called from a signal handler; it is idempotent and also runs at
     interpreter exit. No signal handler is installed here.
     """
 
     def __init__(self, path: str, rank: int, *, mark_cycles: bool = False, max_bytes: int = 0,
                  queue_size: int = 65536, max_files: int = 0,
-                 flush_interval_s: float = 0.5) -> None:
+                 flush_interval_s: float = 0.5, clock_offset_us: float | None = None) -> None:
         if queue_size < 1:
             raise ValueError(f"timeline queue_size must be >= 1, got {queue_size}")
         if max_bytes < 0 or max_files < 0:
@@ -113,7 +116,7 @@ class Timeline:
         self._orphans = 0       # E events with no matching open span, not written
         self._pending: list[str] = []
         self._pending_bytes = 0  # counted only under a size cap
-        self._offset_args: dict[str, Any] | None = None  # re-emitted in every new segment
+        self._offset_us = clock_offset_us
         self._next_tid = 1
         self._failed: OSError | None = None
         parent = os.path.dirname(self.path)
@@ -300,7 +303,7 @@ class Timeline:
         rec += f',"args":{_dumps(args)}}}' if args else "}"
         track.last_ts = max(track.last_ts, ts)
         close_len = 0
-        if kind == "B":
+        if kind == "B" and self.max_bytes:  # room to end it at a rotation (only under a cap)
             close_len = len(self._span_record("E", track, name, "continued").encode()) + 2
         self._emit(track, rec, close_len)
         self._written += 1
@@ -309,23 +312,25 @@ class Timeline:
             self._reserve += close_len
         elif kind == "E":
             self._reserve -= track.open.pop()[1]
-        elif kind == "i" and tensor is None and name == "clock_offset":
-            self._offset_args = args
 
     def _emit(self, track: _Track, rec: str, extra_reserve: int) -> None:
         """Queue ``rec`` for the file, rotating first when it would pass ``max_bytes``."""
         if self.max_bytes:
-            need = len(rec.encode()) + 2
-            if track.tid not in self._named:
-                need += _NAME_ROOM + 2 * len(track.name.encode())
+            need = len(rec.encode()) + 2 + self._name_room(track)
             used = self._size + self._pending_bytes
             if (used + need + self._reserve + extra_reserve + _END_ROOM > self.max_bytes
                     and used > self._base):
                 self._write_pending()
                 self._rotate()
+                # The new file may need this track's name records again.
+                need = len(rec.encode()) + 2 + self._name_room(track)
             self._pending_bytes += need
         self._pending.extend(self._name_lines(track))
         self._pending.append(rec)
+
+    def _name_room(self, track: _Track) -> int:
+        """Bytes the track's name records take if the current file does not have them yet."""
+        return 0 if track.tid in self._named else _NAME_ROOM + 2 * len(track.name.encode())
 
     def _span_record(self, ph: str, track: _Track, phase: str, flag: str) -> str:
         """A B or E record at the track's last timestamp, marked ``args.<flag> = true``."""
@@ -362,7 +367,14 @@ class Timeline:
     def _open_file(self) -> None:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._named = set()
-        data = ("[\n" + ",\n".join(self._header()) + _CLOSE).encode()
+        lines = self._header()
+        if self._offset_us is not None:
+            track = self._track(None)
+            lines += self._name_lines(track)
+            lines.append(f'{{"name":"clock_offset","ph":"i","ts":{self.now_us():.3f},'
+                         f'"pid":{self.rank},"tid":0,"s":"t",'
+                         f'"args":{_dumps({"offset_us": self._offset_us})}}}')
+        data = ("[\n" + ",\n".join(lines) + _CLOSE).encode()
         self._pwrite_all(data, 0)
         self._size = self._base = len(data)
 
@@ -400,12 +412,6 @@ class Timeline:
         self._segment += 1
         self._open_file()
         reopen: list[str] = []
-        if self._offset_args is not None:
-            track = self._track(None)
-            reopen.extend(self._name_lines(track))
-            reopen.append(f'{{"name":"clock_offset","ph":"i","ts":{track.last_ts:.3f},'
-                          f'"pid":{self.rank},"tid":0,"s":"t",'
-                          f'"args":{_dumps(self._offset_args)}}}')
         for track in self._tracks.values():
             if track.open:
                 reopen.extend(self._name_lines(track))

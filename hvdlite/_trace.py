@@ -8,11 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 from hvdlite import _nvtx
 from hvdlite._stats import Stats
@@ -39,9 +36,8 @@ def open_timeline(path: str, rank: int, mark_cycles: bool, max_bytes: int = 0,
         return None
     from hvdlite._timeline import Timeline
 
-    tl = Timeline(path, rank, mark_cycles=mark_cycles, max_bytes=max_bytes)
-    tl.instant(None, "clock_offset", {"offset_us": clock_offset_us})
-    return tl
+    return Timeline(path, rank, mark_cycles=mark_cycles, max_bytes=max_bytes,
+                    clock_offset_us=clock_offset_us)
 
 
 def _negotiate_phase(entry: Entry) -> str:
@@ -71,8 +67,7 @@ class Tracer:
             return
         for e in entries:
             req = e.request
-            args = {"dtype": req.dtype, "shape": list(req.shape),
-                    "bytes": math.prod(req.shape) * np.dtype(req.dtype).itemsize}
+            args = {"dtype": req.dtype, "shape": req.shape, "bytes": e.nbytes()}
             tl.begin(req.name, _negotiate_phase(e), args, ts_us=e.enqueued_at * 1e6)
 
     def ready_tick(self, rank: int, names: Sequence[str], cached: bool = False) -> None:
@@ -101,7 +96,7 @@ class Tracer:
               sync: Callable[[], None] | None = None) -> contextlib.AbstractContextManager[None]:
         """Span ``phase`` on every tensor of a bucket; ``sync`` runs before the span ends (the
         device CPU-sync fallback, so host timestamps bracket device work)."""
-        if self.timeline is None and not self.nvtx:
+        if not self.on:
             return _NOTHING  # the hot path: no generator built per phase
         return self._phase(names, phase, args, sync)
 
@@ -111,8 +106,9 @@ class Tracer:
         tl = self.timeline
         if tl is not None:
             tl.begin_all(names, phase, args)
-        with _nvtx.range(f"{phase} {names[0]}" + (f" +{len(names) - 1}" if len(names) > 1
-                                                   else ""), self.nvtx):
+        label = (f"{phase} {names[0]}" + (f" +{len(names) - 1}" if len(names) > 1 else "")
+                 if self.nvtx else "")
+        with _nvtx.range(label, self.nvtx):
             yield
             if sync is not None and tl is not None:
                 sync()

@@ -35,11 +35,12 @@ class Entry:
 
     def finish(self, value: Any, events: tuple[Any, ...] = ()) -> None:
         if self.stats is not None:
-            self.stats.record_op(self.request.kind.name.lower(), self._nbytes(),
+            self.stats.record_op(self.request.kind.name.lower(), self.nbytes(),
                                  time.perf_counter() - self.enqueued_at)
         self.handle._set_part(self.index, self._user_value(value), events)
 
-    def _nbytes(self) -> int:
+    def nbytes(self) -> int:
+        """Payload bytes of this rank's tensor (0 for barrier and join)."""
         return self.tensor.array.nbytes if self.tensor is not None else 0
 
     def _user_value(self, value: Any) -> Any:
@@ -64,7 +65,7 @@ def finish_all(entries: list[Entry | None], values: list[Any]) -> None:
     if stats is not None:
         now = time.perf_counter()
         stats.record_ops(live[0][0].request.kind.name.lower(),
-                         [(e._nbytes(), now - e.enqueued_at) for e, _ in live])
+                         [(e.nbytes(), now - e.enqueued_at) for e, _ in live])
     by_handle: dict[int, tuple[Handle, list[tuple[int, Any]]]] = {}
     for e, v in live:
         by_handle.setdefault(id(e.handle), (e.handle, []))[1].append((e.index, e._user_value(v)))

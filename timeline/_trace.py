@@ -171,6 +171,8 @@ def clock_refs(events: list[dict[str, Any]]) -> tuple[dict[str, Any] | None, flo
             val = (ev.get("args") or {}).get("offset_us")
             if isinstance(val, (int, float)):
                 offset = float(val)
+        if sync is not None and offset is not None:
+            break  # both sit at the start of an engine's file
     return sync, offset
 
 

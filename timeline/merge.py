@@ -17,11 +17,9 @@ import json
 import sys
 from typing import Any
 
-from timeline._trace import Trace, TraceError, clock_refs, load, track_names
+from timeline._trace import _TIMED_PHASES, Trace, TraceError, clock_refs, load, track_names
 
 __all__ = ["main", "merge"]
-
-_TIMED = frozenset("BEXiIn")
 
 
 class MergeError(ValueError):
@@ -79,7 +77,7 @@ def merge(traces: list[Trace], align: str = "auto") -> list[dict[str, Any]]:
     traces = [traces[i] for i in order]
     shifts, used = _shifts(traces, align)
     base = min((ev["ts"] + shift for t, shift in zip(traces, shifts, strict=True)
-                for ev in t.events if isinstance(ev, dict) and ev.get("ph") in _TIMED
+                for ev in t.events if isinstance(ev, dict) and ev.get("ph") in _TIMED_PHASES
                 and isinstance(ev.get("ts"), (int, float))), default=0.0)
     tids: dict[int, dict[str, int]] = {}
     meta: dict[tuple[Any, ...], dict[str, Any]] = {}
@@ -94,7 +92,10 @@ def merge(traces: list[Trace], align: str = "auto") -> list[dict[str, Any]]:
             if "tid" in ev and isinstance(pid, int):
                 name = names.get((pid, ev["tid"]), f"tid {ev['tid']}")
                 per = tids.setdefault(pid, {"hvdlite": 0})
-                ev["tid"] = per.setdefault(name, max(per.values()) + 1)
+                tid = per.get(name)
+                if tid is None:  # tids of a rank are 0..n-1: the next one is the count
+                    tid = per[name] = len(per)
+                ev["tid"] = tid
             if ev.get("ph") == "M":
                 _merge_meta(meta, ev, shift - base, used)
             else:

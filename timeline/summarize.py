@@ -46,8 +46,10 @@ def _stats(durs: list[float], nbytes: int) -> dict[str, Any]:
             "p99_us": percentile(durs, 99), "max_us": durs[-1], "bytes": nbytes}
 
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
-          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+# The engine's size units (hvdlite.config.parse_size; copied, the tools import no hvdlite):
+# bare letters and *iB are powers of 1024, *B powers of 1000.
+_UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2,
+          "mib": 1024**2, "g": 1024**3, "gb": 1000**3, "gib": 1024**3}
 _SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*")
 
 
@@ -84,8 +86,10 @@ def _negotiation(spans: list[Span], instants: list[Instant]) -> dict[str, dict[s
     ticks: dict[tuple[int, str], list[Instant]] = collections.defaultdict(list)
     for t in instants:
         ticks[(t.pid, t.track)].append(t)
-    for group in ticks.values():
+    times: dict[tuple[int, str], list[float]] = {}
+    for key, group in ticks.items():
         group.sort(key=lambda t: t.ts)
+        times[key] = [t.ts for t in group]
     out: dict[str, dict[str, Any]] = {}
     per_tensor: dict[str, list[Span]] = collections.defaultdict(list)
     for s in spans:
@@ -99,8 +103,8 @@ def _negotiation(spans: list[Span], instants: list[Instant]) -> dict[str, dict[s
         hits = 0
         for s in negs:
             group = ticks.get((s.pid, s.track), [])
-            times = [t.ts for t in group]
-            inside = group[bisect.bisect_left(times, s.start):bisect.bisect_right(times, s.end)]
+            ts = times.get((s.pid, s.track), [])
+            inside = group[bisect.bisect_left(ts, s.start):bisect.bisect_right(ts, s.end)]
             hits += any(t.name == _CACHE_HIT for t in inside)
             ranked = [(t.ts, r) for t in inside
                       if t.name != _CACHE_HIT and (r := _tick_rank(t)) is not None]
@@ -140,7 +144,10 @@ def _fusion(spans: list[Span], threshold: int | None) -> dict[str, Any]:
             "payload_bytes_mean": sum(payloads) / len(keys),
             "efficiency_mean": sum(fills) / len(fills) if fills else None,
         }
-    thresholds = set(given.values()) or ({threshold} if threshold else set())
+    # An unfused bucket's threshold arg is its own size (fill 100%), not the fusion threshold.
+    fused = {k[1:] for k, tensors in members.items() if len(tensors) > 1}
+    thresholds = ({t for key, t in given.items() if key in fused}
+                  or ({threshold} if threshold else set()))
     return {"threshold_bytes": max(thresholds) if thresholds else None, "by_phase": by_phase}
 
 
@@ -170,15 +177,16 @@ def summarize(traces: list[Trace], threshold: int | None = None) -> dict[str, An
     spans: list[Span] = []
     instants: list[Instant] = []
     unpaired = 0
-    dropped = 0
+    dropped: dict[Any, int] = {}  # per process: trace_end carries a running total
     for trace in traces:
         p = pair(trace)
         spans.extend(p.spans)
         instants.extend(p.instants)
         unpaired += len(p.errors) + len(p.unclosed)
-        dropped += sum(int((ev.get("args") or {}).get("dropped", 0)) for ev in trace.events
-                       if isinstance(ev, dict) and ev.get("name") == "trace_end"
-                       and ev.get("ph") == "M")
+        for ev in trace.events:
+            if isinstance(ev, dict) and ev.get("name") == "trace_end" and ev.get("ph") == "M":
+                count = int((ev.get("args") or {}).get("dropped", 0))
+                dropped[ev.get("pid")] = max(dropped.get(ev.get("pid"), 0), count)
     spans = merge_continued(spans)
     attribute(spans)
     tensors: dict[str, list[Span]] = collections.defaultdict(list)
@@ -187,7 +195,7 @@ def summarize(traces: list[Trace], threshold: int | None = None) -> dict[str, An
     return {
         "files": [t.path for t in traces],
         "truncated": {t.path: t.truncated for t in traces if t.truncated},
-        "dropped_events": dropped,
+        "dropped_events": sum(dropped.values()),
         "unpaired_events": unpaired,
         "phases": _by_phase(spans),
         "tensors": {name: _by_phase(group) for name, group in sorted(tensors.items())},

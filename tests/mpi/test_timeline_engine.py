@@ -11,28 +11,20 @@ from typing import Any
 
 import numpy as np
 
+from hvdlite._engine import default_engine
+from timeline import Span, check, load, pair
 
-def _spans(path: Path) -> dict[str, list[tuple[str, float, float]]]:
-    """tensor name -> [(phase, begin, end)] in begin order, from B/E pairs per track."""
-    events = json.loads(path.read_text())
-    names = {
-        e["tid"]: e["args"]["name"]
-        for e in events
-        if e.get("ph") == "M" and e.get("name") == "thread_name"
-    }
-    open_: dict[tuple[int, str], float] = {}
-    spans: dict[str, list[tuple[str, float, float]]] = defaultdict(list)
-    for e in events:
-        if e.get("ph") == "B":
-            key = (e["tid"], e["name"])
-            assert key not in open_, f"span {key} begun twice"
-            open_[key] = e["ts"]
-        elif e.get("ph") == "E":
-            begin = open_.pop((e["tid"], e["name"]))
-            spans[names[e["tid"]]].append((e["name"], begin, e["ts"]))
-    assert not open_, f"spans never ended: {open_}"
+
+def _spans(path: Path) -> dict[str, list[Span]]:
+    """tensor name -> its spans in begin order, paired by the timeline tools after ``check``
+    passed on the file (valid JSON, proper nesting, every span ended)."""
+    result = check.check_file(str(path))
+    assert result.ok, result.errors
+    spans: dict[str, list[Span]] = defaultdict(list)
+    for span in pair(load(str(path))).spans:
+        spans[span.track].append(span)
     for phases in spans.values():
-        phases.sort(key=lambda s: s[1])
+        phases.sort(key=lambda s: s.start)
     return spans
 
 
@@ -45,7 +37,9 @@ def test_every_tensor_has_each_phase_once_in_order(hvd: Any, tmp_path: Path) -> 
     hvd.allgather(np.ones((2, 2)), name="tl.gather")
     hvd.broadcast(np.ones(2), 0, name="tl.bcast")
     hvd.stop_timeline()
-    spans = _spans(Path(str(path).replace("{rank}", str(hvd.rank()))))
+    mine = Path(str(path).replace("{rank}", str(hvd.rank())))
+    spans = _spans(mine)
+    assert any(ev.get("name") == "CYCLE_START" for ev in json.loads(mine.read_text()))
     fused = [
         "NEGOTIATE_ALLREDUCE",
         "QUEUE",
@@ -60,10 +54,14 @@ def test_every_tensor_has_each_phase_once_in_order(hvd: Any, tmp_path: Path) -> 
     assert set(spans) == set(want)
     for name, phases in want.items():
         got = spans[name]
-        assert [p for p, _, _ in got] == phases, (name, got)
-        for (_, _, e0), (_, b1, _) in zip(got, got[1:], strict=False):
-            assert e0 <= b1 + 1e-3, (name, got)  # each phase ends before the next begins
-        assert all(e >= b for _, b, e in got), (name, got)
+        assert [s.name for s in got] == phases, (name, got)
+        for s0, s1 in zip(got, got[1:], strict=False):
+            assert s0.end <= s1.start + 1e-3, (name, got)  # each phase ends before the next
+        assert all(s.end >= s.start for s in got), (name, got)
+    # The buffer each bucket could fill (QUEUE's end): the threshold when fused, else its size.
+    room = {name: got[1].end_args["threshold"] for name, got in spans.items()}
+    threshold = default_engine().config.fusion_threshold
+    assert room["tl.group.0"] == threshold and room["tl.single"] == 3 * 8, room
 
 
 def test_runtime_start_stop(hvd: Any, tmp_path: Path) -> None:

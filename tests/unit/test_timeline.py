@@ -226,15 +226,18 @@ def _span_count(paths: list[Path]) -> int:
     return len(merge_continued(spans))
 
 
-def test_rotation_keeps_every_file_valid_and_capped(tmp_path: Path) -> None:
+@pytest.mark.parametrize("prefix", ["t", "x" * 300])
+def test_rotation_keeps_every_file_valid_and_capped(tmp_path: Path, prefix: str) -> None:
+    """Every file stays under the cap (long tensor names too: a track named in the old file
+    needs its name records again in the new one) and starts with the clock offset."""
     path = tmp_path / "t.json"
     (tmp_path / "t.json.1").write_text("stale")
     (tmp_path / "t.json.2").write_text("stale")
-    tl = Timeline(str(path), 2, max_bytes=3000, flush_interval_s=30.0)
+    tl = Timeline(str(path), 2, max_bytes=3000, flush_interval_s=30.0, clock_offset_us=12.5)
     tl.begin("outer", "ALLREDUCE", ts_us=0.0)  # stays open across every rotation
     for i in range(60):
-        tl.begin(f"t{i % 4}", "MPI_ALLREDUCE", {"i": i}, ts_us=1.0 + i)
-        tl.end(f"t{i % 4}", "MPI_ALLREDUCE", ts_us=1.5 + i)
+        tl.begin(f"{prefix}{i % 4}", "MPI_ALLREDUCE", {"i": i}, ts_us=1.0 + i)
+        tl.end(f"{prefix}{i % 4}", "MPI_ALLREDUCE", ts_us=1.5 + i)
         if i % 7 == 0:
             tl.flush()
     tl.end("outer", "ALLREDUCE", ts_us=100.0)
@@ -250,6 +253,8 @@ def test_rotation_keeps_every_file_valid_and_capped(tmp_path: Path) -> None:
         assert check_file(str(p)).ok, check_file(str(p)).errors
         ends = _meta(_events(p), "trace_end")
         assert len(ends) == 1 and ends[0]["args"]["rotated"] == (p != path)
+        offsets = [ev for ev in _events(p) if ev.get("name") == "clock_offset"]
+        assert [ev["args"]["offset_us"] for ev in offsets] == [12.5], p
     # 60 inner spans + the outer one, re-joined across the rotations
     assert _span_count(files) == 61
 
@@ -358,16 +363,30 @@ def test_file_loads_after_sigkill_while_writing(tmp_path: Path) -> None:
 
 def test_close_from_signal_handler_while_flushing(tmp_path: Path) -> None:
     """close() inside a handler that interrupts flush() on the same thread neither deadlocks
-    nor loses the trace_end record."""
+    nor loses the trace_end record. The signal comes from a timer while flush() waits for the
+    writer to get through a large backlog, so the handler really runs inside flush()."""
     path = tmp_path / "t.json"
-    tl = Timeline(str(path), 0, flush_interval_s=30.0)
-    old = signal.signal(signal.SIGUSR1, lambda *_: tl.close())
+    tl = Timeline(str(path), 0, flush_interval_s=30.0, queue_size=1 << 20)
+    in_flush = threading.Event()
+    seen: list[bool] = []
+
+    def handler(*_: object) -> None:
+        seen.append(in_flush.is_set())
+        tl.close()
+
+    old = signal.signal(signal.SIGUSR1, handler)
     try:
-        tl.begin("a", "QUEUE", ts_us=1.0)
-        os.kill(os.getpid(), signal.SIGUSR1)
+        for i in range(200_000):  # a backlog the writer needs a while for
+            tl.instant("a", "tick", {"i": i}, ts_us=float(i))
+        timer = threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGUSR1))
+        in_flush.set()
+        timer.start()
         tl.flush()
+        in_flush.clear()
+        timer.join()
     finally:
         signal.signal(signal.SIGUSR1, old)
+    assert seen == [True], "the handler did not run while flush() was waiting"
     assert _meta(_events(path), "trace_end")
 
 

@@ -243,6 +243,18 @@ def test_summarize_joins_rotated_segments(tmp_path: Path) -> None:
     assert b["communication"] == a["communication"] and b["fusion"] == a["fusion"]
 
 
+def test_summarize_dropped_counts_each_process_once(tmp_path: Path) -> None:
+    """trace_end carries a running total, repeated in every rotated segment: the report takes
+    each process's largest, not their sum."""
+    paths = []
+    for name, pid, dropped in (("a.json", 0, 5), ("a.json.1", 0, 9), ("b.json", 1, 2)):
+        path = tmp_path / name
+        path.write_text(json.dumps([{"name": "trace_end", "ph": "M", "pid": pid, "tid": 0,
+                                     "args": {"dropped": dropped}}]))
+        paths.append(load(str(path)))
+    assert summarize.summarize(paths)["dropped_events"] == 9 + 2
+
+
 def write_engine_shaped(path: Path) -> None:
     """The engine's layout: bucket id on QUEUE's E, the bucket's wire bytes on the collective
     (the same args for every tensor), cache-hit ticks instead of ready ticks on a cached round."""
@@ -319,6 +331,14 @@ def test_summarize_attributes_device_tracks(tmp_path: Path,
                                         ("1.5 KB", 1500), ("2gib", 2 << 30)])
 def test_parse_size(text: str, value: int) -> None:
     assert summarize.parse_size(text) == value
+
+
+@pytest.mark.parametrize("text", ["64M", "64MiB", "64MB", "4k", "1G", "1.5 KB", "512"])
+def test_parse_size_agrees_with_the_engine(text: str) -> None:
+    """--threshold means what fusion_threshold means (the tools copy the engine's units)."""
+    from hvdlite.config import parse_size as engine_parse_size
+
+    assert summarize.parse_size(text) == engine_parse_size(text)
 
 
 def test_parse_size_rejects_garbage() -> None:
