@@ -8,18 +8,14 @@ JSON tally; this runner checks the exit code, every rank's tally and the printed
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from jobs_util import REPO, clean_env, mpiexec, run_group
 
-REPO = Path(__file__).resolve().parent.parent
 MPI_TESTS = REPO / "tests" / "mpi"
 JOB_TIMEOUT_S = {1: 150, 2: 200, 4: 300}
 TAIL_CHARS = 12_000
@@ -27,46 +23,10 @@ TAIL_CHARS = 12_000
 SUMMARY = re.compile(r"^=*\s*(\d+ \w+(?:, \d+ \w+)* in [\d.]+s)\b", re.MULTILINE)
 
 
-def _mpiexec() -> str:
-    beside = Path(sys.executable).parent / "mpiexec"
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("mpiexec")
-    if found is None:
-        pytest.fail("mpiexec not found next to the interpreter or on PATH; install hvdlite[local]")
-    return found
-
-
 def _job_env(size: int, report_dir: Path) -> dict[str, str]:
-    # The suite sets hvdlite knobs itself; a stray HVDLITE_*/HOROVOD_* in the caller's
-    # environment must not change what it tests.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "HOROVOD_"))}
-    env["HVDLITE_MPI_REPORT_DIR"] = str(report_dir)
-    env["HVDLITE_EXPECTED_SIZE"] = str(size)
-    env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONFAULTHANDLER"] = "1"
-    return env
-
-
-def _run(cmd: list[str], env: dict[str, str], timeout_s: float) -> tuple[int | None, str]:
-    """Run ``cmd`` in its own process group; kill the group on timeout (rc is then None)."""
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-        return proc.returncode, out
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        return None, out
+    # The suite sets hvdlite knobs itself (clean_env drops the caller's).
+    return clean_env(HVDLITE_MPI_REPORT_DIR=str(report_dir), HVDLITE_EXPECTED_SIZE=str(size),
+                     PYTHONFAULTHANDLER="1")
 
 
 def _tail(text: str) -> str:
@@ -79,13 +39,13 @@ def _tail(text: str) -> str:
 def test_mpi_suite(size: int, tmp_path: Path) -> None:
     """``tests/mpi`` passes on every rank of an ``mpiexec -n size`` job."""
     cmd = [
-        _mpiexec(), "-n", str(size),
+        mpiexec(), "-n", str(size),
         sys.executable, "-m", "mpi4py", "-m", "pytest", str(MPI_TESTS),
         "-q", "-p", "no:cacheprovider", "-o", "faulthandler_timeout=120",
         f"--rootdir={REPO}", "-c", str(REPO / "pyproject.toml"),
     ]  # fmt: skip
     start = time.monotonic()
-    rc, out = _run(cmd, _job_env(size, tmp_path), JOB_TIMEOUT_S[size])
+    rc, out = run_group(cmd, _job_env(size, tmp_path), JOB_TIMEOUT_S[size])
     wall = time.monotonic() - start
     print(f"mpiexec -n {size}: rc={rc} wall={wall:.1f}s")
     where = f"mpiexec -n {size} (rc={rc}, {wall:.0f}s); output tail:\n{_tail(out)}"

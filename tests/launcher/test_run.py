@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from jobs_util import clean_env
 
 from hvdlite.config import KNOBS, Config, load_config
 from hvdlite.run import find_mpiexec, mpi_flavor
@@ -27,19 +28,13 @@ PROMPT_S = 30
 RANK_OF = "int(os.environ.get('PMI_RANK') or os.environ.get('OMPI_COMM_WORLD_RANK'))"
 
 
-def _clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "HOROVOD_"))}
-    env["PYTHONUNBUFFERED"] = "1"
-    return env | extra
-
-
 def hvdliterun(
     *args: str, env: dict[str, str] | None = None, timeout: float = JOB_TIMEOUT_S
 ) -> subprocess.CompletedProcess[str]:
     """Run ``python -m hvdlite.run ARGS`` and capture its output."""
     return subprocess.run(
         [sys.executable, "-m", "hvdlite.run", *args],
-        env=_clean_env() if env is None else env,
+        env=clean_env() if env is None else env,
         cwd=REPO,
         stdin=subprocess.DEVNULL,
         capture_output=True,
@@ -172,7 +167,7 @@ def test_sigterm_to_the_launcher_ends_the_job(tmp_path: Path) -> None:
     launcher = subprocess.Popen(
         [sys.executable, "-m", "hvdlite.run", "-np", "2", "--", sys.executable, script,
          str(tmp_path)],
-        env=_clean_env(), cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        env=clean_env(), cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -226,7 +221,7 @@ def _probe(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
 def test_settings_reach_every_rank_with_precedence(tmp_path: Path) -> None:
     config = tmp_path / "job.yaml"
     config.write_text("fusion_threshold: 1000\ncycle_time_ms: 2\ncache_capacity: 3\n")
-    env = _clean_env(HOROVOD_FUSION_THRESHOLD="2000", HVDLITE_CYCLE_TIME_MS="4")
+    env = clean_env(HOROVOD_FUSION_THRESHOLD="2000", HVDLITE_CYCLE_TIME_MS="4")
     reports = _probe(
         tmp_path, "--config", str(config), "--fusion-threshold", "3000", "--async-completion",
         env=env,
@@ -252,7 +247,7 @@ def test_rank_config_file_applies_to_knobs_not_set_at_launch(tmp_path: Path) -> 
     rank as environment), but knobs the launch left at their defaults come from the file."""
     own = tmp_path / "rank.yaml"
     own.write_text("fusion_threshold: 5\ncache_capacity: 7\n")
-    reports = _probe(tmp_path, "--fusion-threshold", "3000", env=_clean_env(), own=own)
+    reports = _probe(tmp_path, "--fusion-threshold", "3000", env=clean_env(), own=own)
     for report in reports:
         assert report["own"]["fusion_threshold"] == 3000  # launcher flag > rank's file
         assert report["own"]["cache_capacity"] == 7  # rank's file > default
@@ -261,7 +256,7 @@ def test_rank_config_file_applies_to_knobs_not_set_at_launch(tmp_path: Path) -> 
 def test_hvdlite_config_variable_is_resolved_by_the_launcher(tmp_path: Path) -> None:
     config = tmp_path / "job.yaml"
     config.write_text("log_level: debug\ntimeline_mark_cycles: true\n")
-    reports = _probe(tmp_path, env=_clean_env(HVDLITE_CONFIG=str(config)))
+    reports = _probe(tmp_path, env=clean_env(HVDLITE_CONFIG=str(config)))
     for report in reports:
         assert report["env"]["HVDLITE_LOG_LEVEL"] == "debug"
         assert report["env"]["HVDLITE_TIMELINE_MARK_CYCLES"] == "1"
@@ -341,7 +336,7 @@ def test_verbose_prints_command_and_settings(tmp_path: Path) -> None:
     ],
 )
 def test_bad_usage_exits_2(args: list[str], env: dict[str, str], message: str) -> None:
-    result = hvdliterun(*args, env=_clean_env(**env))
+    result = hvdliterun(*args, env=clean_env(**env))
     assert result.returncode == 2
     assert message in result.stderr
     assert "usage: hvdliterun" in result.stderr

@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from test_run import _clean_env, _script, hvdliterun
+from jobs_util import clean_env
+from test_run import _script, hvdliterun
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
@@ -72,7 +73,7 @@ def test_stall_warning_names_tensor_and_missing_rank(tmp_path: Path) -> None:
         print(f"rank {hvd.rank()} done", flush=True)
     """)
     proc = hvdliterun("-np", "2", "--stall-check-time-s", "1", "--", sys.executable, script,
-                      env=_clean_env(HVDLITE_LOG_LEVEL="warning"))
+                      env=clean_env())
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "hvdlite stall" in out, out

@@ -9,59 +9,24 @@ are never asserted.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from jobs_util import clean_env, mpiexec, run_group
 
-REPO = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT_S = 150
-_LAUNCHER_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
-
-pytestmark = [
-    pytest.mark.mpi,
-    pytest.mark.skipif(
-        any(v in os.environ for v in _LAUNCHER_VARS),
-        reason="starts its own mpiexec jobs; not run from inside one",
-    ),
-]
-
-
-def _mpiexec() -> str:
-    beside = Path(sys.executable).parent / "mpiexec"
-    found = str(beside) if beside.exists() else shutil.which("mpiexec")
-    if found is None:
-        pytest.fail("mpiexec not found next to the interpreter or on PATH; install hvdlite[local]")
-    return found
+pytestmark = pytest.mark.mpi  # starts its own jobs: ignored inside one (tests/conftest.py)
 
 
 def _run_job(ranks: int, *argv: str) -> tuple[int, str]:
     """Run ``python argv...`` on ``ranks`` ranks; return (exit code, stdout+stderr)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "HOROVOD_"))}
-    env["PYTHONUNBUFFERED"] = "1"
-    cmd = [_mpiexec(), "-n", str(ranks), sys.executable, *argv]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=JOB_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+    cmd = [mpiexec(), "-n", str(ranks), sys.executable, *argv]
+    rc, out = run_group(cmd, clean_env(), JOB_TIMEOUT_S)
+    if rc is None:
         pytest.fail(f"{' '.join(cmd)} did not finish in {JOB_TIMEOUT_S} s:\n{out[-6000:]}")
-    return proc.returncode, out
+    return rc, out
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 30)
