@@ -412,12 +412,13 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, tuple[Any, str]]:
     return values
 
 
-def _from_overrides(overrides: Mapping[str, object]) -> dict[str, tuple[Any, str]]:
+def _from_overrides(overrides: Mapping[str, object],
+                    flags: bool = False) -> dict[str, tuple[Any, str]]:
     values: dict[str, tuple[Any, str]] = {}
     for key, raw in overrides.items():
         if key not in _BY_NAME:
             raise ConfigError(_unknown_key_message(key, "init argument"))
-        source = f"init argument {key}="
+        source = _BY_NAME[key].flag if flags else f"init argument {key}="
         values[key] = (_parse(_BY_NAME[key], raw, source), source)
     return values
 
@@ -426,11 +427,14 @@ def resolve(
     path: str | os.PathLike[str] | None = None,
     overrides: Mapping[str, object] | None = None,
     environ: Mapping[str, str] | None = None,
+    *,
+    overrides_are_flags: bool = False,
 ) -> tuple[Config, dict[str, str]]:
     """Like :func:`load_config`, and also say where each value came from.
 
     The second item maps every knob name to its source: ``"default"``, ``"<file>:<key>"``,
-    the environment variable's name, or ``"init argument <name>="``.
+    the environment variable's name, or ``"init argument <name>="`` (the ``hvdliterun``
+    flag instead, with ``overrides_are_flags``).
     """
     env = os.environ if environ is None else environ
     config_path = path if path is not None else (env.get(CONFIG_ENV) or None)
@@ -438,7 +442,7 @@ def resolve(
     if config_path is not None:
         chosen.update(_from_yaml(config_path))
     chosen.update(_from_env(env))
-    chosen.update(_from_overrides(overrides or {}))
+    chosen.update(_from_overrides(overrides or {}, overrides_are_flags))
     config = Config(**{name: value for name, (value, _) in chosen.items()})
     return config, {name: source for name, (_, source) in chosen.items()}
 

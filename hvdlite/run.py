@@ -358,13 +358,9 @@ def _resolve(
 ) -> tuple[Config, dict[str, str]]:
     """Resolve the settings once: flags > environment > --config / HVDLITE_CONFIG > defaults."""
     try:
-        config, sources = resolve(ns.config, _overrides(ns), os.environ)
+        return resolve(ns.config, _overrides(ns), os.environ, overrides_are_flags=True)
     except ConfigError as exc:
         parser.error(str(exc))
-    for k in KNOBS:
-        if getattr(ns, k.name) is not None:
-            sources[k.name] = k.flag
-    return config, sources
 
 
 def _print_verbose(cmd: list[str], config: Config, sources: dict[str, str]) -> None:
