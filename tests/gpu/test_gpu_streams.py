@@ -67,7 +67,7 @@ def test_use_after_free_canary(hvd: Any, completion: str) -> None:
 
 
 def test_background_thread_does_not_block_on_inputs(hvd: Any, completion: str) -> None:
-    """While a 50 ms producer spins under collective X, a host collective Y submitted
+    """While a 200 ms producer spins under collective X, a host collective Y submitted
     afterwards completes first: the background thread moved on instead of waiting."""
     side = cupy.cuda.Stream(non_blocking=True)
     x = cupy.zeros(N, dtype=cupy.float64)

@@ -86,7 +86,6 @@ def test_event_timed_mode_keeps_async_and_times_the_wait(hvd: Any, traced: str) 
     assert {"WAIT_FOR_DATA", "NCCL_ALLREDUCE"} <= set(spans), spans
     # The stream waited for the 80 ms producer: the event pair around the wait shows it.
     assert spans["WAIT_FOR_DATA"]["dur"] > 40_000, spans["WAIT_FOR_DATA"]
-    assert spans["NCCL_ALLREDUCE"]["dur"] >= 0
     print(f"[rank {r}] event-timed: WAIT_FOR_DATA {spans['WAIT_FOR_DATA']['dur']:.0f} us, "
           f"NCCL_ALLREDUCE {spans['NCCL_ALLREDUCE']['dur']:.0f} us")
     hvd.init(timeline=traced)
