@@ -38,6 +38,11 @@ def _check_name(name: object) -> None:
         raise TypeError(f"name must be a str or None, got {type(name).__name__}")
 
 
+def _what(kind: Kind, name: str) -> str:
+    """How errors name the call (built only when an error is raised)."""
+    return f"{kind.name.lower()} of tensor {name!r}"
+
+
 def _check_factor(value: object, label: str, row: DType, what: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{what}: {label} must be a real number, got {value!r}")
@@ -69,71 +74,79 @@ def _output(kind: Kind, ref: TensorRef, out: Any, inplace: bool, what: str) -> A
     return arr
 
 
+# Checks that depend only on (dtype, device kind, collective, op, factors), done once per key
+# per process: the steady state of a training loop validates by one dict lookup.
+_checked: dict[tuple[Any, ...], tuple[int, float, float]] = {}
+
+
 def _submit(kind: Kind, tensors: Sequence[Any], name: str | None, *, op: ReduceOp = Average,
             root: int = -1, prescale: float = 1.0, postscale: float = 1.0,
             splits: Sequence[int] | None = None, outs: Sequence[Any] | None = None,
-            inplace: bool = False, group: bool = False, stream: Any = None) -> Handle:
+            inplace: bool = False, group: bool = False, stream: Any = None,
+            wake: bool = True) -> Handle:
+    """The one template: validate, resolve the tensor and its stream, look up the dtype,
+    build request and output, submit. ``wake=False`` (the blocking forms): the caller waits
+    at once and runs the cycle itself, so the background thread is not woken for it."""
     engine = default_engine()
     engine.check_usable()
-    _check_name(name)
+    if name is not None and type(name) is not str:
+        _check_name(name)
     base = name if name is not None else engine.auto_name(kind.name.lower())
     handle = Handle(base, parts=max(len(tensors), 1), as_list=group)
     if not tensors:  # barrier, join: nothing to move, only an agreement
-        engine.submit([Entry(Request(base, kind), None, None, handle)])
+        engine.submit([Entry(Request(base, kind), None, None, handle)], handle, wake)
         return handle
     entries = []
-    ready: dict[tuple[str, int], Any] = {}  # one READY event per (device, stream) per call
-    checked: dict[tuple[str, bool], tuple[int, float, float]] = {}  # per dtype, not per tensor
+    ready: Any = None  # one READY event per call: all tensors of a call share the stream
+    requests = engine.requests
     for i, tensor in enumerate(tensors):
         tname = f"{base}.{i}" if group else base
-        what = f"{kind.name.lower()} of tensor {tname!r}"
-        ref = wrap(tensor, what)
-        row = lookup_dtype(ref.array.dtype, what)
-        key = (row.name, ref.is_cuda)
-        if key not in checked:
-            checked[key] = _check_reduction(kind, row, ref.is_cuda, op, prescale, postscale,
-                                            what)
-        req = _request(engine, kind, tname, ref, row.name, what, checked[key], root, splits,
-                       base if group else "", len(tensors) if group else 0)
+        ref = wrap(tensor, kind, tname)
+        row = lookup_dtype(ref.array.dtype, kind, tname)
+        try:
+            key = (row, ref.is_cuda, kind, op, prescale, postscale)
+            checked = _checked.get(key)
+        except TypeError:  # an unhashable argument: the checks below name it
+            key, checked = None, None
+        if checked is None:
+            checked = _check_reduction(kind, row, ref.is_cuda, op, prescale, postscale,
+                                       _what(kind, tname))
+            if key is not None:
+                _checked[key] = checked
+        fields = _fields(engine, kind, tname, ref, row.name, checked, root, splits,
+                         base if group else "", len(tensors) if group else 0)
+        req = requests.get(tname)
+        if req is None or req != fields:
+            req = requests[tname] = Request._make(fields)
         user_out = outs[i] if outs is not None else None
-        entry = Entry(req, ref, _output(kind, ref, user_out, inplace, what), handle, i)
-        if inplace or user_out is not None:
-            entry.extra["user"] = tensor if inplace else user_out
+        out = _output(kind, ref, user_out, inplace, _what(kind, tname)) if (
+            inplace or user_out is not None) else (
+            empty_like_ref(ref) if kind in _SHAPE_KNOWN else None)
+        entry = Entry(req, ref, out, handle, i,
+                      tensor if inplace else user_out)
         if ref.is_cuda:
-            _prepare_device(engine, entry, ref, handle, stream, ready)
+            if ready is None:
+                ready = _prepare_device(engine, ref, handle, stream)
+            entry.ready = ready
         entries.append(entry)
-    if len(ready) and len(entries) > 1:
-        _share_ready(engine, entries)
-    handle._keep.extend(tensors)
-    engine.submit(entries)
+    if ready is not None:
+        handle.hold(tensors)  # CuPy has no record_stream: inputs live until DONE
+        if len(entries) > 1:
+            engine.gpu_runtime().context(entries[0].tensor.device_id).share(  # type: ignore
+                ready, len(entries))
+    engine.submit(entries, handle, wake)
     return handle
 
 
-def _prepare_device(engine: Engine, entry: Entry, ref: TensorRef, handle: Handle,
-                    stream: Any, ready: dict[tuple[str, int], Any]) -> None:
+def _prepare_device(engine: Engine, ref: TensorRef, handle: Handle, stream: Any) -> Any:
     # Record READY on the caller's stream now: the background thread orders hvdlite's stream
-    # after it (cudaStreamWaitEvent) instead of waiting for the producer on the CPU. All
-    # tensors of one call come from the same stream, so they share one event.
-    key = (ref.device, id(stream))
-    event = ready.get(key)
-    if event is None:
-        runtime = engine.gpu_runtime()
-        device_id = ref.device_id
-        event = ready[key] = runtime.record_ready(ref.framework, device_id, stream)
-        handle._waiter = runtime.stream_waiter(ref.framework, device_id)
-        handle._async = runtime.async_completion
-        handle._device = device_id
-    entry.ready = event
-
-
-def _share_ready(engine: Engine, entries: list[Entry]) -> None:
-    uses: dict[int, list[Any]] = {}
-    for e in entries:
-        if e.ready is not None:
-            uses.setdefault(id(e.ready), [e.ready, 0, e.tensor])[1] += 1
-    for event, n, ref in uses.values():
-        if n > 1:
-            engine.gpu_runtime().context(ref.device_id).share(event, n)
+    # after it (cudaStreamWaitEvent) instead of waiting for the producer on the CPU.
+    runtime = engine.gpu_runtime()
+    device_id = ref.device_id
+    event = runtime.record_ready(ref.framework, device_id, stream)
+    handle.attach_device(runtime.stream_waiter(ref.framework, device_id),
+                         runtime.async_completion, device_id)
+    return event
 
 
 def _check_reduction(kind: Kind, row: DType, is_cuda: bool, op: ReduceOp, prescale: float,
@@ -150,22 +163,24 @@ def _check_reduction(kind: Kind, row: DType, is_cuda: bool, op: ReduceOp, presca
     return opv, prescale, postscale
 
 
-def _request(engine: Engine, kind: Kind, name: str, ref: TensorRef, dtype: str, what: str,
-             checked: tuple[int, float, float], root: int, splits: Sequence[int] | None,
-             group: str, group_size: int) -> Request:
-    shape = tuple(int(d) for d in ref.array.shape)
+def _fields(engine: Engine, kind: Kind, name: str, ref: TensorRef, dtype: str,
+            checked: tuple[int, float, float], root: int, splits: Sequence[int] | None,
+            group: str, group_size: int) -> tuple[Any, ...]:
+    """The request's fields, as a plain tuple (compared with the name's last request)."""
+    shape = ref.array.shape
     opv, prescale, postscale = checked
-    if kind is Kind.BROADCAST:
-        root = _root(root, engine.size, what)
-    if kind in (Kind.ALLGATHER, Kind.ALLTOALL, Kind.REDUCESCATTER) and not shape:
-        raise ValueError(f"{what}: needs at least one dimension, got a 0-d tensor; "
-                         "reshape it to (1,)")
     split_t: tuple[int, ...] = ()
-    if kind is Kind.ALLTOALL:
-        split_t = _splits(splits, shape[0], engine.size, what)
-    device = "cpu" if not ref.is_cuda else "cuda"
-    return Request(name, kind, dtype, shape, device, opv, root, prescale, postscale, split_t,
-                   group, group_size)
+    if kind is not Kind.ALLREDUCE:
+        if kind is Kind.BROADCAST:
+            root = _root(root, engine.size, _what(kind, name))
+        if kind in (Kind.ALLGATHER, Kind.ALLTOALL, Kind.REDUCESCATTER) and not shape:
+            raise ValueError(f"{_what(kind, name)}: needs at least one dimension, got a 0-d "
+                             "tensor; reshape it to (1,)")
+        if kind is Kind.ALLTOALL:
+            split_t = _splits(splits, shape[0], engine.size, _what(kind, name))
+    device = "cuda" if ref.is_cuda else "cpu"
+    return (name, kind, dtype, shape, device, opv, root, prescale, postscale, split_t, group,
+            group_size)
 
 
 def _root(root: object, size: int, what: str) -> int:
@@ -216,8 +231,8 @@ def allreduce(tensor: Any, name: str | None = None, op: ReduceOp = Average,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0, *,
               out: Any = None, stream: Any = None) -> Any:
     """Blocking :func:`allreduce_async`: returns the reduced array."""
-    return allreduce_async(tensor, name, op, prescale_factor, postscale_factor, out=out,
-                           stream=stream).wait()
+    return _submit(Kind.ALLREDUCE, [tensor], name, op=op, prescale=prescale_factor,
+                   postscale=postscale_factor, outs=[out], stream=stream, wake=False).wait()
 
 
 def allreduce_async_(tensor: Any, name: str | None = None, op: ReduceOp = Average,
@@ -232,8 +247,8 @@ def allreduce_(tensor: Any, name: str | None = None, op: ReduceOp = Average,
                prescale_factor: float = 1.0, postscale_factor: float = 1.0, *,
                stream: Any = None) -> Any:
     """Blocking in-place allreduce; returns ``tensor``."""
-    return allreduce_async_(tensor, name, op, prescale_factor, postscale_factor,
-                            stream=stream).wait()
+    return _submit(Kind.ALLREDUCE, [tensor], name, op=op, prescale=prescale_factor,
+                   postscale=postscale_factor, inplace=True, stream=stream, wake=False).wait()
 
 
 def grouped_allreduce_async(tensors: Sequence[Any], name: str | None = None,
@@ -251,9 +266,8 @@ def grouped_allreduce(tensors: Sequence[Any], name: str | None = None, op: Reduc
                       prescale_factor: float = 1.0, postscale_factor: float = 1.0, *,
                       stream: Any = None) -> list[Any]:
     """Blocking :func:`grouped_allreduce_async`: returns the list of reduced arrays."""
-    handle = grouped_allreduce_async(tensors, name, op, prescale_factor, postscale_factor,
-                                     stream=stream)
-    return handle.wait()
+    return _submit(Kind.ALLREDUCE, _as_list(tensors), name, op=op, prescale=prescale_factor,
+                   postscale=postscale_factor, group=True, stream=stream, wake=False).wait()
 
 
 def grouped_allreduce_async_(tensors: Sequence[Any], name: str | None = None,
@@ -268,9 +282,9 @@ def grouped_allreduce_(tensors: Sequence[Any], name: str | None = None, op: Redu
                        prescale_factor: float = 1.0, postscale_factor: float = 1.0, *,
                        stream: Any = None) -> list[Any]:
     """Blocking in-place grouped allreduce; returns the list of (updated) tensors."""
-    handle = grouped_allreduce_async_(tensors, name, op, prescale_factor, postscale_factor,
-                                      stream=stream)
-    return handle.wait()
+    return _submit(Kind.ALLREDUCE, _as_list(tensors), name, op=op, prescale=prescale_factor,
+                   postscale=postscale_factor, group=True, inplace=True, stream=stream,
+                   wake=False).wait()
 
 
 def _as_list(tensors: Sequence[Any]) -> list[Any]:
@@ -290,7 +304,7 @@ def allgather_async(tensor: Any, name: str | None = None, *, stream: Any = None)
 
 def allgather(tensor: Any, name: str | None = None, *, stream: Any = None) -> Any:
     """Blocking :func:`allgather_async`."""
-    return allgather_async(tensor, name, stream=stream).wait()
+    return _submit(Kind.ALLGATHER, [tensor], name, stream=stream, wake=False).wait()
 
 
 def broadcast_async(tensor: Any, root_rank: int, name: str | None = None, *,
@@ -304,7 +318,8 @@ def broadcast_async(tensor: Any, root_rank: int, name: str | None = None, *,
 
 def broadcast(tensor: Any, root_rank: int, name: str | None = None, *, stream: Any = None) -> Any:
     """Blocking :func:`broadcast_async`."""
-    return broadcast_async(tensor, root_rank, name, stream=stream).wait()
+    return _submit(Kind.BROADCAST, [tensor], name, root=root_rank, stream=stream,
+                   wake=False).wait()
 
 
 def broadcast_async_(tensor: Any, root_rank: int, name: str | None = None, *,
@@ -315,7 +330,8 @@ def broadcast_async_(tensor: Any, root_rank: int, name: str | None = None, *,
 
 def broadcast_(tensor: Any, root_rank: int, name: str | None = None, *, stream: Any = None) -> Any:
     """Blocking in-place broadcast; returns ``tensor``."""
-    return broadcast_async_(tensor, root_rank, name, stream=stream).wait()
+    return _submit(Kind.BROADCAST, [tensor], name, root=root_rank, inplace=True, stream=stream,
+                   wake=False).wait()
 
 
 def alltoall_async(tensor: Any, splits: Sequence[int] | None = None,
@@ -329,7 +345,8 @@ def alltoall_async(tensor: Any, splits: Sequence[int] | None = None,
 def alltoall(tensor: Any, splits: Sequence[int] | None = None, name: str | None = None, *,
              stream: Any = None) -> Any:
     """Blocking :func:`alltoall_async`."""
-    return alltoall_async(tensor, splits, name, stream=stream).wait()
+    return _submit(Kind.ALLTOALL, [tensor], name, splits=splits, stream=stream,
+                   wake=False).wait()
 
 
 def reducescatter_async(tensor: Any, name: str | None = None,
@@ -344,7 +361,7 @@ def reducescatter_async(tensor: Any, name: str | None = None,
 def reducescatter(tensor: Any, name: str | None = None, op: ReduceOp = Average, *,
                   stream: Any = None) -> Any:
     """Blocking :func:`reducescatter_async`."""
-    return reducescatter_async(tensor, name, op, stream=stream).wait()
+    return _submit(Kind.REDUCESCATTER, [tensor], name, op=op, stream=stream, wake=False).wait()
 
 
 def barrier_async(name: str | None = None) -> Handle:
@@ -355,7 +372,7 @@ def barrier_async(name: str | None = None) -> Handle:
 
 def barrier() -> None:
     """Block until every rank has called :func:`barrier`."""
-    barrier_async().wait()
+    _submit(Kind.BARRIER, [], None, wake=False).wait()
 
 
 def join() -> int:
@@ -366,7 +383,7 @@ def join() -> int:
     that contributed), in allgather zero rows. Broadcasts from a joined root and alltoall fail
     with :class:`MismatchError`. Returns the rank that joined last.
     """
-    return int(_submit(Kind.JOIN, [], default_engine().auto_name("join")).wait())
+    return int(_submit(Kind.JOIN, [], default_engine().auto_name("join"), wake=False).wait())
 
 
 def poll(handle: Handle) -> bool:

@@ -112,6 +112,14 @@ class Negotiator:
         # Sleeps up to the given seconds; True if local work arrived meanwhile (the engine
         # passes a wait on its wake-up queue; alone, a plain sleep that never cuts short).
         self._nap = nap if nap is not None else _plain_nap
+        # Set by the engine per cycle: a waiting caller runs it (poll MPI, so signals reach
+        # the main thread and a Ctrl-C ends the wait) or the background thread does.
+        self.in_caller = False
+        # Device entries whose producer has not finished (READY not complete): held back from
+        # negotiation, so a tensor ready everywhere never queues behind one still produced.
+        self._unready: list[Entry] = []
+        self._join: str | None = None  # this rank's pending join, if any
+        self._next_demote = 0.0
 
     # -- pacing ------------------------------------------------------------------------
     @property
@@ -132,8 +140,13 @@ class Negotiator:
               expecting_stall: bool = False) -> CycleResult:
         now = time.monotonic()
         self.cycles += 1
+        if self._unready:
+            self._unready = [e for e in self._unready if not self._released(e, entries, now)]
         for e in new:
-            self._classify(e.request, now)
+            if e.ready is not None and not e.ready.done:
+                self._unready.append(e)
+            else:
+                self._classify(e.request, now)
         self._demote_stale(entries, now)
         flags = self._local_flags(entries, stopping, now)
         if expecting_stall:
@@ -162,7 +175,19 @@ class Negotiator:
         self._busy = bool(self._seen & PENDING) or bool(responses)
         return CycleResult(responses, stop)
 
+    def _released(self, e: Entry, entries: dict[str, Entry], now: float) -> bool:
+        """True once ``e`` leaves the unready list: its producer finished (READY complete: a
+        non-blocking query, never a CPU wait), and it is classified now; or it is gone."""
+        if entries.get(e.request.name) is not e:
+            return True  # failed meanwhile (shutdown, a peer's failure)
+        if not e.ready.done:
+            return False
+        self._classify(e.request, now)
+        return True
+
     def _classify(self, req: Request, now: float) -> None:
+        if req.kind is Kind.JOIN:
+            self._join = req.name
         if self.cache.capacity and req.kind not in (Kind.JOIN, Kind.BARRIER):
             slot, same = self.cache.lookup(req)
             if same:
@@ -173,6 +198,9 @@ class Negotiator:
         self._uncached.append(req)
 
     def _demote_stale(self, entries: dict[str, Entry], now: float) -> None:
+        if now < self._next_demote or not self._hits:
+            return
+        self._next_demote = now + self.patience_s / 4
         for slot, (name, since) in list(self._hits.items()):
             if now - since > self.patience_s:
                 del self._hits[slot]
@@ -185,8 +213,11 @@ class Negotiator:
             flags |= SHUTDOWN
         if entries:
             flags |= PENDING
-        if any(e.request.kind is Kind.JOIN for e in entries.values()):
-            flags |= JOINED
+        if self._join is not None:
+            if self._join in entries:
+                flags |= JOINED
+            else:
+                self._join = None
         if self.table is not None and self.stall.due(now):
             flags |= ROUND
         return flags
@@ -222,7 +253,7 @@ class Negotiator:
             return
         busy = self._busy
         while True:
-            if busy and self.block_in_mpi:
+            if busy and self.block_in_mpi and not self.in_caller:
                 self.failures.wait(req)
                 return
             if self._poll(req, busy):

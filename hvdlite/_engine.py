@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hvdlite._fusion import FusionBuffers, nbytes, plan_buckets
-from hvdlite._negotiation import Kind, Response
+from hvdlite._negotiation import Kind, Request, Response
 from hvdlite._trace import Tracer, open_timeline
 from hvdlite._work import Entry
 from hvdlite.config import Config, load_config
@@ -41,12 +41,21 @@ if TYPE_CHECKING:
 
     from hvdlite._backends.nccl import NcclBackend
     from hvdlite._gpu.runtime import GpuRuntime
+    from hvdlite._handles import Handle
     from hvdlite._timeline import Timeline
 
 log = logging.getLogger("hvdlite")
 
 _SHUTDOWN_JOIN_S = 60.0
-_LINGER_S = 100e-6  # hot poll of the queue after a busy cycle
+_MAX_REMEMBERED = 65536  # request objects kept for reuse, by tensor name
+
+
+_POKE = object()  # wake-up token of a waiting caller (see Engine.progress)
+
+
+def _in_flight_message(name: str) -> str:
+    return (f"tensor {name!r}: a collective with this name is already in flight; wait for it "
+            "first or pass a different name=")
 
 
 class Engine:
@@ -82,10 +91,19 @@ class Engine:
             log.warning("MPI provides thread level %d < THREAD_MULTIPLE: do not call MPI from "
                         "other threads while hvdlite runs", MPI.Query_thread())
 
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the queue, the names in flight, the stop flags
+        # Serialises cycles: held by the background thread or by a waiting caller running the
+        # pending cycle itself (progress). MPI sees one cycle at a time from this process, in
+        # the same order on every rank, whichever thread runs it.
+        self._cycle_lock = threading.Lock()
+        self._napping = False  # the loop is in an idle nap (see _idle_nap)
+        self._nap_s = 20e-6  # first pause between cycles a waiting caller runs without result
+        # The last request per tensor name: a call whose parameters did not change reuses it,
+        # so the response cache matches it by identity (see ResponseCache.lookup).
+        self.requests: dict[str, Request] = {}
         # Wake-ups of the background loop: a C-level queue of tokens is about twice as quick
         # to hand over as threading.Event, whose wait and set run Python-level Condition code.
-        self._wake: queue.SimpleQueue[None] = queue.SimpleQueue()
+        self._wake: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._queue: list[Entry] = []
         self._in_flight: set[str] = set()
         self._counters: dict[str, itertools.count[int]] = {}
@@ -156,53 +174,115 @@ class Engine:
             counter = self._counters.setdefault(kind, itertools.count())
             return f"{kind}.noname.{next(counter)}"
 
-    def submit(self, entries: Sequence[Entry]) -> None:
-        """Queue ``entries`` atomically (one cycle sees all or none of them)."""
+    def submit(self, entries: Sequence[Entry], handle: Handle, wake: bool = True) -> None:
+        """Queue ``entries`` (all of one ``handle``) atomically: one cycle sees all or none.
+
+        ``wake=False``: the caller is about to wait on ``handle`` and so runs the cycle itself
+        (:meth:`progress`); the background thread is not woken for it."""
+        handle.attach_driver(self.progress)
         now = time.perf_counter()
+        stats = self.tracer.stats
         with self._lock:
             self.check_usable()
-            names = [e.request.name for e in entries]
-            clash = next((n for n in names if n in self._in_flight), None)
-            if clash is not None or len(set(names)) != len(names):
-                clash = clash or next(n for n in names if names.count(n) > 1)
-                raise ValueError(
-                    f"tensor {clash!r}: a collective with this name is already in flight; "
-                    "wait for it first or pass a different name="
-                )
+            in_flight = self._in_flight
+            if len(entries) == 1:
+                name = entries[0].request.name
+                if name in in_flight:
+                    raise ValueError(_in_flight_message(name))
+                in_flight.add(name)
+            else:
+                names = [e.request.name for e in entries]
+                clash = next((n for n in names if n in in_flight), None)
+                if clash is not None or len(set(names)) != len(names):
+                    raise ValueError(_in_flight_message(
+                        clash or next(n for n in names if names.count(n) > 1)))
+                in_flight.update(names)
             for e in entries:
                 e.enqueued_at = now
-                e.stats = self.tracer.stats
-                e.handle._keep.append(self)  # the engine stays alive while work is pending
-            self._in_flight.update(names)
+                e.stats = stats
             self._queue.extend(entries)
-        self._wake.put(None)
+        if len(self.requests) > _MAX_REMEMBERED:
+            self.requests.clear()  # names made up per step (unnamed calls) must not pile up
+        if wake:
+            self._wake.put(None)
 
-    # -- the background loop ---------------------------------------------------------------
-    def _run(self) -> None:
+    # -- cycles: run by the background thread, or by a thread waiting for its result --------
+    def progress(self, handle: Handle) -> None:
+        """Run cycles on this (waiting) thread until ``handle`` is resolved (progress on wait).
+
+        A thread that would block for its result runs the pending cycle itself, under the
+        cycle lock, instead of waking the background thread and then being woken by it: two
+        thread hand-offs saved per blocking call. If the background thread is inside a cycle,
+        this waits for the lock (after cutting an idle nap of that cycle short) and goes on
+        from there. Errors become the engine's sticky failure, as in the background loop.
+        """
+        lock = self._cycle_lock
+        if not lock.acquire(blocking=False):
+            if self._napping:  # the loop naps inside an idle round: cut it short
+                self._wake.put(_POKE)
+            lock.acquire()
         try:
-            while True:
-                self._wait_for_work()
-                new = self._drain()
-                working = bool(self._entries)
-                t0 = time.perf_counter()
-                cycle = self.negotiator.cycle(new, self._entries, self._stop_requested,
-                                              self._expecting_stall > 0)
-                if working:  # idle rounds (mostly naps waiting for peers) are not negotiation
-                    self.tracer.stats.record_negotiation(time.perf_counter() - t0)
-                self.tracer.negotiated(cycle.responses, self._entries)
-                self.tracer.cycle()
-                self._execute(cycle.responses)
-                if cycle.stop is not None:
-                    self._finish(cycle.stop)
+            misses = 0
+            while not handle._resolved and not self._stopped:
+                self._cycle(caller=True)
+                if handle._resolved:
                     return
-        except BaseException as exc:  # noqa: BLE001 - any failure must reach every caller
-            err = exc if isinstance(exc, HvdliteError) else HvdliteError(
-                f"hvdlite background thread failed on rank {self.rank}: {exc!r}")
-            if err is not exc:
-                err.__cause__ = exc
-            log.error("%s", err, exc_info=exc)
-            self._finish(err)
-            self._tell_peers(err)
+                # A round that did not resolve us: a peer had not submitted yet. Go again at
+                # once (it is usually there by the next round), then pace the rounds.
+                misses += 1
+                if misses > 2:
+                    time.sleep(min(self._nap_s * (1 << min(misses - 3, 10)),
+                                   self.negotiator.cycle_s))
+        except BaseException as exc:
+            self._die(exc)
+            if not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt and friends: the engine is failed, the user sees it
+        finally:
+            lock.release()
+
+    def _run(self) -> None:
+        while True:
+            self._wait_for_work()
+            with self._cycle_lock:
+                if self._stopped:
+                    return
+                try:
+                    self._cycle(caller=False)
+                except BaseException as exc:  # noqa: BLE001 - must reach every caller
+                    self._die(exc)
+                    return
+            if self._stopped:
+                return
+
+    def _cycle(self, caller: bool) -> None:
+        """One cycle: drain the queue, negotiate, execute in the agreed order, complete.
+        Runs under the cycle lock, on whichever thread holds it."""
+        new = self._drain()
+        working = bool(self._entries)
+        t0 = time.perf_counter()
+        negotiator = self.negotiator
+        negotiator.in_caller = self.mpi.in_caller = caller
+        cycle = negotiator.cycle(new, self._entries, self._stop_requested,
+                                 self._expecting_stall > 0)
+        if working:  # idle rounds (mostly naps waiting for peers) are not negotiation
+            self.tracer.stats.record_negotiation(time.perf_counter() - t0)
+        if self.tracer.timeline is not None:
+            self.tracer.negotiated(cycle.responses, self._entries)
+            self.tracer.cycle()
+        if cycle.responses:
+            self._execute(cycle.responses)
+        if cycle.stop is not None:
+            self._finish(cycle.stop)
+
+    def _die(self, exc: BaseException) -> None:
+        """The sticky failure: every pending and later call raises it, here and on peers."""
+        err = exc if isinstance(exc, HvdliteError) else HvdliteError(
+            f"hvdlite background thread failed on rank {self.rank}: {exc!r}")
+        if err is not exc:
+            err.__cause__ = exc
+        log.error("%s", err, exc_info=exc)
+        self._finish(err)
+        self._tell_peers(err)
 
     def _tell_peers(self, err: HvdliteError) -> None:
         """Best effort: one more cycle carrying the failure, so the other ranks raise it too
@@ -213,13 +293,6 @@ class Engine:
             log.error("hvdlite: could not tell the other ranks about the failure: %r", exc)
 
     def _wait_for_work(self) -> None:
-        # Right after a busy cycle the next request usually follows within microseconds (a
-        # training loop submits again as soon as its wait returns): poll briefly before
-        # sleeping, which saves a thread wake-up (~5-10 us, scripts/dev/thread_handoff.py) per op.
-        if self.negotiator.busy and not self._queue:
-            until = time.perf_counter() + _LINGER_S
-            while not self._queue and time.perf_counter() < until:
-                os.sched_yield()
         wake = self._wake
         try:
             if not self._queue and not self._stop_requested:
@@ -230,31 +303,44 @@ class Engine:
             pass
 
     def _idle_nap(self, seconds: float) -> bool:
-        """A nap of the negotiation's idle wait that ends early when work is submitted here;
-        the wake-up token goes back, so the next _wait_for_work does not sleep either."""
+        """A nap of the negotiation's idle wait that ends early when work is submitted here
+        (the token goes back, so the next _wait_for_work does not sleep either) or when a
+        waiting caller wants the cycle lock (a poke, consumed: it runs the next cycle)."""
+        self._napping = True
         try:
-            self._wake.get(timeout=seconds)
+            token = self._wake.get(timeout=seconds)
         except queue.Empty:
             return False
-        self._wake.put(None)
+        finally:
+            self._napping = False
+        if token is not _POKE:
+            self._wake.put(None)
         return True
 
     def _drain(self) -> list[Entry]:
         with self._lock:
             new, self._queue = self._queue, []
+        entries = self._entries
         for e in new:
-            self._entries[e.request.name] = e
-        self.tracer.negotiating(new)
+            entries[e.request.name] = e
+        if self.tracer.timeline is not None:
+            self.tracer.negotiating(new)
         return new
 
     def _execute(self, responses: list[Response]) -> None:
-        for bucket in plan_buckets(responses, self.config.fusion_threshold):
-            entries = [self._entries.pop(r.name, None) for r in bucket]
-            self._account(bucket)
+        threshold = self.config.fusion_threshold
+        buckets = [responses] if len(responses) == 1 else plan_buckets(responses, threshold)
+        pop = self._entries.pop
+        for bucket in buckets:
+            entries = [pop(r.name, None) for r in bucket]
+            self._account(bucket, threshold)
             # Free the names before any handle completes: a caller that reuses a name right
             # after wait() returns must not see it as still in flight.
             with self._lock:
-                self._in_flight.difference_update(r.name for r in bucket)
+                if len(bucket) == 1:
+                    self._in_flight.discard(bucket[0].name)
+                else:
+                    self._in_flight.difference_update([r.name for r in bucket])
             try:
                 self._run_bucket(bucket, entries)
             except BaseException as exc:
@@ -264,13 +350,16 @@ class Engine:
                         e.fail(HvdliteError(f"tensor {e.request.name!r}: {why}"))
                 raise
 
-    def _account(self, bucket: list[Response]) -> None:
+    def _account(self, bucket: list[Response], threshold: int) -> None:
         # The buffer a bucket could fill: the fusion threshold, or its own size unfused (a
         # lone tensor, any non-allreduce) -- the same figure for stats() and the timeline.
-        payload = sum(nbytes(r) for r in bucket)
-        room = self.config.fusion_threshold if len(bucket) > 1 else payload
+        if len(bucket) == 1:
+            payload = room = nbytes(bucket[0])
+        else:
+            payload, room = sum(nbytes(r) for r in bucket), threshold
         self.tracer.stats.record_bucket(len(bucket), payload, room)
-        self.tracer.dequeued([r.name for r in bucket], next(self._buckets), room)
+        if self.tracer.timeline is not None:
+            self.tracer.dequeued([r.name for r in bucket], next(self._buckets), room)
 
     def _run_bucket(self, bucket: list[Response], entries: list[Entry | None]) -> None:
         head = bucket[0]

@@ -15,8 +15,14 @@ __all__ = ["nbytes", "plan_buckets", "FusionBuffers"]
 _FUSABLE = frozenset({Kind.ALLREDUCE})
 
 
+_ITEMSIZE: dict[str, int] = {}
+
+
 def nbytes(resp: Response) -> int:
-    return math.prod(resp.shape) * np.dtype(resp.dtype).itemsize
+    size = _ITEMSIZE.get(resp.dtype)
+    if size is None:
+        size = _ITEMSIZE[resp.dtype] = np.dtype(resp.dtype).itemsize
+    return math.prod(resp.shape) * size
 
 
 def plan_buckets(responses: Sequence[Response], threshold: int) -> list[list[Response]]:

@@ -1,17 +1,29 @@
-"""The one handle type every asynchronous collective returns."""
+"""The one handle type every asynchronous collective returns.
+
+A handle moves through three states, each set once, by named methods:
+
+    pending --resolve--> resolved --finish--> done
+
+*resolved* is when the background side is through with it: the result is set (host work, or
+device work with async completion), the collective failed, or its device work is enqueued and
+a DONE event attached (device work, sync completion). *done* follows at once except in that
+last case, where it comes when DONE has completed on the device: the waiting thread
+synchronises on DONE itself (no hand-off through another thread), or the finalizer does.
+
+The hand-off from the thread that resolves to the thread that waits is one ``threading.Lock``
+used as a gate (held from creation, released once at resolve): a C-level acquire with the GIL
+released, several times cheaper than a ``Condition``. Before blocking there, ``wait`` lets the
+engine run the pending cycle on the waiting thread (progress on wait, see ``_engine.py``).
+"""
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = ["Handle"]
-
-_SPIN_S = 50e-6  # hot poll in wait() before blocking
 
 _callback_queue: queue.SimpleQueue[tuple[Handle, Callable[[Any], Any], Handle]] | None = None
 _callback_lock = threading.Lock()
@@ -38,13 +50,13 @@ def _callbacks() -> queue.SimpleQueue[tuple[Handle, Callable[[Any], Any], Handle
 class Handle:
     """The pending result of one collective (or one group of them).
 
-    Every ``*_async`` function returns a ``Handle``. It completes once the background thread
-    has executed the collective on every part of the request; its result is the output array
-    (a list of arrays for grouped calls, the last joined rank for :func:`hvdlite.join`).
+    Every ``*_async`` function returns a ``Handle``. Its result is the output array (a list of
+    arrays for grouped calls, the last joined rank for :func:`hvdlite.join`).
 
     Thread-safety: any thread may poll or wait on a handle; it is completed by hvdlite's own
-    threads. GPU semantics (``wait_stream``, ``then``, asynchronous completion) are described
-    on those methods.
+    threads (or by the waiting thread itself, which may run the engine's pending cycle). GPU
+    semantics (``wait_stream``, ``then``, asynchronous completion) are described on those
+    methods.
     """
 
     __slots__ = (
@@ -53,82 +65,133 @@ class Handle:
         "_async",
         "_completions",
         "_device",
-        "_unenqueued",
-        "_cond",
+        "_done",
+        "_driver",
         "_events",
         "_exc",
+        "_gate",
         "_keep",
+        "_lock",
         "_remaining",
+        "_resolved",
         "_results",
+        "_unenqueued",
         "_waiter",
     )
 
     def __init__(self, name: str, parts: int = 1, as_list: bool = False) -> None:
         self.name = name
         self._as_list = as_list
-        self._cond = threading.Condition(threading.Lock())
-        self._remaining = parts
-        self._unenqueued = parts  # parts whose device work is not yet enqueued
-        self._async = False  # device handle completing at enqueue (async completion)
-        self._device = -1  # CUDA device of a device handle
-        # Sync completion of device work: callables that complete the parts once the DONE
-        # events finished. The finalizer runs them, or the waiting caller does first.
-        self._completions: list[Any] = []
+        self._gate = threading.Lock()
+        self._gate.acquire()  # released once, at resolve
+        self._lock = threading.Lock()  # completion bookkeeping (parts may finish apart)
+        self._resolved = False
+        self._done = False
+        self._remaining = parts  # parts without a result
+        self._unenqueued = parts  # parts not yet resolved (result, or enqueued on a device)
         self._results: list[Any] = [None] * parts
         self._exc: BaseException | None = None
-        # Completion events (one per device) when the work was only enqueued on a device.
+        # Device work: DONE events, the callables that complete the parts once DONE finished
+        # (sync completion; whoever runs one first wins), the device, and the stream waiter.
         self._events: list[Any] = []
+        self._completions: list[Callable[[], None]] = []
+        self._async = False
+        self._device = -1
+        self._waiter: Callable[[Handle, Any], None] | None = None
         # Objects that must stay alive until the device finished with them (inputs, buffers).
         self._keep: list[Any] = []
-        # Set by the GPU layer: makes the device side of `wait` happen (CPU block or stream wait).
-        self._waiter: Callable[[Handle, Any], None] | None = None
+        # The engine's progress function: runs pending cycles on a thread that would block.
+        self._driver: Callable[[Handle], None] | None = None
 
-    # -- completion, called by hvdlite's threads ------------------------------------------
-    def _enqueued(self, events: Sequence[Any]) -> None:
-        """One part's device work is enqueued; ``events`` complete when it has run."""
-        with self._cond:
-            self._events.extend(events)
-            self._unenqueued -= 1
-            if self._unenqueued == 0:
-                self._cond.notify_all()
+    # -- set up by the collective at submission ------------------------------------------
+    def attach_device(self, waiter: Callable[[Handle, Any], None], async_completion: bool,
+                      device: int) -> None:
+        """Mark this a device handle: ``waiter`` orders a stream after the DONE events."""
+        self._waiter, self._async, self._device = waiter, async_completion, device
 
-    def _is_enqueued(self) -> bool:
-        return self._unenqueued <= 0 or self._remaining <= 0
+    def attach_driver(self, driver: Callable[[Handle], None]) -> None:
+        self._driver = driver
 
-    def _set_part(self, index: int, value: Any, events: Sequence[Any] = ()) -> None:
-        with self._cond:
-            if self._remaining <= 0:
-                return
-            self._results[index] = value
-            self._events.extend(events)
-            self._remaining -= 1
-            if self._remaining == 0:
-                self._cond.notify_all()
+    def hold(self, objs: Sequence[Any]) -> None:
+        """Keep ``objs`` alive as long as this handle (inputs the device may still read)."""
+        self._keep.extend(objs)
 
-    def _set_parts(self, parts: Sequence[tuple[int, Any]]) -> None:
-        """Several parts at once (one bucket's members of a grouped call): one lock trip."""
-        with self._cond:
+    # -- completion, called by hvdlite's threads -----------------------------------------
+    def set_parts(self, parts: Sequence[tuple[int, Any]], events: Sequence[Any] = (),
+                  was_enqueued: bool = False) -> None:
+        """Results for some parts (one bucket's members of this handle); ignored once failed.
+
+        ``events`` (device work, async completion): DONE events attached in the same step, so
+        no waiter sees the result before it can order its stream after them.
+        ``was_enqueued``: these parts were resolved by :meth:`enqueued` before (sync device
+        completion), so they count toward done only."""
+        with self._lock:
             if self._remaining <= 0:
                 return
             for index, value in parts:
                 self._results[index] = value
+            self._events.extend(events)
             self._remaining -= len(parts)
-            if self._remaining <= 0:
-                self._cond.notify_all()
+            if not was_enqueued:
+                self._unenqueued -= len(parts)
+            if self._remaining > 0:
+                resolve = self._unenqueued <= 0 and not self._resolved
+                if resolve:
+                    self._resolved = True
+            else:
+                self._done = True
+                self._driver = None
+                resolve = not self._resolved
+                self._resolved = True
+        if resolve:
+            self._gate.release()
 
-    def _fail(self, exc: BaseException) -> None:
-        with self._cond:
+    def set_result(self, value: Any) -> None:
+        """The result of a one-part handle (the hot path of host work)."""
+        self.set_parts(((0, value),))
+
+    def enqueued(self, events: Sequence[Any], parts: int, completion: Callable[[], None]) -> None:
+        """Sync device completion: ``parts`` parts' work is enqueued, ``events`` complete when
+        it has run, and ``completion`` then sets their results (whoever runs it first)."""
+        with self._lock:
+            if self._remaining <= 0:
+                return
+            self._events.extend(events)
+            self._completions.append(completion)
+            self._unenqueued -= parts
+            if self._unenqueued > 0 or self._resolved:
+                return
+            self._resolved = True
+            self._driver = None
+        self._gate.release()
+
+    def fail(self, exc: BaseException) -> None:
+        """The collective failed: every waiter raises ``exc``. Ignored once done."""
+        with self._lock:
             if self._remaining <= 0:
                 return
             self._exc = exc
             self._remaining = 0
+            self._done = True
             self._keep.clear()
-            self._cond.notify_all()
+            self._driver = None
+            resolve = not self._resolved
+            self._resolved = True
+        if resolve:
+            self._gate.release()
 
-    # -- public -------------------------------------------------------------------------
+    # -- public ---------------------------------------------------------------------------
     def poll(self) -> bool:
-        """True once the handle completed (successfully or not). Never blocks."""
-        return self._remaining <= 0
+        """True once the handle completed (successfully or not). Never blocks.
+
+        For device work with sync completion, true once the DONE events have completed on
+        the device (checked with a non-blocking event query)."""
+        if self._done:
+            return True
+        if self._resolved and all(e.done for e in self._events):
+            self._finish()
+            return True
+        return False
 
     done = poll
 
@@ -136,25 +199,16 @@ class Handle:
         """Block until the collective completed and return its result.
 
         Raises the collective's :class:`hvdlite.HvdliteError` if it failed, and ``TimeoutError``
-        if ``timeout`` seconds pass first (the work goes on; wait again later). For device
-        arrays with asynchronous completion on, this returns once the work is enqueued and the
-        caller's current stream is ordered after it (no CPU block on the device).
+        if ``timeout`` seconds pass first (the work goes on; wait again later). While the
+        collective is pending, the calling thread may run hvdlite's pending negotiation cycle
+        itself instead of waiting for the background thread to do it (one thread hand-off
+        less). For device arrays with asynchronous completion on, this returns once the work
+        is enqueued and the caller's current stream is ordered after it (no CPU block on the
+        device); with sync completion, it blocks until the device has finished.
         """
-        # Sync completion of device work: wait for the DONE events on this thread rather than
-        # for the finalizer to do it and wake us (one thread hand-off less). Decided by the
-        # handle's kind: the loop attaches the completions only once the work is enqueued.
-        here = self._device >= 0 and not self._async and timeout is None
-        ready = self._is_enqueued if here else self.poll
-        if not ready():
-            # A short hot poll first: a condition-variable wake-up costs tens of microseconds.
-            until = time.perf_counter() + _SPIN_S
-            while not ready() and time.perf_counter() < until:
-                os.sched_yield()
-        if here and not self.poll():
-            self._complete_here()
-        with self._cond:
-            if not self._cond.wait_for(self.poll, timeout):
-                raise TimeoutError(f"collective {self.name!r} did not complete in {timeout} s")
+        self._await_resolved(timeout)
+        if not self._done:
+            self._finish()
         if self._exc is not None:
             raise self._exc
         if self._waiter is not None:
@@ -162,6 +216,26 @@ class Handle:
         return self._results if self._as_list else self._results[0]
 
     synchronize = wait
+
+    def _await_resolved(self, timeout: float | None) -> None:
+        if self._resolved:
+            return
+        driver = self._driver
+        if driver is not None and timeout is None:
+            driver(self)
+            if self._resolved:
+                return
+        if not self._gate.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+            raise TimeoutError(f"collective {self.name!r} did not complete in {timeout} s")
+        self._gate.release()  # let every other waiter through too
+
+    def _finish(self) -> None:
+        """Sync completion of device work, on this thread: wait for DONE (CuPy releases the
+        GIL), then complete the parts (a no-op if the finalizer got there first)."""
+        for event in list(self._events):
+            event.synchronize()
+        for completion in list(self._completions):
+            completion()
 
     def wait_stream(self, stream: Any = None) -> None:
         """Make ``stream`` (default: the caller's current stream) wait for this collective.
@@ -171,13 +245,12 @@ class Handle:
         ``cudaStreamWaitEvent`` on its DONE events; work the caller then puts on ``stream``
         sees the result. On host tensors it is :meth:`wait` without a return value.
         """
-        with self._cond:
-            self._cond.wait_for(self._is_enqueued)
-        if self._exc is not None:
-            raise self._exc
         if self._waiter is None:
             self.wait()
             return
+        self._await_resolved(None)
+        if self._exc is not None:
+            raise self._exc
         self._waiter(self, stream)
 
     def then(self, fn: Callable[[Any], Any]) -> Handle:
@@ -190,14 +263,15 @@ class Handle:
         (or in this collective) becomes the new handle's error.
         """
         child = Handle(f"{self.name}.then")
-        child._waiter, child._async, child._device = self._waiter, self._async, self._device
+        if self._waiter is not None:
+            child.attach_device(self._waiter, self._async, self._device)
         _callbacks().put((self, fn, child))
         return child
 
     def _run_then(self, fn: Callable[[Any], Any], child: Handle) -> None:
         try:
             if self._waiter is None:
-                child._set_part(0, fn(self.wait()))
+                child.set_result(fn(self.wait()))
                 return
             import cupy
 
@@ -209,40 +283,27 @@ class Handle:
                     out = fn(value)
                 done = cupy.cuda.Event(block=False, disable_timing=True)
                 done.record(stream)
-            child._enqueued((done,))
-            if not self._async:
-                done.synchronize()
-            child._set_part(0, out)
+            if self._async:
+                child.set_parts(((0, out),), (done,))
+            else:
+                child.enqueued((done,), 1, lambda: child.set_parts(((0, out),),
+                                                                     was_enqueued=True))
         except BaseException as exc:  # noqa: BLE001 - delivered through the child handle
-            child._fail(exc)
-
-    def _complete_here(self) -> None:
-        """Sync completion: wait for the DONE events on this thread and complete the parts
-        here, instead of waiting for the finalizer thread to do it and then wake us (one
-        thread hand-off saved on every blocking device collective)."""
-        with self._cond:
-            self._cond.wait_for(self._is_enqueued)
-        if self.poll():
-            return
-        for event in list(self._events):
-            event.synchronize()  # CuPy releases the GIL while it waits
-        for completion in list(self._completions):
-            completion()
+            child.fail(exc)
 
     def _result_without_stream_wait(self) -> Any:
         """The result, without ``wait``'s stream wait on the calling thread's current stream
         (``then`` orders its own side stream instead)."""
-        with self._cond:
-            self._cond.wait_for(self.poll)
+        self._await_resolved(None)
         if self._exc is not None:
             raise self._exc
         return self._results if self._as_list else self._results[0]
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """Wait like :meth:`wait`, then return the failure (``None`` on success)."""
-        with self._cond:
-            if not self._cond.wait_for(self.poll, timeout):
-                raise TimeoutError(f"collective {self.name!r} did not complete in {timeout} s")
+        self._await_resolved(timeout)
+        if not self._done:
+            self._finish()
         return self._exc
 
     def __repr__(self) -> str:

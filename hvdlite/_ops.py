@@ -95,11 +95,14 @@ DTYPES: dict[str, DType] = {
 _BY_NP: dict[np.dtype, DType] = {row.np_dtype: row for row in DTYPES.values()}
 
 
-def lookup_dtype(dtype: object, what: str) -> DType:
-    """The table row for ``dtype``; ``TypeError`` naming ``what`` and the carried dtypes if none."""
+def lookup_dtype(dtype: object, what: Any, name: str | None = None) -> DType:
+    """The table row for ``dtype``; ``TypeError`` naming the call (``what``, or a collective
+    kind and a tensor ``name``) and the carried dtypes if none."""
     row = _BY_NP.get(dtype) if isinstance(dtype, np.dtype) else None  # hot path: no name lookup
     if row is not None:
         return row
+    if name is not None:
+        what = f"{what.name.lower()} of tensor {name!r}"
     try:
         np_dtype = np.dtype(dtype)  # type: ignore[call-overload]
     except TypeError:

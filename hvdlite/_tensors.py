@@ -32,7 +32,10 @@ class TensorRef:
 
     @property
     def is_cuda(self) -> bool:
-        return self.device != "cpu"
+        return self.device_id >= 0
+
+
+_CUDA_NAMES = tuple(f"cuda:{i}" for i in range(16))
 
 
 def _identity(a: Any) -> Any:
@@ -43,18 +46,33 @@ def _module_of(obj: Any) -> str:
     return type(obj).__module__.split(".", 1)[0]
 
 
-def wrap(obj: Any, what: str) -> TensorRef:
-    """View ``obj`` as a :class:`TensorRef`; ``TypeError``/``ValueError`` naming ``what``."""
-    if isinstance(obj, np.ndarray):
-        _require_contiguous(obj.flags.c_contiguous, what, "np.ascontiguousarray(x)")
+def label(what: Any, name: str | None) -> str:
+    """The call as error messages name it: ``what`` itself, or "<kind> of tensor '<name>'"
+    when a collective kind and a tensor name are given (formatted only on error)."""
+    if name is None:
+        return str(what)
+    return f"{what.name.lower()} of tensor {name!r}"
+
+
+def wrap(obj: Any, what: Any, name: str | None = None) -> TensorRef:
+    """View ``obj`` as a :class:`TensorRef`; ``TypeError``/``ValueError`` naming the call
+    (``what``, or ``what`` a collective kind and ``name`` the tensor: see :func:`label`)."""
+    if type(obj) is np.ndarray:
+        if not obj.flags.c_contiguous:
+            _require_contiguous(False, label(what, name), "np.ascontiguousarray(x)")
         return TensorRef(obj, "cpu", "numpy", _identity)
     module = _module_of(obj)
     if module == "cupy":
-        _require_contiguous(obj.flags.c_contiguous, what, "cupy.ascontiguousarray(x)")
+        if not obj.flags.c_contiguous:
+            _require_contiguous(False, label(what, name), "cupy.ascontiguousarray(x)")
         device_id = obj.device.id
-        return TensorRef(obj, f"cuda:{device_id}", "cupy", _identity, device_id)
+        return TensorRef(obj, _CUDA_NAMES[device_id] if device_id < len(_CUDA_NAMES)
+                         else f"cuda:{device_id}", "cupy", _identity, device_id)
     if module == "torch":
-        return _wrap_torch(obj, what)
+        return _wrap_torch(obj, label(what, name))
+    if isinstance(obj, np.ndarray):  # a subclass
+        return wrap(np.asarray(obj), what, name)
+    what = label(what, name)
     raise TypeError(
         f"{what}: expected a numpy.ndarray, cupy.ndarray or torch.Tensor, "
         f"got {type(obj).__name__}"

@@ -76,6 +76,7 @@ class MPIBackend:
         self.tracer = tracer
         self.failures = failures
         self.block_in_mpi = block_in_mpi
+        self.in_caller = False  # see Negotiator.in_caller
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         self.fusion = fusion
@@ -104,7 +105,7 @@ class MPIBackend:
         # Nonblocking collective waited together with the peers' failure notice (a plain
         # blocking call would wait forever for a rank whose loop died): inside MPI when this
         # host has a core per rank, else polled with CPU yields.
-        if self.block_in_mpi:
+        if self.block_in_mpi and not self.in_caller:
             self.failures.wait(req)
             return
         while not req.Test():
@@ -114,16 +115,32 @@ class MPIBackend:
     # -- allreduce --------------------------------------------------------------------
     def _allreduce(self, bucket: list[Response], entries: list[Entry | None]) -> None:
         head = bucket[0]
-        row = DTYPES[head.dtype]
-        op = ReduceOp(head.op)
-        mtype, wire = mpi_datatype(row)
+        spec = _SPECS.get((head.dtype, head.op))
+        if spec is None:
+            spec = _SPECS[(head.dtype, head.op)] = _spec(head.dtype, head.op)
+        row, op, mtype, wire, mop, native = spec
         contributors = self.size - len(head.joined)
-        names = [r.name for r in bucket]
-        if len(bucket) == 1 and wire == row.np_dtype:
+        tracing = self.tracer.on
+        names = [r.name for r in bucket] if tracing else []
+        if len(bucket) == 1 and native:
             entry = entries[0]
-            out = self._unfused_input(head, entry, row, op)
-            with self.tracer.phase(names, "MPI_ALLREDUCE", {"bytes": out.nbytes}):
-                self._wait(self.comm.Iallreduce(MPI.IN_PLACE, [out, mtype], op=mpi_op(row, op)))
+            if entry is None:
+                out = np.full(head.shape, row.identity(op), dtype=row.np_dtype)
+                send: Any = MPI.IN_PLACE
+            else:
+                out = entry.output
+                src = entry.tensor.array  # type: ignore[union-attr]
+                if head.prescale != 1.0:
+                    scale_into(np, out, src, head.prescale)
+                    send = MPI.IN_PLACE
+                else:  # reduce straight from the input: no copy into the output first
+                    send = MPI.IN_PLACE if src is out else [src, mtype]
+            if tracing:
+                with self.tracer.phase(names, "MPI_ALLREDUCE", {"bytes": out.nbytes}):
+                    self._wait(self.comm.Iallreduce(send, [out, mtype], op=mop))
+            else:
+                self._wait(self.comm.Iallreduce(send, [out, mtype], op=mop))
+            if op is ReduceOp.AVERAGE or head.postscale != 1.0:
                 finish_reduce(np, out, op, contributors, head.postscale, row)
             if entry is not None:
                 entry.finish(out)
@@ -136,7 +153,7 @@ class MPIBackend:
                 self._copy_in(buf[offset:offset + n], resp, entry, row, op)
                 offset += n
         with self.tracer.phase(names, "MPI_ALLREDUCE", {"bytes": buf.nbytes}):
-            self._wait(self.comm.Iallreduce(MPI.IN_PLACE, [buf, mtype], op=mpi_op(row, op)))
+            self._wait(self.comm.Iallreduce(MPI.IN_PLACE, [buf, mtype], op=mop))
         with self.tracer.phase(names, "MEMCPY_OUT_FUSION_BUFFER"):
             # Scale once over the whole bucket, in the wire precision, before unpacking.
             finish_reduce(np, buf, op, contributors, head.postscale, row)
@@ -147,15 +164,6 @@ class MPIBackend:
                               casting="unsafe")
                 offset += n
         finish_all(entries, [None if e is None else e.output for e in entries])
-
-    def _unfused_input(self, resp: Response, entry: Entry | None, row: DType,
-                       op: ReduceOp) -> np.ndarray:
-        if entry is None:
-            return np.full(resp.shape, row.identity(op), dtype=row.np_dtype)
-        assert entry.tensor is not None
-        out = entry.output
-        scale_into(np, out, entry.tensor.array, resp.prescale)
-        return out
 
     @staticmethod
     def _copy_in(dst: np.ndarray, resp: Response, entry: Entry | None, row: DType,
@@ -228,6 +236,17 @@ class MPIBackend:
                                              op=mpi_op(row, op)))
         finish_reduce(np, out, op, self.size - len(resp.joined), 1.0, row)
         return out.astype(row.np_dtype, copy=False)
+
+
+_SPECS: dict[tuple[str, int], tuple[DType, ReduceOp, MPI.Datatype, np.dtype, MPI.Op, bool]] = {}
+
+
+def _spec(dtype: str, opv: int) -> tuple[DType, ReduceOp, MPI.Datatype, np.dtype, MPI.Op, bool]:
+    """Everything an allreduce of (dtype, op) needs, looked up once per pair."""
+    row = DTYPES[dtype]
+    op = ReduceOp(opv)
+    mtype, wire = mpi_datatype(row)
+    return row, op, mtype, wire, mpi_op(row, op), wire == row.np_dtype
 
 
 def _displs(counts: Sequence[int]) -> list[int]:

@@ -22,7 +22,7 @@ from hvdlite._gpu.runtime import DeviceContext, GpuRuntime
 from hvdlite._negotiation import Kind, Response
 from hvdlite._ops import DTYPES, DType, ReduceOp, finish_reduce, nccl_wire, scale_into
 from hvdlite._trace import Tracer
-from hvdlite._work import Entry, finish_all
+from hvdlite._work import Entry
 
 __all__ = ["NcclBackend"]
 
@@ -42,6 +42,8 @@ class NcclBackend:
         self.runtime = runtime
         self.fusion = FusionBuffers(threshold, self._alloc)
         self._comms: dict[int, Any] = {}
+        # ncclAvg divides inside the collective (no extra kernel) where NCCL has it.
+        self._avg = getattr(nccl, "NCCL_AVG", None)
         self._ops = {ReduceOp.SUM: nccl.NCCL_SUM, ReduceOp.AVERAGE: nccl.NCCL_SUM,
                      ReduceOp.MIN: nccl.NCCL_MIN, ReduceOp.MAX: nccl.NCCL_MAX,
                      ReduceOp.PRODUCT: nccl.NCCL_PROD}
@@ -73,24 +75,41 @@ class NcclBackend:
         device_id = live[0].tensor.device_id if live and live[0].tensor else \
             self.runtime.default_device
         ctx = self.runtime.context(device_id)
-        comm = self.communicator(device_id)
-        names = [r.name for r in bucket]
+        comm = self._comms.get(device_id) or self.communicator(device_id)
         self._timed: list[Any] = []
-        with self.cupy.cuda.Device(device_id), ctx.stream:
+        cuda = self.cupy.cuda
+        # Switch the device only when it differs (a waiting caller runs this on its own
+        # thread, whose current device is normally already this one); hvdlite's stream is
+        # made current for the CuPy kernels and allocations of the bucket.
+        switch = cuda.runtime.getDevice() != device_id
+        if switch:
+            prev = cuda.runtime.getDevice()
+            cuda.runtime.setDevice(device_id)
+        try:
+            with ctx.stream:
+                self._enqueue(ctx, comm, bucket, entries, live)
+        finally:
+            if switch:
+                cuda.runtime.setDevice(prev)
+        self.runtime.complete(ctx, entries, self._outputs, self._timed)
+
+    def _enqueue(self, ctx: DeviceContext, comm: Any, bucket: list[Response],
+                 entries: list[Entry | None], live: list[Entry]) -> None:
+        kind = bucket[0].kind
+        tracing = self.tracer.on
+        names = [r.name for r in bucket] if tracing else []
+        readies = [e.ready for e in live if e.ready is not None]
+        if tracing:
             with self._phase(ctx, names, "WAIT_FOR_DATA"):
-                self.runtime.wait_ready(ctx, [e.ready for e in live if e.ready is not None])
-            kind = bucket[0].kind
-            if kind is Kind.ALLREDUCE and len(bucket) > 1:  # traces its copy phases itself
-                outputs = self._run[kind](ctx, comm, bucket, entries)
-            else:
-                with self._phase(ctx, names, f"NCCL_{kind.name}"):
-                    outputs = self._run[kind](ctx, comm, bucket, entries)
-
-        def done() -> None:
-            finish_all(entries, outputs)
-
-        self.runtime.complete(ctx, [e.handle for e in live], done, (entries, outputs),
-                              self._timed)
+                self.runtime.wait_ready(ctx, readies)
+        else:
+            self.runtime.wait_ready(ctx, readies)
+        if (kind is Kind.ALLREDUCE and len(bucket) > 1) or not tracing:
+            # (a fused allreduce traces its copy phases itself)
+            self._outputs = self._run[kind](ctx, comm, bucket, entries)
+        else:
+            with self._phase(ctx, names, f"NCCL_{kind.name}"):
+                self._outputs = self._run[kind](ctx, comm, bucket, entries)
 
     # -- helpers --------------------------------------------------------------------------
     def _phase(self, ctx: DeviceContext, names: list[str], phase: str,
@@ -137,6 +156,12 @@ class NcclBackend:
             if head.prescale != 1.0:
                 scale_into(self.cupy, out, src, head.prescale)
                 src = out
+            if (op is ReduceOp.AVERAGE and self._avg is not None and row.kind == "float"
+                    and contributors == self.size):
+                comm.allReduce(src.data.ptr, out.data.ptr, out.size * per, dtype, self._avg,
+                               ctx.stream.ptr)
+                scale_into(self.cupy, out, out, head.postscale)
+                return [out]
             comm.allReduce(src.data.ptr, out.data.ptr, out.size * per, dtype,
                            self._op(row, op), ctx.stream.ptr)
             finish_reduce(self.cupy, out, op, contributors, head.postscale, row)

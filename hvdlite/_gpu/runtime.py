@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from hvdlite._trace import Tracer
+from hvdlite._work import finish_all
 from hvdlite.errors import BackendUnavailableError
 
 __all__ = ["GpuRuntime", "import_cupy", "current_stream"]
@@ -92,6 +93,14 @@ class DeviceContext:
         except IndexError:
             with self.cupy.cuda.Device(self.device_id):
                 return self.cupy.cuda.Event(block=False, disable_timing=True)
+
+    def done_event(self) -> Any:
+        """A new DONE event (handles keep it, so it is not pooled), made on this device."""
+        cuda = self.cupy.cuda
+        if cuda.runtime.getDevice() == self.device_id:
+            return cuda.Event(block=False, disable_timing=True)
+        with cuda.Device(self.device_id):
+            return cuda.Event(block=False, disable_timing=True)
 
     def share(self, event: Any, uses: int) -> None:
         """``event`` is the READY event of ``uses`` entries (one grouped call)."""
@@ -251,27 +260,28 @@ class GpuRuntime:
                 ctx.stream.wait_event(event)
             ctx.release(event, counts[id(event)])
 
-    def complete(self, ctx: DeviceContext, handles: Sequence[Any],
-                 done_cb: Callable[[], None], keep: Any, timed: Sequence[Any] = ()) -> None:
-        """Record DONE after the enqueued work; complete now (async) or after DONE (sync).
-
-        Either way the handles get the DONE event at once, so ``wait_stream`` never waits
-        for the device, and the finalizer keeps ``keep`` alive until DONE has completed.
-        """
-        with self.cupy.cuda.Device(ctx.device_id):  # events belong to the current device
-            done = self.cupy.cuda.Event(block=False, disable_timing=True)
-            done.record(ctx.stream)
+    def complete(self, ctx: DeviceContext, entries: list[Any], outputs: list[Any],
+                 timed: Sequence[Any] = ()) -> None:
+        """Record DONE after a bucket's enqueued work; complete its entries now (async) or
+        once DONE has completed (sync: by the waiting thread or the finalizer, whichever
+        comes first). Either way the handles get the DONE event at once, so ``wait_stream``
+        never waits for the device, and the finalizer keeps the entries (inputs, outputs)
+        alive until DONE has completed: CuPy has no ``record_stream``."""
+        done = ctx.done_event()
+        done.record(ctx.stream)
         spans = (lambda: self.tracer.device_spans(timed)) if timed else None
+        keep = (entries, outputs)
         if self.async_completion:
-            for handle in handles:
-                handle._enqueued((done,))
-            done_cb()
+            finish_all(entries, outputs, (done,))
             self.finalizer.track(done, spans, keep)
             return
-        once = _Once(done_cb)
-        for handle in handles:
-            handle._completions.append(once)  # a waiting caller may complete it first
-            handle._enqueued((done,))
+        once = _Once(lambda: finish_all(entries, outputs, was_enqueued=True))
+        parts: dict[int, list[Any]] = {}
+        for e in entries:
+            if e is not None:
+                parts.setdefault(id(e.handle), [e.handle, 0])[1] += 1
+        for handle, n in parts.values():
+            handle.enqueued((done,), n, once)
         if spans is None:
             self.finalizer.track(done, once, keep)
             return

@@ -1,6 +1,6 @@
 """Handle semantics for host work: completion from other threads, timeouts, failures, ``then``.
 
-The parts are completed the way the background thread does it (``_set_part`` / ``_fail``),
+The parts are completed the way the background thread does it (``set_parts`` / ``fail``),
 from real threads, so the waits below really block and wake.
 """
 
@@ -35,7 +35,7 @@ def test_poll_false_until_done_then_true() -> None:
     h = Handle("a")
     assert not h.poll() and not h.done()
     assert "pending" in repr(h)
-    thread = later(lambda: h._set_part(0, 42))
+    thread = later(lambda: h.set_parts(((0, 42),)))
     assert h.wait(WAIT_S) == 42
     thread.join()
     assert h.poll() and h.done()
@@ -47,17 +47,17 @@ def test_poll_false_until_done_then_true() -> None:
 
 def test_grouped_handle_returns_list_in_part_order() -> None:
     h = Handle("g", parts=3, as_list=True)
-    h._set_part(2, "c")
-    h._set_part(0, "a")
+    h.set_parts(((2, "c"),))
+    h.set_parts(((0, "a"),))
     assert not h.poll()
-    thread = later(lambda: h._set_part(1, "b"))
+    thread = later(lambda: h.set_parts(((1, "b"),)))
     assert h.wait(WAIT_S) == ["a", "b", "c"]
     thread.join()
 
 
 def test_single_part_list_handle() -> None:
     h = Handle("g1", parts=1, as_list=True)
-    h._set_part(0, 7)
+    h.set_parts(((0, 7),))
     assert h.wait() == [7]
 
 
@@ -68,16 +68,16 @@ def test_wait_timeout_then_completion() -> None:
     assert not h.poll()
     with pytest.raises(TimeoutError):
         h.exception(timeout=0.01)
-    thread = later(lambda: h._set_part(0, "late"))
+    thread = later(lambda: h.set_parts(((0, "late"),)))
     assert h.wait(WAIT_S) == "late"
     thread.join()
 
 
 def test_failed_part_makes_wait_raise() -> None:
     h = Handle("m", parts=2, as_list=True)
-    h._set_part(0, "ok")
+    h.set_parts(((0, "ok"),))
     err = MismatchError("tensor 'm.1': dtype differs across ranks")
-    thread = later(lambda: h._fail(err))
+    thread = later(lambda: h.fail(err))
     with pytest.raises(MismatchError) as info:
         h.wait(WAIT_S)
     thread.join()
@@ -85,16 +85,16 @@ def test_failed_part_makes_wait_raise() -> None:
     assert h.poll()
     assert h.exception() is err
     assert repr(h) == "<hvdlite.Handle 'm' failed>"
-    h._set_part(1, "too late")  # ignored once failed
+    h.set_parts(((1, "too late"),))  # ignored once failed
     with pytest.raises(MismatchError):
         h.wait()
 
 
 def test_completion_after_success_is_ignored() -> None:
     h = Handle("s")
-    h._set_part(0, 1)
-    h._fail(ShutdownError("gone"))
-    h._set_part(0, 2)
+    h.set_parts(((0, 1),))
+    h.fail(ShutdownError("gone"))
+    h.set_parts(((0, 2),))
     assert h.wait() == 1
     assert h.exception() is None
 
@@ -102,7 +102,7 @@ def test_completion_after_success_is_ignored() -> None:
 def test_exception_waits_for_completion() -> None:
     h = Handle("e")
     err = ShutdownError("hvdlite was shut down")
-    thread = later(lambda: h._fail(err))
+    thread = later(lambda: h.fail(err))
     assert h.exception(WAIT_S) is err
     thread.join()
 
@@ -120,7 +120,7 @@ def test_many_waiters_all_wake() -> None:
     threads = [threading.Thread(target=waiter) for _ in range(4)]
     for t in threads:
         t.start()
-    h._set_part(0, "x")
+    h.set_parts(((0, "x"),))
     for t in threads:
         t.join(WAIT_S)
     assert results == ["x"] * 4
@@ -131,15 +131,15 @@ def test_then_on_host_handle() -> None:
     child = h.then(lambda v: v * 2)
     assert child.name == "t.then"
     assert not child.poll()
-    h._set_part(0, 21)
+    h.set_parts(((0, 21),))
     assert child.wait(WAIT_S) == 42
 
 
 def test_then_chains() -> None:
     h = Handle("t2", parts=2, as_list=True)
     grand = h.then(sum).then(lambda v: v + 1)
-    h._set_part(0, 3)
-    h._set_part(1, 4)
+    h.set_parts(((0, 3),))
+    h.set_parts(((1, 4),))
     assert grand.wait(WAIT_S) == 8
 
 
@@ -150,7 +150,7 @@ def test_then_propagates_fn_exception() -> None:
         raise ValueError(f"bad value {value}")
 
     child = h.then(boom)
-    h._set_part(0, 5)
+    h.set_parts(((0, 5),))
     with pytest.raises(ValueError, match="bad value 5"):
         child.wait(WAIT_S)
     assert isinstance(child.exception(), ValueError)
@@ -161,39 +161,22 @@ def test_then_propagates_collective_failure() -> None:
     calls: list[Any] = []
     child = h.then(calls.append)
     err = MismatchError("tensor 't4': shape differs")
-    h._fail(err)
+    h.fail(err)
     assert child.exception(WAIT_S) is err
     assert calls == []
 
 
 def test_wait_stream_on_host_handle_waits() -> None:
     h = Handle("ws")
-    thread = later(lambda: h._set_part(0, "v"), 0.05)
+    thread = later(lambda: h.set_parts(((0, "v"),)), 0.05)
     h.wait_stream()
     assert h.poll()
     thread.join()
 
 
-def test_wait_stream_host_waits_for_completion_not_enqueue() -> None:
-    h = Handle("ws2")
-    h._enqueued(())  # enqueued but not finished: a host handle still waits for the result
-    finished = threading.Event()
-
-    def wait_stream() -> None:
-        h.wait_stream()
-        finished.set()
-
-    thread = threading.Thread(target=wait_stream)
-    thread.start()
-    assert not finished.wait(0.05)
-    h._set_part(0, 1)
-    assert finished.wait(WAIT_S)
-    thread.join()
-
-
 def test_wait_stream_raises_failure() -> None:
     h = Handle("ws3")
-    thread = later(lambda: h._fail(ShutdownError("down")))
+    thread = later(lambda: h.fail(ShutdownError("down")))
     with pytest.raises(ShutdownError, match="down"):
         h.wait_stream()
     thread.join()
@@ -212,7 +195,7 @@ class _DoneEvent:
 
 def _sync_device_handle() -> Handle:
     h = Handle("dev", parts=1)
-    h._device, h._async = 0, False  # what _prepare_device sets for sync completion
+    h.attach_device(lambda handle, stream: None, False, 0)  # as _prepare_device, sync mode
     return h
 
 
@@ -226,11 +209,10 @@ def test_sync_device_wait_completes_on_the_waiting_thread() -> None:
 
     def complete() -> None:
         ran_on.append(threading.current_thread().name)
-        h._set_part(0, "result")
+        h.set_parts(((0, "result"),), was_enqueued=True)
 
     def loop_enqueues() -> None:  # what GpuRuntime.complete does for sync completion
-        h._completions.append(complete)
-        h._enqueued((ev,))
+        h.enqueued((ev,), 1, complete)
 
     t = later(loop_enqueues, 0.05)
     assert h.wait() == "result"
@@ -242,7 +224,7 @@ def test_sync_device_wait_completes_on_the_waiting_thread() -> None:
 @pytest.mark.timeout(10)
 def test_sync_device_wait_raises_failure_before_enqueue() -> None:
     h = _sync_device_handle()
-    t = later(lambda: h._fail(MismatchError("tensor 'dev': shapes differ")))
+    t = later(lambda: h.fail(MismatchError("tensor 'dev': shapes differ")))
     with pytest.raises(MismatchError, match="shapes differ"):
         h.wait()
     t.join(WAIT_S)
@@ -255,6 +237,6 @@ def test_sync_device_wait_with_timeout_leaves_completion_to_others() -> None:
     h = _sync_device_handle()
     with pytest.raises(TimeoutError):
         h.wait(timeout=0.01)
-    t = later(lambda: h._set_part(0, 7))
+    t = later(lambda: h.set_parts(((0, 7),)))
     assert h.wait(timeout=WAIT_S) == 7
     t.join(WAIT_S)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pickle
 import random
 from collections import OrderedDict
-from dataclasses import replace
+from dataclasses import replace as _replace_fields
 from typing import Any
 
 import pytest
@@ -31,10 +31,17 @@ from hvdlite._negotiation import (
 from hvdlite._ops import ReduceOp
 
 
+def replace(obj: Any, **kw: Any) -> Any:
+    """A copy with ``kw`` changed: requests are named tuples, responses dataclasses."""
+    if isinstance(obj, tuple):
+        return obj._replace(**kw)
+    return _replace_fields(obj, **kw)
+
+
 def allreduce(name: str, **kw: Any) -> Request:
     """A float32 allreduce request of shape (4,) unless ``kw`` says otherwise."""
     base = Request(name, Kind.ALLREDUCE, "float32", (4,), "cpu", int(ReduceOp.SUM))
-    return replace(base, **kw)
+    return base._replace(**kw)
 
 
 def join(name: str = "join.noname.0") -> Request:
