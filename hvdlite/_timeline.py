@@ -5,6 +5,16 @@ to a deque (dropping and counting when the deque is full). A daemon writer threa
 events and appends them to the file with one ``pwrite`` per batch that always leaves the file as
 a complete JSON array: every batch overwrites the closing ``"\\n]\\n"`` of the previous one. A
 process killed at any moment therefore leaves a loadable file holding every batch written so far.
+The writer writes at least every ``flush_interval_s`` (0.5 s) and as soon as ``flush_events``
+(1024) events are waiting, so SIGKILL loses at most that much.
+
+Signals. A writer made on the main thread hooks SIGTERM (and SIGINT when its handler is not
+Python's default ``KeyboardInterrupt`` one, which already ends through ``atexit``): the hook
+writes every queued event of every open timeline, then hands the signal on to the handler that
+was there before (a user's handler runs as before; ``SIG_DFL``: every timeline is closed and
+the signal is re-raised with its default action, so the process still dies by it). A handler
+installed later replaces the hook and is never overwritten; when the last timeline closes, the
+hook gives the signal back only if it is still the installed handler.
 The layout, phases and args are specified in ``timeline/FORMAT.md``.
 """
 
@@ -15,9 +25,11 @@ import collections
 import json
 import logging
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
+from types import FrameType
 from typing import Any
 
 __all__ = ["Timeline", "TRACE_VERSION"]
@@ -31,6 +43,7 @@ _BATCH = 4096  # records per write at most
 _NAME_ROOM = 200  # a track's two metadata records, less twice its name
 _PROCESS_TRACK = "hvdlite"  # thread_name of tid 0: cycle marks and tensor-less events
 _Item = tuple[str, Any, str, float, Any, float]  # (kind, tensor(s), name, ts, args, dur)
+_SIGNAL_FLUSH_S = 5.0  # the signal hook waits this long at most for a writer
 
 
 def _json_default(obj: Any) -> Any:
@@ -80,15 +93,23 @@ class Timeline:
     ``clock_offset_us`` (rank 0's clock minus this rank's) is written as a ``clock_offset``
     instant at the start of every file, so each segment can be aligned on its own.
 
+    The writer writes what is queued every ``flush_interval_s`` and as soon as ``flush_events``
+    events wait. ``hook_signals`` (on the main thread only) hooks SIGTERM/SIGINT as the module
+    docstring says.
+
     ``close()`` may be called from a signal handler; it is idempotent and also runs at
-    interpreter exit. No signal handler is installed here.
+    interpreter exit.
     """
 
     def __init__(self, path: str, rank: int, *, mark_cycles: bool = False, max_bytes: int = 0,
                  queue_size: int = 65536, max_files: int = 0,
-                 flush_interval_s: float = 0.5, clock_offset_us: float | None = None) -> None:
+                 flush_interval_s: float = 0.5, clock_offset_us: float | None = None,
+                 flush_events: int = 1024, hook_signals: bool = True) -> None:
         if queue_size < 1:
             raise ValueError(f"timeline queue_size must be >= 1, got {queue_size}")
+        if flush_events < 1 or flush_interval_s <= 0:
+            raise ValueError(f"timeline flush_events must be >= 1 and flush_interval_s > 0, "
+                             f"got {flush_events} and {flush_interval_s}")
         if max_bytes < 0 or max_files < 0:
             raise ValueError(f"timeline max_bytes and max_files must be >= 0, got "
                              f"{max_bytes} and {max_files}")
@@ -99,6 +120,7 @@ class Timeline:
         self.max_files = max_files
         self._cap = queue_size
         self._interval = flush_interval_s
+        self._flush_events = flush_events
         self._q: collections.deque[_Item | _Marker] = collections.deque()
         self._dropped = 0
         self._closing = False
@@ -128,6 +150,9 @@ class Timeline:
         self._thread = threading.Thread(target=self._run, name="hvdlite-timeline", daemon=True)
         self._thread.start()
         atexit.register(self.close)
+        _LIVE.add(self)
+        if hook_signals:
+            _hook_signals()
 
     # ---------------------------------------------------------------- caller side (hot path)
 
@@ -144,10 +169,13 @@ class Timeline:
     def _put(self, item: _Item) -> None:
         if self._closing:
             return
-        if len(self._q) >= self._cap:
+        waiting = len(self._q)
+        if waiting >= self._cap:
             self._dropped += 1
             return
         self._q.append(item)
+        if waiting == self._flush_events:  # the queue only grows by one: this is hit on the way
+            self._wake.set()
 
     def begin(self, tensor: str, phase: str, args: dict[str, Any] | None = None,
               ts_us: float | None = None) -> None:
@@ -187,27 +215,38 @@ class Timeline:
             self._put(("C", None, "CYCLE_START", self.now_us() if ts_us is None else ts_us,
                        None, 0.0))
 
-    def flush(self) -> None:
-        """Block until every event queued so far is written to the file."""
+    def flush(self, timeout: float | None = None) -> bool:
+        """Block until every event queued so far is written to the file (at most ``timeout``
+        seconds); False if the writer did not get there in time."""
         if self._closed or not self._thread.is_alive():
-            return
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
         marker = _Marker()
         self._q.append(marker)
         self._wake.set()
         while not marker.done.wait(0.1):
             if not self._thread.is_alive():
-                return
+                return True
+            if deadline is not None and time.monotonic() > deadline:
+                return False
+        return True
 
-    def close(self) -> None:
-        """Write what is queued, end open spans, write the trace_end record, close the file."""
+    def close(self, timeout: float | None = None) -> None:
+        """Write what is queued, end open spans, write the trace_end record, close the file
+        (waiting at most ``timeout`` seconds for the writer)."""
         if self._closed:
             return
         self._closing = True
         self._wake.set()
         if self._thread is not threading.current_thread():
-            self._thread.join()
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                return
         self._closed = True
         atexit.unregister(self.close)
+        _LIVE.discard(self)
+        if not _LIVE:
+            _unhook_signals()
 
     # ---------------------------------------------------------------- writer thread
 
@@ -431,3 +470,61 @@ class Timeline:
             else:
                 os.replace(f"{self.path}.{k}", f"{self.path}.{k + 1}")
         os.replace(self.path, f"{self.path}.1")
+
+
+# ---------------------------------------------------------------------------------------------
+# Signal hook: every queued event reaches the file before a SIGTERM (or SIGINT) takes effect
+# ---------------------------------------------------------------------------------------------
+
+_LIVE: set[Timeline] = set()  # open timelines of this process
+_HOOKED: dict[int, Any] = {}  # signal -> the handler the hook hands it on to
+_in_hook: set[int] = set()
+
+
+def _hook_signals() -> None:
+    """Hook SIGTERM, and SIGINT unless Python's KeyboardInterrupt handler has it (that one ends
+    through ``atexit``, which closes the timeline). Main thread only; never over a handler
+    installed from C (``getsignal`` is None: nothing to chain to) or one that ignores it."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        if sig in _HOOKED:
+            continue  # the hook is installed, or a later handler replaced it: leave that one
+        current = signal.getsignal(sig)
+        if current is None or current == signal.SIG_IGN or current is signal.default_int_handler:
+            continue
+        signal.signal(sig, _on_signal)
+        _HOOKED[sig] = current
+
+
+def _unhook_signals() -> None:
+    """Give each hooked signal back to its previous handler, if the hook is still installed."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # the hook stays; with no open timeline it only hands signals on
+    for sig, previous in list(_HOOKED.items()):
+        if signal.getsignal(sig) is _on_signal:
+            signal.signal(sig, previous)
+            del _HOOKED[sig]
+
+
+def _on_signal(signum: int, frame: FrameType | None) -> None:
+    """Write every open timeline's queue, then let the previous handler have the signal."""
+    previous = _HOOKED.get(signum, signal.SIG_DFL)
+    if signum in _in_hook:  # a later handler chained back to us: act as the default
+        previous = signal.SIG_DFL
+    for tl in list(_LIVE):
+        tl.flush(_SIGNAL_FLUSH_S)
+    if callable(previous):
+        _in_hook.add(signum)
+        try:
+            previous(signum, frame)
+        finally:
+            _in_hook.discard(signum)
+        return
+    if previous == signal.SIG_IGN:
+        return
+    # The default action: the process ends by this signal, with every timeline closed.
+    for tl in list(_LIVE):
+        tl.close(_SIGNAL_FLUSH_S)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)

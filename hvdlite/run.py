@@ -1,6 +1,7 @@
 """``hvdliterun``: start an hvdlite job under the MPI launcher that is installed.
 
     hvdliterun -np 4 [--config F] [--fusion-threshold 32MiB] [...] -- python train.py
+    hvdliterun -np 4 [settings...] --check      # the doctor (hvdlite.doctor) on every rank
 
 The configuration is resolved once here (flags > environment > ``--config`` YAML > defaults)
 and handed to every rank as ``HVDLITE_*`` variables. Each rank runs under a small wrapper
@@ -118,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--verbose", "-v", action="store_true", help="print the resolved command and settings first"
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="run the hvdlite doctor (python -m hvdlite.doctor) on every rank instead of a "
+        "command: versions, MPI, GPUs, settings and an allreduce self-test",
     )
     parser.add_argument(
         "--print-default-config",
@@ -324,7 +331,8 @@ def _conclude(outcome: _Outcome, report_dir: str, np: int, timeout: float | None
         return 128 + outcome.interrupted
     if outcome.returncode != 0:
         status = _rankwrap.describe_status(outcome.returncode)
-        _say(f"the MPI launcher failed with {status} and no rank reported a failure")
+        _say(f"the MPI launcher ended the job with {status} and no rank reported a failure "
+             f"(see the messages above)")
         return _exit_code(outcome.returncode)
     return 0
 
@@ -342,7 +350,9 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Nam
         return ns
     if ns.np is None or ns.np < 1:
         parser.error("-np N is required and N must be >= 1")
-    if not command:
+    if ns.check and command:
+        parser.error("--check runs the doctor on every rank; drop the command after it")
+    if not command and not ns.check:
         parser.error("no command to run: put it after '--', e.g. hvdliterun -np 2 -- python x.py")
     if ns.timeout is not None and ns.timeout <= 0:
         parser.error(f"--timeout must be > 0 seconds, got {ns.timeout:g}")
@@ -370,14 +380,30 @@ def _print_verbose(cmd: list[str], config: Config, sources: dict[str, str]) -> N
     sys.stdout.flush()
 
 
+def _doctor_command(sources: dict[str, str]) -> list[str]:
+    """The doctor on a rank, told where the launcher's settings came from."""
+    chosen = {name: source for name, source in sources.items() if source != "default"}
+    return [sys.executable, "-m", "hvdlite.doctor", "--launcher-sources", json.dumps(chosen)]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``hvdliterun``; returns the process exit code."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the job started: no traceback
+        _say("interrupted by SIGINT before the job started")
+        return 128 + signal.SIGINT
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     ns = _parse(parser, sys.argv[1:] if argv is None else argv)
     if ns.print_default_config:
         sys.stdout.write(default_yaml_text())
         return 0
     config, sources = _resolve(parser, ns)
+    if ns.check:
+        ns.command = _doctor_command(sources)
     mpiexec = find_mpiexec(ns.mpiexec)
     if mpiexec is None:
         _say(

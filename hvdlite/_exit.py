@@ -1,0 +1,273 @@
+"""How an hvdlite process ends a job that cannot go on: loudly, once, and in bounded time.
+
+Two tools, for the engine (and the doctor) to call:
+
+- :func:`abort_job` ends the whole job now: one line ``[hvdlite rank N] <reason>`` on stderr
+  (once per process, however many threads get there), the timeline closed, stdio flushed, then
+  ``comm.Abort(exitcode)``, which makes the MPI launcher end every rank, including ranks busy
+  in their own code that never call hvdlite again.
+- :func:`exit_guard` bounds what comes after a failure: unless cancelled within ``seconds``,
+  the process is ended. A Python timer thread does it while the interpreter still runs
+  (:func:`abort_job` when given a communicator, else the reason and ``os._exit``). That is not
+  enough at interpreter exit: mpi4py calls ``MPI_Finalize`` from a ``Py_AtExit`` hook, after
+  the interpreter has stopped running Python threads, and a finalize that waits for a peer
+  stuck in user code would wait forever. So the guard also starts a tiny watchdog process
+  (``python -I -S``) that, if this process is still there ``backstop_s`` after the bound,
+  prints the reason (unless it was printed already) and sends SIGTERM, then SIGKILL. The
+  watchdog ends on its own as soon as this process ends or the guard is cancelled.
+
+Importing this module has no side effects and does not import MPI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import threading
+from typing import TYPE_CHECKING, Any, NoReturn
+
+from hvdlite import _rankwrap
+
+if TYPE_CHECKING:
+    from hvdlite._timeline import Timeline
+
+__all__ = ["ExitGuard", "abort_job", "announce", "exit_guard"]
+
+ABORT_GRACE_S = 5.0  # comm.Abort that has not ended the process by then: os._exit
+BACKSTOP_S = 2.0  # the watchdog process acts this long after the guard's bound
+TIMELINE_CLOSE_S = 2.0  # longest wait for the timeline writer before aborting
+_TERM_GRACE_S = 1.0  # the watchdog's SIGTERM -> SIGKILL delay
+
+_lock = threading.Lock()
+_announced = False
+_guards: list[ExitGuard] = []
+
+# The watchdog process. argv: parent pid, seconds, the line to print, SIGTERM->SIGKILL grace.
+# Its stdin is a pipe from the parent: EOF = cancelled or the parent is gone; b"a" = the
+# parent printed the reason already.
+_WATCHDOG = r"""
+import os, select, signal, sys, time
+parent, seconds, line = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+term_grace = float(sys.argv[4])
+deadline = time.monotonic() + seconds
+announced = False
+def alive():
+    return os.getppid() == parent
+while alive():
+    left = deadline - time.monotonic()
+    if left <= 0:
+        break
+    ready, _, _ = select.select([0], [], [], min(left, 0.2))
+    if ready:
+        data = os.read(0, 64)
+        if not data:
+            sys.exit(0)
+        announced = announced or b"a" in data
+else:
+    sys.exit(0)
+if not announced:
+    os.write(2, (line + "\n").encode())
+os.kill(parent, signal.SIGTERM)
+end = time.monotonic() + term_grace
+while alive() and time.monotonic() < end:
+    time.sleep(0.05)
+if alive():
+    os.kill(parent, signal.SIGKILL)
+"""
+
+
+def _one_line(reason: str) -> str:
+    return " ".join(reason.split())
+
+
+def _rank_of(comm: Any) -> str:
+    """This process's rank in ``comm``; else in the MPI job (if MPI is up); else from the
+    launcher's environment; else ``?``."""
+    if comm is not None:
+        with contextlib.suppress(Exception):
+            return str(comm.Get_rank())
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None:
+        with contextlib.suppress(Exception):
+            if mpi.Is_initialized() and not mpi.Is_finalized():
+                return str(mpi.COMM_WORLD.Get_rank())
+    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        if os.environ.get(name, "").isdigit():
+            return os.environ[name]
+    return "?"
+
+
+def _line(rank: str, reason: str) -> str:
+    return f"[hvdlite rank {rank}] {_one_line(reason)}"
+
+
+def _flush_stdio() -> None:
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        with contextlib.suppress(Exception):
+            if stream is not None:
+                stream.flush()
+
+
+def announce(reason: str, comm: Any = None) -> bool:
+    """Print ``[hvdlite rank N] <reason>`` (one line) to stderr, once per process.
+
+    Returns True if this call printed it, False if a line was already printed (by any thread,
+    for any reason): a job that is ending says why once, not once per path that noticed.
+    """
+    global _announced
+    with _lock:
+        if _announced:
+            return False
+        _announced = True
+        guards = list(_guards)
+    line = _line(_rank_of(comm), reason)
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except Exception:  # a closed or broken stderr: the file descriptor may still work
+        with contextlib.suppress(OSError):
+            os.write(2, (line + "\n").encode())
+    for guard in guards:
+        guard._tell_announced()
+    return True
+
+
+def _report_to_launcher(exitcode: int) -> None:
+    """Under ``hvdliterun``, leave the rank's failure report now: the MPI launcher may kill the
+    rank wrapper (which would write it) before it sees this process end."""
+    if os.environ.get(_rankwrap.REPORT_DIR_ENV):
+        with contextlib.suppress(Exception):
+            _rankwrap._write_report(_rankwrap.rank_from_env(), exitcode, signalled=False)
+
+
+def _hard_exit_later(seconds: float, exitcode: int) -> None:
+    timer = threading.Timer(seconds, os._exit, (exitcode,))
+    timer.daemon = True
+    timer.start()
+
+
+def abort_job(comm: Any, reason: str, exitcode: int = 1, *,
+              timeline: Timeline | None = None) -> NoReturn:
+    """End the whole MPI job now because of ``reason``; never returns.
+
+    Prints the reason once (:func:`announce`), closes ``timeline`` (waiting at most
+    ``TIMELINE_CLOSE_S`` for its writer), flushes stdio and calls ``comm.Abort(exitcode)``,
+    which makes the MPI launcher end every rank. If MPI is already finalized, or Abort fails
+    or does not end the process within ``ABORT_GRACE_S``, the process ends with
+    ``os._exit(exitcode)``. Safe from any thread; ``comm`` may be None (no MPI: just exit).
+    """
+    announce(reason, comm)
+    if timeline is not None:
+        with contextlib.suppress(Exception):
+            timeline.close(TIMELINE_CLOSE_S)
+    _report_to_launcher(exitcode)
+    _flush_stdio()
+    _hard_exit_later(ABORT_GRACE_S, exitcode)
+    if comm is not None:
+        mpi = sys.modules.get("mpi4py.MPI")
+        usable = True
+        if mpi is not None:
+            with contextlib.suppress(Exception):
+                usable = bool(mpi.Is_initialized()) and not mpi.Is_finalized()
+        if usable:
+            with contextlib.suppress(Exception):
+                comm.Abort(exitcode)
+    os._exit(exitcode)
+
+
+class ExitGuard:
+    """An armed :func:`exit_guard`; :meth:`cancel` disarms it."""
+
+    def __init__(self, seconds: float, reason: str, comm: Any, exitcode: int,
+                 timeline: Timeline | None, backstop_s: float | None) -> None:
+        self.seconds = seconds
+        self.reason = reason
+        self._comm = comm
+        self._exitcode = exitcode
+        self._timeline = timeline
+        self._cancelled = threading.Event()
+        self._timer = threading.Timer(seconds, self._fire)
+        self._timer.daemon = True
+        self._timer.name = "hvdlite-exit-guard"
+        self._watchdog: subprocess.Popen[bytes] | None = None
+        if backstop_s is not None:
+            self._watchdog = self._start_watchdog(seconds + backstop_s)
+        self._timer.start()
+
+    @property
+    def armed(self) -> bool:
+        """True until cancelled (or fired)."""
+        return not self._cancelled.is_set()
+
+    def _start_watchdog(self, after_s: float) -> subprocess.Popen[bytes] | None:
+        line = _line(_rank_of(self._comm), f"{self.reason} (process ended by hvdlite's exit "
+                                           f"guard after {after_s:g} s)")
+        try:
+            return subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _WATCHDOG, str(os.getpid()), repr(after_s),
+                 line, repr(_TERM_GRACE_S)],
+                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, close_fds=True)
+        except OSError:
+            return None
+
+    def _tell_announced(self) -> None:
+        proc = self._watchdog
+        if proc is not None and proc.stdin is not None:
+            with contextlib.suppress(OSError, ValueError):
+                proc.stdin.write(b"a")
+                proc.stdin.flush()
+
+    def _fire(self) -> None:
+        if self._cancelled.is_set():
+            return
+        if self._comm is not None:
+            abort_job(self._comm, self.reason, self._exitcode, timeline=self._timeline)
+        announce(self.reason)
+        if self._timeline is not None:
+            with contextlib.suppress(Exception):
+                self._timeline.close(TIMELINE_CLOSE_S)
+        _report_to_launcher(self._exitcode)
+        _flush_stdio()
+        os._exit(self._exitcode)
+
+    def cancel(self) -> None:
+        """Disarm: the timer stops and the watchdog process ends. Idempotent."""
+        self._cancelled.set()
+        self._timer.cancel()
+        with _lock:
+            if self in _guards:
+                _guards.remove(self)
+        proc, self._watchdog = self._watchdog, None
+        if proc is not None:
+            with contextlib.suppress(OSError, ValueError):
+                if proc.stdin is not None:
+                    proc.stdin.close()  # EOF: the watchdog exits
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=2.0)
+
+
+def exit_guard(seconds: float, reason: str, *, comm: Any = None, exitcode: int = 1,
+               timeline: Timeline | None = None,
+               backstop_s: float | None = BACKSTOP_S) -> ExitGuard:
+    """Make sure this process is gone ``seconds`` from now unless the guard is cancelled.
+
+    After ``seconds``: with ``comm``, :func:`abort_job` (the whole job ends); without,
+    the reason is printed once and the process exits with ``exitcode``. Unless ``backstop_s``
+    is None, a watchdog process also ends this process (SIGTERM, then SIGKILL 1 s later) if it
+    is still there ``backstop_s`` after the bound: that covers an exit stuck in
+    ``MPI_Finalize``, where no Python thread runs any more (arming the guard from ``atexit``,
+    ``backstop_s=0`` makes the bound exact). Returns the :class:`ExitGuard`; ``cancel()``
+    disarms it.
+    """
+    if seconds <= 0 or (backstop_s is not None and backstop_s < 0):
+        raise ValueError(f"exit_guard needs seconds > 0 and backstop_s >= 0, got {seconds} "
+                         f"and {backstop_s}")
+    guard = ExitGuard(seconds, reason, comm, exitcode, timeline, backstop_s)
+    with _lock:
+        _guards.append(guard)
+        announced = _announced
+    if announced:
+        guard._tell_announced()
+    return guard
