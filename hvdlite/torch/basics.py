@@ -1,0 +1,239 @@
+"""Lifecycle, topology and build queries of ``hvdlite.torch`` (Horovod's ``hvd.init`` & co.).
+
+Everything here answers for hvdlite itself: MPI is always the controller and the host data
+plane; NCCL carries device tensors when CuPy (with its NCCL binding) is installed; there is
+no Gloo, oneCCL, DDL or ROCm support.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+import os
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import hvdlite
+from hvdlite._ops import ReduceOp
+from hvdlite.errors import HvdliteError
+from hvdlite.torch import process_sets as _ps
+
+__all__ = [
+    "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
+    "cross_size", "cross_rank", "is_homogeneous", "mpi_threads_supported", "mpi_built",
+    "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "ccl_built", "cuda_built",
+    "rocm_built", "ddl_built", "mlsl_built", "start_timeline", "stop_timeline",
+    "HorovodInternalError", "HostsUpdatedInterrupt", "InvalidArgumentError", "Average", "Sum",
+    "Min", "Max", "Product", "Adasum", "resolve_op",
+]
+
+#: What Horovod users catch: hvdlite's run-time error (an alias, so every hvdlite failure is
+#: caught by ``except hvd.HorovodInternalError``).
+HorovodInternalError = HvdliteError
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """Horovod's elastic-mode interrupt. hvdlite has no elastic mode; never raised."""
+
+
+class InvalidArgumentError(HvdliteError, ValueError):
+    """A bad argument to a collective: a ``ValueError`` (hvdlite's rule) that is also a
+    ``RuntimeError`` (what Horovod's engine raises for the same mistakes)."""
+
+
+Average = ReduceOp.AVERAGE
+Sum = ReduceOp.SUM
+Min = ReduceOp.MIN
+Max = ReduceOp.MAX
+Product = ReduceOp.PRODUCT
+
+
+class _Adasum(enum.IntEnum):
+    ADASUM = 100
+
+
+#: Horovod's Adasum op. Accepted as a value; every collective refuses it with
+#: ``NotImplementedError``.
+Adasum = _Adasum.ADASUM
+
+_homogeneous: dict[str, bool] = {}
+
+
+def resolve_op(op: Any, average: Any, what: str) -> ReduceOp:
+    """Horovod's op rules: ``op`` wins; the deprecated ``average`` (True -> Average, False ->
+    Sum) is accepted alone; neither -> Average. ``ValueError`` if both are given, ``TypeError``
+    for an unknown op, ``NotImplementedError`` for Adasum."""
+    if op is not None and average is not None:
+        raise ValueError(f"{what}: the op parameter supersedes average; pass only one of them")
+    if average is not None:
+        warnings.warn("the average argument is deprecated; pass op=hvd.Average or op=hvd.Sum",
+                      DeprecationWarning, stacklevel=3)
+        return Average if average else Sum
+    if op is None:
+        return Average
+    if op is Adasum or (isinstance(op, _Adasum)):
+        raise NotImplementedError(
+            f"{what}: op=Adasum is not supported by hvdlite; use op=hvd.Average (the usual "
+            "data-parallel gradient average) or op=hvd.Sum with a scaled learning rate")
+    if not isinstance(op, ReduceOp):
+        raise TypeError(f"{what}: op must be one of hvd.Average, Sum, Min, Max, Product; "
+                        f"got {op!r}")
+    return op
+
+
+def init(comm: Any = None, process_sets: Sequence[_ps.ProcessSet] | str | None = None,
+         **overrides: Any) -> None:
+    """Start hvdlite on every rank (collective; idempotent while running).
+
+    ``comm``: an ``mpi4py`` communicator or a list of ``MPI.COMM_WORLD`` ranks (default: all
+    of ``MPI.COMM_WORLD``). ``process_sets``: :class:`ProcessSet` objects to register, or
+    ``"dynamic"`` to allow :func:`add_process_set` later. ``overrides`` are hvdlite knobs (see
+    ``hvdlite.config``). ``HOROVOD_TIMELINE=DYNAMIC`` starts no timeline at init: call
+    :func:`start_timeline` later.
+    """
+    from mpi4py import MPI
+
+    if comm is not None and not hasattr(comm, "Get_rank"):
+        try:
+            ranks = sorted(int(r) for r in comm)
+        except TypeError:
+            raise TypeError("init(comm=...) takes an mpi4py communicator or a list of ranks, "
+                            f"got {type(comm).__name__}") from None
+        group = MPI.COMM_WORLD.Get_group().Incl(ranks)
+        comm = MPI.COMM_WORLD.Create_group(group)
+    if os.environ.get("HOROVOD_TIMELINE", "").strip().upper() == "DYNAMIC":
+        overrides.setdefault("timeline", "")
+    hvdlite.init(comm, **overrides)
+    _ps.setup(process_sets)
+    sizes = (comm if comm is not None else MPI.COMM_WORLD).allgather(hvdlite.local_size())
+    _homogeneous["value"] = len(set(sizes)) == 1
+
+
+def shutdown() -> None:
+    """Stop hvdlite on this rank and, through it, on every rank (pending work fails)."""
+    hvdlite.shutdown()
+
+
+def is_initialized() -> bool:
+    """True between :func:`init` and :func:`shutdown`."""
+    return hvdlite.is_initialized()
+
+
+def size() -> int:
+    """Number of ranks (``ValueError``-free: raises ``hvdlite.NotInitializedError`` before
+    init)."""
+    return hvdlite.size()
+
+
+def rank() -> int:
+    """This process's rank."""
+    return hvdlite.rank()
+
+
+def local_size() -> int:
+    """Number of ranks on this host."""
+    return hvdlite.local_size()
+
+
+def local_rank() -> int:
+    """This process's rank among the ranks on its host."""
+    return hvdlite.local_rank()
+
+
+def cross_size() -> int:
+    """Number of hosts (ranks sharing this local rank)."""
+    return hvdlite.cross_size()
+
+
+def cross_rank() -> int:
+    """This host's index among the hosts."""
+    return hvdlite.cross_rank()
+
+
+def is_homogeneous() -> bool:
+    """True if every host runs the same number of ranks."""
+    if "value" in _homogeneous and hvdlite.is_initialized():
+        return _homogeneous["value"]
+    # hvdlite was started by hvdlite.init directly: decide from this rank's view.
+    return hvdlite.local_size() * hvdlite.cross_size() == hvdlite.size()
+
+
+def mpi_threads_supported() -> bool:
+    """True if the MPI library runs with ``MPI_THREAD_MULTIPLE``."""
+    from mpi4py import MPI
+
+    hvdlite.size()  # NotInitializedError before init, as Horovod's raises
+    return bool(MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+
+
+def mpi_built() -> bool:
+    """True: hvdlite always runs over MPI (mpi4py)."""
+    return True
+
+
+def mpi_enabled() -> bool:
+    """True: MPI is hvdlite's controller and host data plane."""
+    return True
+
+
+def gloo_built() -> bool:
+    """False: hvdlite has no Gloo controller."""
+    return False
+
+
+def gloo_enabled() -> bool:
+    """False: hvdlite has no Gloo controller."""
+    return False
+
+
+def nccl_built() -> int:
+    """NCCL's version code (e.g. 22304) if device collectives can run here (CuPy with its
+    NCCL binding importable), else 0."""
+    if importlib.util.find_spec("cupy") is None:
+        return 0
+    try:
+        from cupy.cuda import nccl
+
+        return int(nccl.get_version())
+    except Exception:  # noqa: BLE001 - no CUDA driver, no NCCL: not available
+        return 0
+
+
+def cuda_built() -> bool:
+    """True if hvdlite can move CUDA tensors here (CuPy and a CUDA build of torch)."""
+    import torch
+
+    return importlib.util.find_spec("cupy") is not None and torch.version.cuda is not None
+
+
+def rocm_built() -> bool:
+    """False: no ROCm support."""
+    return False
+
+
+def ccl_built() -> bool:
+    """False: no oneCCL support."""
+    return False
+
+
+def ddl_built() -> bool:
+    """False: no IBM DDL support."""
+    return False
+
+
+def mlsl_built() -> bool:
+    """False: no MLSL support."""
+    return False
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start writing a Chrome-trace timeline to ``file_path`` (see ``hvdlite.start_timeline``)."""
+    if not isinstance(file_path, str) or not file_path:
+        raise ValueError(f"start_timeline: file_path must be a non-empty str, got {file_path!r}")
+    hvdlite.start_timeline(file_path, mark_cycles)
+
+
+def stop_timeline() -> None:
+    """Stop the running timeline, leaving its file complete."""
+    hvdlite.stop_timeline()

@@ -1,0 +1,336 @@
+"""``DistributedOptimizer``: average gradients across ranks while ``backward()`` runs.
+
+A hook on every parameter starts an in-place ``allreduce_async_`` of its gradient the moment
+autograd has accumulated it (``register_post_accumulate_grad_hook``), so communication
+overlaps the rest of the backward pass; ``step()`` waits only for what is still in flight,
+then runs the wrapped optimizer's own step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+import hvdlite
+from hvdlite.torch import mpi_ops
+from hvdlite.torch.basics import Average, resolve_op
+from hvdlite.torch.compression import Compression, Compressor
+from hvdlite.torch.functions import broadcast_object
+from hvdlite.torch.process_sets import check_process_set, global_process_set
+
+__all__ = ["DistributedOptimizer"]
+
+_TOO_MANY = ("gradients were computed more than backward_passes_per_step times before "
+             "optimizer.step(): a second backward() would overwrite a gradient while its "
+             "allreduce is in flight. Call optimizer.step() (or optimizer.synchronize()) "
+             "between backward passes, or raise backward_passes_per_step to accumulate "
+             "gradients locally.")
+_ZERO_GRAD = ("optimizer.zero_grad() was called after loss.backward() but before "
+              "optimizer.step() or optimizer.synchronize(): the gradients' allreduces are still "
+              "in flight and would race with the zeroing. Call step() or synchronize() first.")
+
+
+def _split(items: list[Any], n: int) -> list[list[Any]]:
+    size, extra = divmod(len(items), n)
+    out, start = [], 0
+    for i in range(n):
+        stop = start + size + (1 if i < extra else 0)
+        if stop > start:
+            out.append(items[start:stop])
+        start = stop
+    return out
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    # Its methods are copied into a subclass of the wrapped optimizer's class (see
+    # DistributedOptimizer), so `super(self.__class__, self)` is that optimizer's class.
+
+    def __init__(self, params: Any, named_parameters: Any, compression: type[Compressor],
+                 backward_passes_per_step: int, op: Any, gradient_predivide_factor: float,
+                 groups: Any, sparse_as_dense: bool, process_set: Any) -> None:
+        super(self.__class__, self).__init__(params)  # type: ignore[call-arg]
+        self._compression = compression
+        all_params = [p for g in self.param_groups for p in g["params"]]
+        if named_parameters is not None:
+            named = list(named_parameters)
+            if any(not isinstance(x, tuple) or len(x) != 2 for x in named):
+                raise ValueError("named_parameters must be a sequence of (name, parameter) "
+                                 "tuples, as model.named_parameters() yields")
+        else:
+            named = [(f"allreduce.noname.{i}.{j}", p) for i, g in enumerate(self.param_groups)
+                     for j, p in enumerate(g["params"])]
+        names = [k for k, _ in named]
+        dups = sorted({k for k in names if names.count(k) > 1})
+        if dups:
+            raise ValueError(f"parameter names in named_parameters must be unique; "
+                             f"duplicates: {', '.join(dups)}")
+        named_ids = {id(p) for _, p in named}
+        unnamed = [p for p in all_params if id(p) not in named_ids]
+        if unnamed:
+            raise ValueError(f"named_parameters was given but {len(unnamed)} of the "
+                             "optimizer's parameters are not in it; pass "
+                             "model.named_parameters() of the model the optimizer trains")
+        self._parameter_names = {p: f"DistributedOptimizer.{k}" for k, p in named}
+        self.backward_passes_per_step = backward_passes_per_step
+        self._allreduce_delay = {p: backward_passes_per_step for p in all_params}
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        self._handles: dict[Any, tuple[Any, Any]] = {}
+        self._hook_handles: list[Any] = []
+        self._requires_update: set[torch.Tensor] = set()
+        self._synchronized = False
+        self._should_synchronize = True
+        self._groups = groups
+        self._p_to_group: dict[torch.Tensor, tuple[torch.Tensor, ...]] = {}
+        self._group_counts: dict[tuple[torch.Tensor, ...], int] = {}
+        if hvdlite.size() > 1:
+            self._register_hooks()
+
+    # -- hooks ------------------------------------------------------------------------------
+    def _register_hooks(self) -> None:
+        if self._groups is not None:
+            self._form_groups()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not p.requires_grad:
+                    continue
+                self._requires_update.add(p)
+                self._hook_handles.append(p.register_hook(self._make_guard(p)))
+                self._hook_handles.append(
+                    p.register_post_accumulate_grad_hook(self._make_hook(p)))
+
+    def _form_groups(self) -> None:
+        plist = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        order = broadcast_object([self._parameter_names[p] for p in plist], 0,
+                                 "DistributedOptimizer.order", self.process_set)
+        rank_of = {n: i for i, n in enumerate(order)}
+        plist.sort(key=lambda p: rank_of.get(self._parameter_names[p], len(order)))
+        if isinstance(self._groups, list):
+            ids = {id(p) for p in plist}
+            p_groups = [[p for p in g if id(p) in ids] for g in self._groups]
+            grouped = {id(p) for g in p_groups for p in g}
+            p_groups = [g for g in p_groups if g] + [[p] for p in plist if id(p) not in grouped]
+        else:
+            p_groups = _split(plist, self._groups)
+        for g in p_groups:
+            gt = tuple(g)
+            for p in gt:
+                self._p_to_group[p] = gt
+            self._group_counts[gt] = 0
+
+    def _in_flight(self, p: torch.Tensor) -> bool:
+        if p in self._handles and self._handles[p][0] is not None:
+            return True
+        group = self._p_to_group.get(p)
+        return group is not None and group in self._handles
+
+    def _make_guard(self, p: torch.Tensor) -> Any:
+        def guard(grad: torch.Tensor) -> None:
+            # Runs before autograd accumulates into p.grad: refuse while p.grad is on the wire.
+            if self._allreduce_delay[p] <= 0 and self._in_flight(p):
+                raise AssertionError(_TOO_MANY)
+        return guard
+
+    def _make_hook(self, p: torch.Tensor) -> Any:
+        def hook(_param: torch.Tensor) -> None:
+            if self._allreduce_delay[p] <= 0:
+                raise AssertionError(_TOO_MANY)
+            self._allreduce_delay[p] -= 1
+            handle: Any = None
+            ctx: Any = None
+            if self._allreduce_delay[p] == 0:
+                group = self._p_to_group.get(p) if self._groups is not None else None
+                if group is not None:
+                    self._group_counts[group] += 1
+                    if self._group_counts[group] == len(group):
+                        self._handles[group] = self._grouped_allreduce_grad_async(group)
+                        for gp in group:
+                            self._handles.pop(gp, None)
+                        self._group_counts[group] = 0
+                        return
+                else:
+                    handle, ctx = self._allreduce_grad_async(p)
+            self._handles[p] = (handle, ctx)
+        return hook
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change how many backward passes accumulate locally before one allreduce."""
+        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+            raise ValueError(f"backward_passes_per_step must be an int >= 1, got {passes!r}")
+        self.backward_passes_per_step = passes
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = passes
+
+    # -- communication ----------------------------------------------------------------------
+    def _factors(self) -> tuple[float, float]:
+        if self.op is Average:
+            return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
+        return 1.0, 1.0
+
+    def _dense_grad(self, p: torch.Tensor) -> torch.Tensor:
+        if p.grad is None:
+            # Not computed here (a branch this rank did not take); the others may have it.
+            p.grad = torch.zeros_like(p)
+        if p.grad.is_sparse and self.sparse_as_dense:
+            p.grad = p.grad.to_dense()
+        return p.grad
+
+    def _allreduce_grad_async(self, p: torch.Tensor) -> tuple[Any, Any]:
+        grad = self._dense_grad(p)
+        name = self._parameter_names.get(p)
+        if grad.is_sparse:
+            return mpi_ops.sparse_allreduce_async(grad, name, self.op, self.process_set), None
+        compressed, ctx = self._compression.compress(grad)
+        pre, post = self._factors()
+        handle = mpi_ops.allreduce_async_(compressed, name=name, op=self.op,
+                                          prescale_factor=pre, postscale_factor=post,
+                                          process_set=self.process_set)
+        return handle, ctx
+
+    def _grouped_allreduce_grad_async(self, group: tuple[torch.Tensor, ...]) -> tuple[Any, Any]:
+        grads = [self._dense_grad(p) for p in group]
+        pairs = [self._compression.compress(g) for g in grads]
+        pre, post = self._factors()
+        name = self._parameter_names.get(group[0])
+        handle = mpi_ops.grouped_allreduce_async_([c for c, _ in pairs], name=name, op=self.op,
+                                                  prescale_factor=pre, postscale_factor=post,
+                                                  process_set=self.process_set)
+        return handle, [ctx for _, ctx in pairs]
+
+    def _write_back(self, p: torch.Tensor, output: torch.Tensor, ctx: Any) -> None:
+        self._allreduce_delay[p] = self.backward_passes_per_step
+        assert p.grad is not None
+        if output.is_sparse or p.grad.is_sparse:
+            p.grad = output
+            return
+        restored = self._compression.decompress(output, ctx)
+        if restored is not p.grad:
+            p.grad.copy_(restored)
+
+    def synchronize(self) -> None:
+        """Wait for every gradient's allreduce (starting those that no hook started, e.g.
+        for parameters this rank's backward did not reach) and write the averaged gradients
+        into ``p.grad``. Call it before gradient clipping or ``GradScaler.unscale_``, then
+        step inside :meth:`skip_synchronize`."""
+        if hvdlite.size() == 1 or not self._requires_update:
+            self._synchronized = True
+            return
+        done: set[torch.Tensor] = set()
+        for key in self._handles:
+            done.update(key) if isinstance(key, tuple) else done.add(key)
+        for p in self._requires_update - done:
+            group = self._p_to_group.get(p)
+            if group is not None:
+                if group not in self._handles:
+                    self._handles[group] = self._grouped_allreduce_grad_async(group)
+                    for gp in group:
+                        self._handles.pop(gp, None)
+                    self._group_counts[group] = 0
+            else:
+                self._handles[p] = self._allreduce_grad_async(p)
+        for key, (handle, _ctx) in list(self._handles.items()):
+            if handle is None:
+                self._handles[key] = self._allreduce_grad_async(key)
+        try:
+            for key, (handle, ctx) in self._handles.items():
+                if isinstance(key, tuple):
+                    outputs = handle.wait()
+                    for gp, out, gctx in zip(key, outputs, ctx, strict=True):
+                        self._write_back(gp, out, gctx)
+                else:
+                    out = handle() if isinstance(handle, mpi_ops.SparseHandle) else handle.wait()
+                    self._write_back(key, out, ctx)
+        finally:
+            self._handles.clear()
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Within this block ``step()`` does not synchronize (you already called
+        :meth:`synchronize`), as the AMP ``GradScaler`` recipe needs."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure: Any = None) -> Any:
+        """Synchronize the gradients (unless inside :meth:`skip_synchronize`), then take the
+        wrapped optimizer's step."""
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "after optimizer.synchronize(): the gradients are reduced "
+                              "again, which slows training", stacklevel=2)
+            self.synchronize()
+        self._synchronized = False
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the gradients; ``AssertionError`` if their allreduces are still in flight."""
+        if self._handles:
+            raise AssertionError(_ZERO_GRAD)
+        super(self.__class__, self).zero_grad(set_to_none)
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = None,  # noqa: N802
+                         compression: type[Compressor] = Compression.none,
+                         backward_passes_per_step: int = 1, op: Any = Average,
+                         gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                         groups: Any = None, sparse_as_dense: bool = False,
+                         process_set: Any = global_process_set) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so each ``step()`` uses gradients averaged over all ranks.
+
+    Returns an instance of a subclass of ``optimizer``'s class sharing its param groups.
+    ``named_parameters``: ``model.named_parameters()`` (names key the allreduces; default
+    positional names). ``compression``: ``Compression.none``/``fp16``/``bf16``.
+    ``backward_passes_per_step``: local accumulation steps per allreduce. ``op``: Average or
+    Sum. ``gradient_predivide_factor``: divide before the sum and multiply after (Average
+    only). ``groups``: an int (that many fused groups) or a list of lists of parameters
+    reduced together; ``num_groups`` is its deprecated name. ``sparse_as_dense``: densify
+    sparse gradients instead of gathering them. ``ValueError``/``TypeError`` for bad
+    arguments; ``NotImplementedError`` for Adasum.
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"DistributedOptimizer expects a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__}")
+    op = resolve_op(op, None, "DistributedOptimizer")
+    if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step,
+                                                                    int) \
+            or backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be an int >= 1, got "
+                         f"{backward_passes_per_step!r}")
+    if not isinstance(gradient_predivide_factor, (int, float)) or gradient_predivide_factor <= 0:
+        raise ValueError(f"gradient_predivide_factor must be a positive number, got "
+                         f"{gradient_predivide_factor!r}")
+    if gradient_predivide_factor != 1.0 and op is not Average:
+        raise ValueError("gradient_predivide_factor is only supported with op=Average")
+    if num_groups:
+        warnings.warn("num_groups is deprecated; use groups=", DeprecationWarning, stacklevel=2)
+        if groups is None:
+            groups = num_groups
+    if groups is not None:
+        if isinstance(groups, list):
+            seen: set[int] = set()
+            for g in groups:
+                for p in g:
+                    if not isinstance(p, torch.Tensor):
+                        raise ValueError("groups must be a list of lists of torch.Tensor")
+                    if id(p) in seen:
+                        raise ValueError("a parameter can appear in only one of groups")
+                    seen.add(id(p))
+        elif isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0:
+            raise ValueError(f"groups must be a positive int or a list of lists of tensors, "
+                             f"got {groups!r}")
+    check_process_set(process_set, "DistributedOptimizer")
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+               dict(_DistributedOptimizer.__dict__))
+    return cls(optimizer.param_groups, named_parameters, compression,
+               backward_passes_per_step, op, gradient_predivide_factor, groups,
+               sparse_as_dense, process_set)
