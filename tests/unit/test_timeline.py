@@ -341,7 +341,8 @@ def test_file_is_valid_after_kill(tmp_path: Path, mode: str, sig: int | None) ->
     events = _events(path)  # strict json.load
     spans = [ev for ev in _timed(events) if ev["name"] == "MPI_ALLREDUCE"]
     assert len(spans) == 100, "every event flushed before the kill is in the file"
-    closed_cleanly = mode == "handler" or sig == signal.SIGINT  # SIGINT -> KeyboardInterrupt
+    # SIGINT -> KeyboardInterrupt -> atexit; SIGTERM -> the writer's hook closes the file.
+    closed_cleanly = mode in ("handler", "plain")
     assert bool(_meta(events, "trace_end")) == closed_cleanly
     res = check_file(str(path), lenient=not closed_cleanly)
     assert res.ok, res.errors
@@ -349,6 +350,131 @@ def test_file_is_valid_after_kill(tmp_path: Path, mode: str, sig: int | None) ->
         last = [ev for ev in _timed(events) if ev["name"] == "MEMCPY_OUT_FUSION_BUFFER"]
         assert [ev["ph"] for ev in last] == ["B", "E"]
         assert last[1]["args"] == {"unfinished": True}
+
+
+_HOOK_CHILD = """
+import os, signal, sys, time
+from hvdlite._timeline import Timeline
+path, mode, sig = sys.argv[1], sys.argv[2], getattr(signal, sys.argv[3])
+def user(signum, frame):
+    print(f"user handler ran", flush=True)
+    if mode != "user-continues":
+        sys.exit(7)
+if mode == "user-before":
+    signal.signal(sig, user)
+tl = Timeline(path, 0, flush_interval_s=30.0)  # only the hook (or close) writes
+if mode in ("user-after", "user-continues"):
+    signal.signal(sig, user)
+for i in range(3000):
+    tl.instant("grad", "tick", {"i": i}, ts_us=float(i))
+print("ready", flush=True)
+time.sleep(0.5 if mode == "user-continues" else 60)
+print("slept", flush=True)
+"""
+
+
+def _hook_child(tmp_path: Path, mode: str, sig: signal.Signals) -> tuple[int, str, list[Any]]:
+    path = tmp_path / f"{mode}.json"
+    script = tmp_path / "hook.py"
+    script.write_text(textwrap.dedent(_HOOK_CHILD))
+    proc = subprocess.Popen([sys.executable, str(script), str(path), mode, sig.name],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, out, load(str(path), lenient=True).events
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("mode", ["default", "user-before", "user-after", "user-continues"])
+def test_signal_hook_keeps_every_event_and_chains(tmp_path: Path, mode: str,
+                                                  sig: signal.Signals) -> None:
+    """The writer's hook writes all 3000 queued events (its own timer would not for 30 s),
+    hands the signal to a handler installed before it, never replaces one installed after it,
+    and lets the process end the way the signal asks."""
+    rc, out, events = _hook_child(tmp_path, mode, sig)
+    ticks = [ev for ev in events if ev.get("name") == "tick"]
+    if mode == "default":
+        if sig == signal.SIGTERM:
+            assert rc == -signal.SIGTERM, out  # killed by the signal, as without hvdlite
+            assert len(ticks) == 3000 and _meta(events, "trace_end"), "closed by the hook"
+        else:  # Python's KeyboardInterrupt, then atexit closes the file
+            assert rc != 0 and "KeyboardInterrupt" in out, out
+            assert "_timeline.py" not in out, "no hvdlite frame in the traceback"
+            assert len(ticks) == 3000 and _meta(events, "trace_end")
+        return
+    assert out.count("user handler ran") == 1, out
+    if mode == "user-continues":
+        assert rc == 0 and "slept" in out, out  # the handler let the program go on
+    else:
+        assert rc == 7, out
+    assert len(ticks) == 3000, "every event queued before the signal is in the file"
+    assert [ev["args"]["i"] for ev in ticks] == list(range(3000))
+    assert check_file(str(tmp_path / f"{mode}.json")).ok
+
+
+def test_hook_gives_the_signal_back_and_leaves_later_handlers(tmp_path: Path) -> None:
+    """Closing the last timeline restores the previous SIGTERM handler if the hook is still
+    the installed one; a handler installed after the hook stays."""
+    import hvdlite._timeline as tlmod
+
+    before = signal.getsignal(signal.SIGTERM)
+    tl = Timeline(str(tmp_path / "a.json"), 0)
+    assert signal.getsignal(signal.SIGTERM) is tlmod._on_signal
+    tl.close()
+    assert signal.getsignal(signal.SIGTERM) == before
+
+    def mine(*_: object) -> None:
+        pass
+
+    tl = Timeline(str(tmp_path / "b.json"), 0)
+    signal.signal(signal.SIGTERM, mine)
+    try:
+        tl.close()
+        assert signal.getsignal(signal.SIGTERM) is mine
+        tl2 = Timeline(str(tmp_path / "c.json"), 0)  # not installed over the later handler
+        assert signal.getsignal(signal.SIGTERM) is mine
+        tl2.close()
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        tlmod._HOOKED.clear()
+
+
+def test_writer_bounds_what_sigkill_can_lose(tmp_path: Path) -> None:
+    """Without flush() or close(): the writer writes within flush_interval_s of an event, and
+    at once when flush_events are waiting (long before its timer)."""
+    path = tmp_path / "t.json"
+    tl = Timeline(str(path), 0, flush_interval_s=0.3, hook_signals=False)
+    try:
+        time.sleep(0.05)
+        for i in range(10):
+            tl.instant("a", "tick", {"i": i})
+        time.sleep(0.8)
+        assert len([ev for ev in _events(path) if ev.get("name") == "tick"]) == 10
+    finally:
+        tl.close()
+    path2 = tmp_path / "u.json"
+    tl = Timeline(str(path2), 0, flush_interval_s=60.0, flush_events=100, hook_signals=False)
+    try:
+        time.sleep(0.05)
+        for i in range(1000):
+            tl.instant("a", "tick", {"i": i}, ts_us=float(i))
+        deadline = time.monotonic() + 5.0
+        ticks = 0
+        while time.monotonic() < deadline:
+            ticks = len([ev for ev in _events(path2) if ev.get("name") == "tick"])
+            if ticks >= 900:
+                break
+            time.sleep(0.02)
+        assert ticks >= 900, f"only {ticks} of 1000 written; the count bound did not wake it"
+    finally:
+        tl.close()
 
 
 def test_file_loads_after_sigkill_while_writing(tmp_path: Path) -> None:
