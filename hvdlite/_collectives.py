@@ -15,6 +15,8 @@ import operator
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from hvdlite._engine import Engine, default_engine
 from hvdlite._handles import Handle
 from hvdlite._negotiation import Kind, Request
@@ -57,14 +59,20 @@ def _writable(arr: Any, what: str, label: str) -> None:
         raise ValueError(f"{what}: {label} is read-only; pass a writable array (e.g. a copy)")
 
 
-def _output(kind: Kind, ref: TensorRef, out: Any, inplace: bool, what: str) -> Any:
+def _output(kind: Kind, ref: TensorRef, out: Any, inplace: bool, name: str) -> Any:
+    src = ref.array
     if inplace:
-        _writable(ref.array, what, "the in-place tensor")
-        return ref.array
+        if not src.flags.writeable:
+            _writable(src, _what(kind, name), "the in-place tensor")
+        return src
     if out is None:
         return empty_like_ref(ref) if kind in _SHAPE_KNOWN else None
+    if (type(out) is type(src) is np.ndarray and out.shape == src.shape
+            and out.dtype == src.dtype and out.flags.writeable and out.flags.c_contiguous):
+        return out  # the steady state of out= on host arrays: nothing more to check
+    what = _what(kind, name)
     oref = wrap(out, f"{what} (out=)")
-    arr, src = oref.array, ref.array
+    arr = oref.array
     if arr.shape != src.shape or arr.dtype != src.dtype or oref.device != ref.device:
         raise ValueError(
             f"{what}: out= must match the input; expected {src.dtype}{list(src.shape)} on "
@@ -104,7 +112,7 @@ def _submit(kind: Kind, tensors: Sequence[Any], name: str | None, *, op: ReduceO
         ref = wrap(tensor, kind, tname)
         row = lookup_dtype(ref.array.dtype, kind, tname)
         try:
-            key = (row, ref.is_cuda, kind, op, prescale, postscale)
+            key = (row.name, ref.device_id >= 0, kind, op, prescale, postscale)
             checked = _checked.get(key)
         except TypeError:  # an unhashable argument: the checks below name it
             key, checked = None, None
@@ -119,7 +127,7 @@ def _submit(kind: Kind, tensors: Sequence[Any], name: str | None, *, op: ReduceO
         if req is None or req != fields:
             req = requests[tname] = Request._make(fields)
         user_out = outs[i] if outs is not None else None
-        out = _output(kind, ref, user_out, inplace, _what(kind, tname)) if (
+        out = _output(kind, ref, user_out, inplace, tname) if (
             inplace or user_out is not None) else (
             empty_like_ref(ref) if kind in _SHAPE_KNOWN else None)
         entry = Entry(req, ref, out, handle, i,

@@ -45,6 +45,7 @@ __all__ = ["Negotiator", "CycleResult"]
 UNCACHED, SHUTDOWN, JOINED, PENDING, ROUND, EXPECT_STALL = 1, 2, 4, 8, 16, 32
 _HOT_POLL_S = 300e-6  # poll with bare GIL yields this long while work flows
 _BUSY_NAP_S = 100e-6  # longest nap between polls while work flows
+_UNREADY_POLL_S = 100e-6  # loop pace while a device input's producer still runs
 _WORD = (1 << 64) - 1
 
 
@@ -129,6 +130,8 @@ class Negotiator:
 
     def next_wait_s(self, has_pending: bool) -> float:
         """How long the loop may sleep before the next cycle if nothing is enqueued."""
+        if self._unready:  # a producer may finish any moment: look again soon
+            return min(self.cycle_s, _UNREADY_POLL_S)
         if has_pending or self._busy:
             self._wait_s = self.cycle_s
         else:

@@ -300,7 +300,7 @@ class Config:
         help="Longest sleep of the background loop while no rank has work.",
     )  # fmt: skip
     gil_switch_interval_us: float = _knob(
-        kind="float", parse=_parse_non_negative, default=200.0, unit="us",
+        kind="float", parse=_parse_non_negative, default=0.0, unit="us",
         help="While hvdlite runs, cap Python's GIL switch interval (sys.setswitchinterval) at "
              "this; its background thread waits that long for the GIL whenever the training "
              "thread is busy in Python. 0 = leave it alone.",

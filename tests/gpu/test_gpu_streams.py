@@ -87,26 +87,25 @@ def test_background_thread_does_not_block_on_inputs(hvd: Any, completion: str) -
 
 
 def test_async_completion_wait_returns_before_device(hvd: Any, completion: str) -> None:
-    """With async completion on, wait() returns while the collective is still pending on the
-    device, and a consumer kernel on the caller's stream still reads the right result."""
+    """With async completion on, wait() returns while the collective is still running on the
+    device, and a consumer kernel on the caller's stream still reads the right result.
+
+    The input is ready at the call (a producer still running would hold the collective back
+    from negotiation, by design: see test_ready_collective_overtakes_unready_one), so the
+    collective itself is made long: 512 MiB, about 2 ms of NCCL on the device."""
     if completion != "async":
         pytest.skip("async completion only")
+    n = 1 << 26
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
-        # CuPy's pool keeps free blocks per stream: give this stream one for the output, so
-        # the call does not cudaMalloc while the producer spins.
-        cupy.cuda.runtime.deviceSynchronize()
-        spare = cupy.empty(N, dtype=cupy.float64)
-        del spare
-        x = cupy.zeros(N, dtype=cupy.float64)
-        slow_fill(x, hvd.rank() + 1, ms=100, stream=stream)
+        x = cupy.full(n, hvd.rank() + 1, dtype=cupy.float64)
+        out = cupy.empty_like(x)
+        stream.synchronize()
         t0 = time.perf_counter()
-        h = hvd.allreduce_async(x, name="acw", op=hvd.Sum)
-        # With async completion the handle completes once the work is enqueued on hvdlite's
-        # stream (negotiation done), while the producer still spins on the device.
+        h = hvd.allreduce_async(x, name="acw", op=hvd.Sum, out=out)
         deadline = t0 + 30
         while not h.poll() and time.perf_counter() < deadline:
-            time.sleep(1e-4)
+            time.sleep(1e-5)
         enqueued_ms = (time.perf_counter() - t0) * 1e3
         assert h.poll(), "not enqueued within 30 s"
         t1 = time.perf_counter()
@@ -121,6 +120,27 @@ def test_async_completion_wait_returns_before_device(hvd: Any, completion: str) 
     assert pending, "wait() returned only after the device finished"
     want = _expect_sum(hvd, lambda k: k + 1)
     assert float(consumer.min()) == 2 * want + 1 and float(consumer.max()) == 2 * want + 1
+
+
+def test_ready_collective_overtakes_unready_one(hvd: Any, completion: str) -> None:
+    """Head-of-line (G7): A's producer spins 200 ms on a side stream; B, submitted after A,
+    is ready at once. B's result is usable (its DONE complete) while A's producer still runs,
+    in both completion modes, and both results are exact on every rank."""
+    side = cupy.cuda.Stream(non_blocking=True)
+    a = cupy.zeros(N, dtype=cupy.float64)
+    b = cupy.full(N, float(hvd.rank() + 1), dtype=cupy.float64)
+    cupy.cuda.get_current_stream().synchronize()
+    slow_fill(a, 10.0 * (hvd.rank() + 1), ms=200, stream=side)
+    ha = hvd.allreduce_async(a, name=f"hol.a.{completion}", op=hvd.Sum, stream=side)
+    hb = hvd.allreduce_async(b, name=f"hol.b.{completion}", op=hvd.Sum)
+    got_b = hb.wait()
+    cupy.cuda.get_current_stream().synchronize()  # B usable on the host
+    assert not side.done, "A's producer finished before B was usable: B waited behind A"
+    assert float(got_b.min()) == float(got_b.max()) == _expect_sum(hvd, lambda k: k + 1)
+    got_a = ha.wait()
+    cupy.cuda.get_current_stream().synchronize()
+    want_a = _expect_sum(hvd, lambda k: 10.0 * (k + 1))
+    assert float(got_a.min()) == float(got_a.max()) == want_a
 
 
 def test_wait_stream_orders_a_fresh_stream(hvd: Any, completion: str) -> None:

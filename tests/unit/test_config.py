@@ -40,7 +40,7 @@ EXPECTED_DEFAULTS = {
     "stall_check_time_s": 60.0,
     "stall_shutdown_time_s": 0.0,
     "idle_backoff_max_ms": 20.0,
-    "gil_switch_interval_us": 200.0,
+    "gil_switch_interval_us": 0.0,
     "log_level": "warning",
     "nvtx": False,
 }
@@ -345,7 +345,7 @@ def _non_default_config() -> Config:
         stall_check_time_s=1.5,
         stall_shutdown_time_s=9.0,
         idle_backoff_max_ms=3.0,
-        gil_switch_interval_us=0.0,
+        gil_switch_interval_us=200.0,
         log_level="trace",
         nvtx=True,
     )
