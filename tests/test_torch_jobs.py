@@ -1,0 +1,65 @@
+"""Run ``tests/torch/`` (``hvdlite.torch``) as a real ``mpiexec -n 2`` job on CPU torch, the
+way ``tests/test_mpi_jobs.py`` runs ``tests/mpi``; skipped when torch is not installed. Also
+checks that hvdlite works without torch and that ``hvdlite.torch`` says how to get it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from jobs_util import REPO, clean_env, mpiexec, run_group
+
+TORCH_TESTS = REPO / "tests" / "torch"
+JOB_TIMEOUT_S = 240
+SUMMARY = re.compile(r"^=*\s*(\d+ \w+(?:, \d+ \w+)* in [\d.]+s)\b", re.MULTILINE)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(JOB_TIMEOUT_S + 60)
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed")
+def test_torch_suite_on_two_ranks(tmp_path: Path) -> None:
+    """``tests/torch`` passes on both ranks of an ``mpiexec -n 2`` job."""
+    cmd = [
+        mpiexec(), "-n", "2",
+        sys.executable, "-m", "mpi4py", "-m", "pytest", str(TORCH_TESTS),
+        "-q", "-p", "no:cacheprovider", "-o", "faulthandler_timeout=120",
+        f"--rootdir={REPO}", "-c", str(REPO / "pyproject.toml"),
+    ]  # fmt: skip
+    env = clean_env(HVDLITE_MPI_REPORT_DIR=str(tmp_path), PYTHONFAULTHANDLER="1",
+                    OMP_NUM_THREADS="1")
+    start = time.monotonic()
+    rc, out = run_group(cmd, env, JOB_TIMEOUT_S)
+    wall = time.monotonic() - start
+    print(f"mpiexec -n 2 tests/torch: rc={rc} wall={wall:.1f}s")
+    where = f"(rc={rc}, {wall:.0f}s); output tail:\n{out[-12_000:]}"
+    assert rc is not None, f"job timed out after {JOB_TIMEOUT_S}s {where}"
+    assert rc == 0, f"job failed {where}"
+    tallies = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
+    assert sorted(t["rank"] for t in tallies) == [0, 1], f"missing tallies {where}"
+    for t in tallies:
+        assert t["exitstatus"] == 0 and t["passed"] > 0, f"rank {t} {where}"
+        assert t["failed"] == 0 and t["errors"] == 0, f"rank {t} {where}"
+    summaries = SUMMARY.findall(out)
+    assert summaries and not any(re.search(r"\d+ (failed|errors?)\b", s) for s in summaries)
+
+
+@pytest.mark.timeout(60)
+def test_without_torch_hvdlite_imports_and_hvdlite_torch_says_how_to_install() -> None:
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import hvdlite\n"
+        "try:\n"
+        "    import hvdlite.torch\n"
+        "except ImportError as e:\n"
+        "    print('MSG:', e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=clean_env(),
+                         capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0, out.stderr
+    assert "pip install hvdlite[torch]" in out.stdout

@@ -1,0 +1,213 @@
+"""DistributedOptimizer and state broadcast: multi-rank training equals one process training on
+the concatenated batch; every rank ends with identical parameters."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+STEPS = 20
+BATCH = 8
+
+
+def _model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 1))
+
+
+def _batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(step * 7919 + micro * 131 + rank)
+    x = torch.randn(BATCH, 6, generator=gen)
+    return x, x.sum(dim=1, keepdim=True).sin()
+
+
+def _flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _reference(n: int, passes: int, make_opt: Any) -> torch.Tensor:
+    """One process: each step's gradient is the sum over micro-batches of the gradient of the
+    mean loss over every rank's micro-batch (what averaging per-rank gradients computes)."""
+    model = _model()
+    opt = make_opt(model.parameters())
+    for step in range(STEPS):
+        opt.zero_grad()
+        for micro in range(passes):
+            xs, ys = zip(*[_batch(step, micro, r) for r in range(n)], strict=True)
+            nn.functional.mse_loss(model(torch.cat(xs)), torch.cat(ys)).backward()
+        opt.step()
+    return _flat(model)
+
+
+def _train(hvd: Any, passes: int, make_opt: Any, **kwargs: Any) -> torch.Tensor:
+    model = _model()
+    opt = hvd.DistributedOptimizer(make_opt(model.parameters()),
+                                   named_parameters=model.named_parameters(),
+                                   backward_passes_per_step=passes, **kwargs)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    for step in range(STEPS):
+        opt.zero_grad()
+        for micro in range(passes):
+            x, y = _batch(step, micro, hvd.rank())
+            nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return _flat(model)
+
+
+def _same_everywhere(hvd: Any, t: torch.Tensor) -> None:
+    gathered = hvd.allgather(t.unsqueeze(0))
+    assert all(torch.equal(gathered[0], row) for row in gathered)
+
+
+def _sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.5)
+
+
+@pytest.mark.parametrize("passes", [1, 2])
+@pytest.mark.parametrize("compression", ["none", "fp16"])
+def test_training_matches_one_process(hvd: Any, passes: int, compression: str) -> None:
+    got = _train(hvd, passes, _sgd, compression=getattr(hvd.Compression, compression))
+    _same_everywhere(hvd, got)
+    expect = _reference(hvd.size(), passes, _sgd)
+    tol = 1e-5 if compression == "none" else 1e-2
+    assert torch.allclose(got, expect, atol=tol, rtol=tol), (got - expect).abs().max()
+
+
+@pytest.mark.parametrize("kwargs", [{"groups": 2}, {"num_groups": 3},
+                                    {"gradient_predivide_factor": 2.0}, {"op": "Sum"},
+                                    {"sparse_as_dense": True}], ids=str)
+def test_optimizer_options(hvd: Any, kwargs: dict[str, Any]) -> None:
+    n = hvd.size()
+    make_opt = _sgd
+    if kwargs.get("op") == "Sum":
+        kwargs = {"op": hvd.Sum}
+
+        def make_opt(params: Any) -> torch.optim.Optimizer:  # Sum = Average with lr * n
+            return torch.optim.SGD(params, lr=0.1 / n, momentum=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        got = _train(hvd, 1, make_opt, **kwargs)
+    _same_everywhere(hvd, got)
+    assert torch.allclose(got, _reference(n, 1, _sgd), atol=1e-5, rtol=1e-5)
+
+
+def test_explicit_groups_and_hooks_overlap(hvd: Any) -> None:
+    model = _model()
+    params = list(model.parameters())
+    opt = hvd.DistributedOptimizer(_sgd(model.parameters()),
+                                   named_parameters=model.named_parameters(),
+                                   groups=[[params[0], params[2]]])
+    x, y = _batch(0, 0, hvd.rank())
+    nn.functional.mse_loss(model(x), y).backward()
+    if hvd.size() > 1:  # the hooks started every allreduce during backward()
+        assert len(opt._handles) == 3
+    opt.step()
+    _same_everywhere(hvd, _flat(model))
+
+
+def test_races_are_refused(hvd: Any) -> None:
+    if hvd.size() == 1:
+        pytest.skip("no hooks on one rank")
+    model = _model()
+    opt = hvd.DistributedOptimizer(_sgd(model.parameters()),
+                                   named_parameters=model.named_parameters())
+    x, y = _batch(1, 0, hvd.rank())
+    nn.functional.mse_loss(model(x), y).backward()
+    with pytest.raises(AssertionError, match="zero_grad"):
+        opt.zero_grad()
+    with pytest.raises(AssertionError, match="backward_passes_per_step"):
+        nn.functional.mse_loss(model(x), y).backward()
+    opt.synchronize()
+    with opt.skip_synchronize(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+    opt.zero_grad()
+
+
+def test_synchronize_then_clip_recipe(hvd: Any) -> None:
+    model = _model()
+    opt = hvd.DistributedOptimizer(_sgd(model.parameters()),
+                                   named_parameters=model.named_parameters())
+    x, y = _batch(2, 0, hvd.rank())
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.synchronize()
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    _same_everywhere(hvd, grads)
+    nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+    with opt.skip_synchronize():
+        opt.step()
+    _same_everywhere(hvd, _flat(model))
+    with pytest.raises(ValueError):
+        hvd.DistributedOptimizer(_sgd(model.parameters()), named_parameters=[("a", 1)])
+    with pytest.raises(ValueError):
+        hvd.DistributedOptimizer(_sgd(model.parameters()), backward_passes_per_step=0)
+    with pytest.raises(ValueError):
+        hvd.DistributedOptimizer(_sgd(model.parameters()), op=hvd.Sum,
+                                 gradient_predivide_factor=2.0)
+    assert isinstance(opt, torch.optim.SGD)
+
+
+def test_sparse_embedding_with_sparse_adam(hvd: Any) -> None:
+    n, me = hvd.size(), hvd.rank()
+
+    def run(ranks: list[int], distributed: bool) -> torch.Tensor:
+        torch.manual_seed(3)
+        emb = nn.Embedding(10, 3, sparse=True)
+        opt: Any = torch.optim.SparseAdam(emb.parameters(), lr=0.05)
+        if distributed:
+            opt = hvd.DistributedOptimizer(opt, named_parameters=emb.named_parameters())
+        for step in range(5):
+            opt.zero_grad()
+            idx = torch.cat([torch.tensor([(step + r) % 10, (3 * r + 1) % 10]) for r in ranks])
+            (emb(idx).pow(2).sum() / (2 * len(ranks))).backward()
+            opt.step()
+        return emb.weight.detach().clone()
+
+    got = run([me], True)
+    _same_everywhere(hvd, got.reshape(-1))
+    assert torch.allclose(got, run(list(range(n)), False), atol=1e-6)
+
+
+def _state(opt: torch.optim.Optimizer) -> list[Any]:
+    sd = opt.state_dict()
+    out: list[Any] = [(k, g[k]) for g in sd["param_groups"] for k in sorted(g) if k != "params"]
+    for pid in sorted(sd["state"]):
+        for k, v in sorted(sd["state"][pid].items()):
+            out.append((f"{pid}.{k}", v.clone() if torch.is_tensor(v) else v))
+    return out
+
+
+@pytest.mark.parametrize("cls", ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad"])
+def test_broadcast_optimizer_state_round_trip(hvd: Any, cls: str) -> None:
+    me = hvd.rank()
+    kwargs = {"SGD": {"lr": 0.1, "momentum": 0.9}, "RMSprop": {"lr": 0.01, "centered": True}}
+    opt_cls = getattr(torch.optim, cls)
+    model = _model(seed=me)  # different on every rank
+    opt = opt_cls(model.parameters(), **kwargs.get(cls, {"lr": 0.01}))
+    for step in range(3 + me):  # different state (and step counts) on every rank
+        opt.zero_grad()
+        x, y = _batch(step, 0, me)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    opt.param_groups[0]["lr"] = 0.5 + me
+    root_state = hvd.broadcast_object(_state(opt) if me == 0 else None, root_rank=0)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    got = _state(opt)
+    assert len(got) == len(root_state)
+    for a, b in zip(got, root_state, strict=True):
+        assert a[0] == b[0] and type(a[1]) is type(b[1])
+        if torch.is_tensor(a[1]):
+            assert torch.equal(a[1], b[1]) and a[1].dtype == b[1].dtype, a[0]
+        else:
+            assert a[1] == b[1], a[0]
+    # a fresh optimizer (no state yet) receives the root's state too
+    fresh = opt_cls(model.parameters(), **kwargs.get(cls, {"lr": 0.01}))
+    if me == 0:
+        fresh.load_state_dict(opt.state_dict())
+    hvd.broadcast_optimizer_state(fresh, root_rank=0)
+    assert len(_state(fresh)) == len(root_state)
