@@ -63,3 +63,28 @@ def test_without_torch_hvdlite_imports_and_hvdlite_torch_says_how_to_install() -
                          capture_output=True, text=True, timeout=50)
     assert out.returncode == 0, out.stderr
     assert "pip install hvdlite[torch]" in out.stdout
+
+
+def _run_example(*argv: str) -> str:
+    cmd = [mpiexec(), "-n", "2", sys.executable, *argv]
+    rc, out = run_group(cmd, clean_env(OMP_NUM_THREADS="1"), 150)
+    assert rc == 0, f"{' '.join(argv)} (rc={rc}):\n{out[-6000:]}"
+    return out
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(200)
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed")
+def test_torch_examples_train_and_benchmark() -> None:
+    """The training example learns with identical parameters on both ranks; the synthetic
+    benchmark (its torchvision-free model) reports per-rank and total throughput."""
+    out = _run_example("examples/torch_mnist_like.py", "--epochs", "3")
+    ok = re.search(r"^OK: parameters identical on all ranks; loss ([\d.]+) -> ([\d.]+)$", out,
+                   re.M)
+    assert ok is not None and float(ok.group(2)) < float(ok.group(1)), out[-6000:]
+    assert len(re.findall(r"^epoch \d/3: loss", out, re.M)) == 3
+    out = _run_example("examples/torch_synthetic_benchmark.py", "--model", "tiny", "--no-cuda",
+                       "--batch-size", "4", "--image-size", "32", "--num-warmup-batches", "1",
+                       "--num-batches-per-iter", "2", "--num-iters", "2", "--fp16-allreduce")
+    assert re.search(r"^Img/sec per rank: [\d.]+ \+-[\d.]+$", out, re.M), out[-6000:]
+    assert re.search(r"^Total img/sec on 2 rank\(s\): [\d.]+", out, re.M), out[-6000:]
