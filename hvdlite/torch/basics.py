@@ -16,7 +16,7 @@ from typing import Any
 
 import hvdlite
 from hvdlite._ops import ReduceOp
-from hvdlite.errors import HvdliteError
+from hvdlite.errors import HvdliteError, NotInitializedError
 from hvdlite.torch import process_sets as _ps
 
 __all__ = [
@@ -24,7 +24,8 @@ __all__ = [
     "cross_size", "cross_rank", "is_homogeneous", "mpi_threads_supported", "mpi_built",
     "mpi_enabled", "gloo_built", "gloo_enabled", "nccl_built", "ccl_built", "cuda_built",
     "rocm_built", "ddl_built", "mlsl_built", "start_timeline", "stop_timeline",
-    "HorovodInternalError", "HostsUpdatedInterrupt", "InvalidArgumentError", "Average", "Sum",
+    "HorovodInternalError", "HostsUpdatedInterrupt", "InvalidArgumentError",
+    "NotInitializedValueError", "Average", "Sum",
     "Min", "Max", "Product", "Adasum", "resolve_op",
 ]
 
@@ -35,6 +36,19 @@ HorovodInternalError = HvdliteError
 
 class HostsUpdatedInterrupt(RuntimeError):
     """Horovod's elastic-mode interrupt. hvdlite has no elastic mode; never raised."""
+
+
+class NotInitializedValueError(NotInitializedError, ValueError):
+    """hvdlite is not initialized: hvdlite's ``NotInitializedError`` that is also the
+    ``ValueError`` Horovod raises for a query before ``init()``."""
+
+
+def _query(fn: Any) -> int:
+    try:
+        return int(fn())
+    except NotInitializedError as exc:
+        raise NotInitializedValueError(
+            f"{exc}; with hvdlite.torch, call hvd.init() first") from None
 
 
 class InvalidArgumentError(HvdliteError, ValueError):
@@ -121,34 +135,34 @@ def is_initialized() -> bool:
 
 
 def size() -> int:
-    """Number of ranks (``ValueError``-free: raises ``hvdlite.NotInitializedError`` before
-    init)."""
-    return hvdlite.size()
+    """Number of ranks. Before ``init()``: :class:`NotInitializedValueError` (both hvdlite's
+    ``NotInitializedError`` and Horovod's ``ValueError``), as every query here."""
+    return _query(hvdlite.size)
 
 
 def rank() -> int:
     """This process's rank."""
-    return hvdlite.rank()
+    return _query(hvdlite.rank)
 
 
 def local_size() -> int:
     """Number of ranks on this host."""
-    return hvdlite.local_size()
+    return _query(hvdlite.local_size)
 
 
 def local_rank() -> int:
     """This process's rank among the ranks on its host."""
-    return hvdlite.local_rank()
+    return _query(hvdlite.local_rank)
 
 
 def cross_size() -> int:
     """Number of hosts (ranks sharing this local rank)."""
-    return hvdlite.cross_size()
+    return _query(hvdlite.cross_size)
 
 
 def cross_rank() -> int:
     """This host's index among the hosts."""
-    return hvdlite.cross_rank()
+    return _query(hvdlite.cross_rank)
 
 
 def is_homogeneous() -> bool:

@@ -290,6 +290,9 @@ def test_dynamic_timeline_and_process_sets(hvd: Any, tmp_path: Any, monkeypatch:
     monkeypatch.setenv("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
     monkeypatch.chdir(tmp_path)
     hvd.shutdown()
+    assert not hvd.is_initialized()
+    with pytest.raises(ValueError, match="init"):  # Horovod's ValueError before init
+        hvd.rank()
     try:
         hvd.init()
         ps = hvd.add_process_set(list(range(hvd.size())))
