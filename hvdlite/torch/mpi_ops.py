@@ -167,8 +167,17 @@ def _reduction_plan(tensors: list[torch.Tensor], op: ReduceOp, pre: float, post:
                             "(logical or), Min or Max")
         op = Sum
         post = post / hvdlite.size()
-    in_torch = any(t.dtype in _LOW for t in tensors)
+    # float16: the core scales in float16 arithmetic (each product computed in float32 and
+    # rounded), which equals Horovod's float32 rule when the factor itself is a float16 value
+    # (1, 1/2, 1/4 ...: Average over a power-of-two size); otherwise scale here.
+    exact = _exact_half(pre) and _exact_half(post)
+    in_torch = any(t.dtype == torch.bfloat16 or (t.dtype == torch.float16 and not exact)
+                   for t in tensors)
     return op, pre, post, in_torch
+
+
+def _exact_half(factor: float) -> bool:
+    return float(torch.tensor(factor, dtype=torch.float16)) == factor
 
 
 def _allreduce(tensors: list[torch.Tensor], name: str | None, op: ReduceOp, pre: float,
