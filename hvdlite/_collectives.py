@@ -62,7 +62,7 @@ def _writable(arr: Any, what: str, label: str) -> None:
 def _output(kind: Kind, ref: TensorRef, out: Any, inplace: bool, name: str) -> Any:
     src = ref.array
     if inplace:
-        if not src.flags.writeable:
+        if not getattr(src.flags, "writeable", True):  # CuPy arrays have no such flag
             _writable(src, _what(kind, name), "the in-place tensor")
         return src
     if out is None:

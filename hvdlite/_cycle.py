@@ -254,7 +254,7 @@ class Negotiator:
         # failure notice ends the wait.
         if req.Test():
             return
-        busy = self._busy
+        busy = self._busy or self.in_caller  # a waiting caller never naps through its round
         while True:
             if busy and self.block_in_mpi and not self.in_caller:
                 self.failures.wait(req)

@@ -265,6 +265,8 @@ class Engine:
     def _cycle(self, caller: bool) -> None:
         """One cycle: drain the queue, negotiate, execute in the agreed order, complete.
         Runs under the cycle lock, on whichever thread holds it."""
+        if self._gpu is not None and len(self._gpu.retirer):
+            self._gpu.retirer.retire()
         new = self._drain()
         working = bool(self._entries)
         t0 = time.perf_counter()
@@ -449,15 +451,17 @@ class Engine:
         from mpi4py import MPI
 
         self.negotiator.failures.close()
-        self.tracer.close()
         sys.setswitchinterval(self._switch_interval)
-        # Device work must drain before its communicators go away.
+        # Device work must drain before its communicators go away, and its retirement (the
+        # event-timed spans among it) before the timeline closes.
         if self._gpu is not None:
             self._gpu.synchronize()
+            self._gpu.retirer.retire(wait=True)
         if self._nccl is not None:
             self._nccl.shutdown()
         if self._gpu is not None:
             self._gpu.shutdown()
+        self.tracer.close()
         for comm in (self._ctrl, self._data):
             if comm != MPI.COMM_NULL:
                 comm.Free()  # Free() resets the handle to COMM_NULL: a second call is a no-op

@@ -8,7 +8,8 @@ A handle moves through three states, each set once, by named methods:
 device work with async completion), the collective failed, or its device work is enqueued and
 a DONE event attached (device work, sync completion). *done* follows at once except in that
 last case, where it comes when DONE has completed on the device: the waiting thread
-synchronises on DONE itself (no hand-off through another thread), or the finalizer does.
+synchronises on DONE itself (no hand-off through another thread), or a poll or the engine's
+retirement of finished device work does.
 
 The hand-off from the thread that resolves to the thread that waits is one ``threading.Lock``
 used as a gate (held from creation, released once at resolve): a C-level acquire with the GIL
@@ -231,7 +232,7 @@ class Handle:
 
     def _finish(self) -> None:
         """Sync completion of device work, on this thread: wait for DONE (CuPy releases the
-        GIL), then complete the parts (a no-op if the finalizer got there first)."""
+        GIL), then complete the parts (a no-op if retirement got there first)."""
         for event in list(self._events):
             event.synchronize()
         for completion in list(self._completions):

@@ -116,12 +116,12 @@ class Tracer:
             tl.end_all(names, phase)
 
     def device_spans(self, timed: Sequence[Any]) -> None:
-        """Event-timed device phases, once their DONE event completed (finalizer thread).
+        """Event-timed device phases, once their DONE event completed (at retirement).
 
         ``timed`` holds ``(names, phase, start_event, end_event, args)``; each tensor's device
         spans go on a track "<name> [device]". Device times are
-        placed on the host clock by taking "now" as the end of the last phase: the finalizer
-        wakes when DONE completes, so spans sit at most its wake-up latency too late.
+        placed on the host clock by taking "now" as the end of the last phase: retirement
+        runs at the next cycle after DONE completes, so spans sit at most that late.
         """
         tl = self.timeline
         if tl is None or not timed:

@@ -1,19 +1,23 @@
-"""Device runtime: hvdlite's streams, the event pool, metadata uploads and the finalizer.
+"""Device runtime: hvdlite's streams, the event pool, metadata uploads and retirement.
 
 How the streams meet (one device; time flows down)::
 
-    caller stream        hvdlite stream (high priority, non-blocking)     finalizer thread
-    -------------        --------------------------------------------     ----------------
+    caller stream        hvdlite stream (high priority, non-blocking)     the waiting thread
+    -------------        --------------------------------------------     ------------------
     producer kernel
-    record READY ----+
+    record READY ----+   (negotiated once READY has completed on every
+                     |    rank: a running producer holds only its own
+                     |    tensor back, never the ones behind it)
                      +--> wait READY   (cudaStreamWaitEvent: no CPU wait)
                           copy-in kernel (one launch per bucket)
                           NCCL collective
                           copy-out kernel (Average / postscale fused in)
-                          record DONE -------------------------------+--> async off: sync DONE,
-    async on:                                                        |    then complete handle
-    wait DONE <------------------------------------------------------+    (both modes: release
-    consumer kernel                                                        inputs after DONE)
+                          record DONE -------------------------------+--> async off: wait()
+    async on:                                                        |    syncs DONE itself,
+    wait DONE <------------------------------------------------------+    then completes
+    consumer kernel
+                          (every cycle retires finished buckets by a non-blocking query of
+                           their DONE: inputs and outputs are released only after it)
 
 With the timeline on, READY and DONE are waited on the CPU instead, so host timestamps
 bracket the device work; with ``timeline_device_events`` the streams stay as drawn and each
@@ -24,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import queue
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,6 +45,7 @@ log = logging.getLogger("hvdlite")
 _HIGHEST_PRIORITY = -1000
 _META_SLOTS = 64  # pinned staging slots for bucket metadata, reused round robin
 _META_SLOT_BYTES = 64 * 1024  # room for 4095 tensors per bucket
+_MAX_IN_FLIGHT = 4096  # buckets enqueued and not yet retired before retiring waits
 
 
 def import_cupy() -> Any:
@@ -156,45 +160,44 @@ class _Once:
             fn()
 
 
-class Finalizer:
-    """A thread that waits for DONE events on the CPU and then runs completion callbacks.
-
-    In both completion modes it holds the objects the device still reads or writes (inputs,
-    outputs, fusion slices) until their DONE event has completed: CuPy has no
-    ``record_stream``, so dropping the last reference earlier would return the memory to the
-    pool while the hvdlite stream still uses it.
+class Retirer:
+    """Work enqueued on the device but not yet known to be finished: (DONE event, callback,
+    objects to keep alive). Retired in order, without waiting, by a non-blocking event query
+    at the start of every cycle (on whichever thread runs it), so no extra thread hands the
+    GIL back and forth per bucket. CuPy has no ``record_stream``: the kept inputs, outputs
+    and buffers must outlive the device's use of them, which this guarantees. A backlog past
+    ``limit`` is retired by waiting for its oldest DONE (the device is far behind anyway).
     """
 
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Any, Callable[[], None] | None, Any] | None] = (
-            queue.SimpleQueue())
-        self._thread = threading.Thread(target=self._run, name="hvdlite-finalizer", daemon=True)
-        self._thread.start()
+    def __init__(self, limit: int = _MAX_IN_FLIGHT) -> None:
+        self._pending: collections.deque[tuple[Any, Callable[[], None] | None, Any]] = (
+            collections.deque())
+        self._limit = limit
+
+    def __len__(self) -> int:
+        return len(self._pending)
 
     def track(self, event: Any, on_done: Callable[[], None] | None, keep: Any) -> None:
-        self._queue.put((event, on_done, keep))
+        self._pending.append((event, on_done, keep))
+        if len(self._pending) > self._limit:
+            self._pending[0][0].synchronize()
+            self.retire()
 
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            event, on_done, keep = item
-            try:
-                event.synchronize()
-                if on_done is not None:
+    def retire(self, wait: bool = False) -> None:
+        """Run the callbacks and drop the references of everything finished (in order); with
+        ``wait``, of everything (at shutdown, after the streams were synchronised)."""
+        pending = self._pending
+        while pending and (wait or pending[0][0].done):
+            _, on_done, _ = pending.popleft()
+            if on_done is not None:
+                try:
                     on_done()
-            except Exception:  # a failed callback must not stop later completions
-                log.exception("hvdlite finalizer: completion callback failed")
-            del keep, item
-
-    def stop(self) -> None:
-        self._queue.put(None)
-        self._thread.join()
+                except Exception:  # a failed callback must not stop later retirements
+                    log.exception("hvdlite: device completion callback failed")
 
 
 class GpuRuntime:
-    """All device state of one engine: contexts per device and the finalizer thread."""
+    """All device state of one engine: contexts per device and the retirement queue."""
 
     def __init__(self, default_device: int, async_completion: bool, device_events: bool,
                  tracer: Tracer) -> None:
@@ -206,7 +209,7 @@ class GpuRuntime:
         self._contexts: dict[int, DeviceContext] = {}
         self._waiters: dict[tuple[str, int], Callable[[Any, Any], None]] = {}
         self._lock = threading.Lock()
-        self.finalizer = Finalizer()
+        self.retirer = Retirer()
 
     # The timeline can start and stop at run time, so these follow it.
     @property
@@ -263,9 +266,9 @@ class GpuRuntime:
     def complete(self, ctx: DeviceContext, entries: list[Any], outputs: list[Any],
                  timed: Sequence[Any] = ()) -> None:
         """Record DONE after a bucket's enqueued work; complete its entries now (async) or
-        once DONE has completed (sync: by the waiting thread or the finalizer, whichever
+        once DONE has completed (sync: by the waiting thread, a poll, or retirement, whichever
         comes first). Either way the handles get the DONE event at once, so ``wait_stream``
-        never waits for the device, and the finalizer keeps the entries (inputs, outputs)
+        never waits for the device, and the retirer keeps the entries (inputs, outputs)
         alive until DONE has completed: CuPy has no ``record_stream``."""
         done = ctx.done_event()
         done.record(ctx.stream)
@@ -273,7 +276,7 @@ class GpuRuntime:
         keep = (entries, outputs)
         if self.async_completion:
             finish_all(entries, outputs, (done,))
-            self.finalizer.track(done, spans, keep)
+            self.retirer.track(done, spans, keep)
             return
         once = _Once(lambda: finish_all(entries, outputs, was_enqueued=True))
         parts: dict[int, list[Any]] = {}
@@ -283,14 +286,14 @@ class GpuRuntime:
         for handle, n in parts.values():
             handle.enqueued((done,), n, once)
         if spans is None:
-            self.finalizer.track(done, once, keep)
+            self.retirer.track(done, once, keep)
             return
 
         def spans_then_complete() -> None:
             spans()
             once()
 
-        self.finalizer.track(done, spans_then_complete, keep)
+        self.retirer.track(done, spans_then_complete, keep)
 
     def stream_waiter(self, framework: str, device_id: int) -> Callable[[Any, Any], None]:
         """For Handle.wait: make the caller's stream (default: current) wait on the events.
@@ -314,5 +317,5 @@ class GpuRuntime:
 
     def shutdown(self) -> None:
         self.synchronize()
-        self.finalizer.stop()
+        self.retirer.retire(wait=True)
         self._contexts.clear()

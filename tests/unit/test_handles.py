@@ -202,7 +202,7 @@ def _sync_device_handle() -> Handle:
 @pytest.mark.timeout(10)  # a regression here is a hang
 def test_sync_device_wait_completes_on_the_waiting_thread() -> None:
     """The loop enqueues after wait() began (the usual case for a small collective) and hands
-    over a completion; the waiter runs it itself instead of waiting for the finalizer."""
+    over a completion; the waiter runs it itself instead of waiting for retirement."""
     h = _sync_device_handle()
     ev = _DoneEvent()
     ran_on: list[str] = []
@@ -232,7 +232,7 @@ def test_sync_device_wait_raises_failure_before_enqueue() -> None:
 
 @pytest.mark.timeout(10)
 def test_sync_device_wait_with_timeout_leaves_completion_to_others() -> None:
-    """With a timeout the waiter does not block on DONE itself; the finalizer's completion
+    """With a timeout the waiter does not block on DONE itself; retirement's completion
     (here: another thread) wakes it."""
     h = _sync_device_handle()
     with pytest.raises(TimeoutError):
