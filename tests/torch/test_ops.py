@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch_util import ALL_DTYPES, FLOAT_DTYPES, INT_DTYPES, make, reduce_ref
+from torch_util import ALL_DTYPES, make, reduce_ref
 
 OPS = ["Sum", "Average", "Min", "Max", "Product"]
 
@@ -162,7 +162,7 @@ def test_broadcast_every_dtype(hvd: Any) -> None:
 
 def test_alltoall(hvd: Any) -> None:
     n, me = hvd.size(), hvd.rank()
-    for i, dtype in enumerate([torch.float32, torch.bfloat16, torch.int16, torch.float16]):
+    for i, dtype in enumerate([*ALL_DTYPES, torch.bool]):
         # rank r sends (j + r + 1) rows to rank j
         splits = [[j + r + 1 for j in range(n)] for r in range(n)]
         ins = [make(70 + i, r, (sum(splits[r]), 2), dtype) for r in range(n)]
@@ -189,7 +189,7 @@ def _rows(n: int, rows: int, r: int) -> tuple[int, int]:
     return start, base + (1 if r < extra else 0)
 
 
-@pytest.mark.parametrize("dtype", [*INT_DTYPES[2:], *FLOAT_DTYPES], ids=str)
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
 def test_reducescatter(hvd: Any, dtype: torch.dtype) -> None:
     n, me = hvd.size(), hvd.rank()
     rows = 2 * n + 1
@@ -300,6 +300,8 @@ def test_dynamic_timeline_and_process_sets(hvd: Any, tmp_path: Any, monkeypatch:
         assert torch.equal(hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=ps),
                            torch.ones(1) * hvd.size())
         assert hvd.remove_process_set(ps) and not hvd.remove_process_set(ps)
+        with pytest.raises(ValueError):
+            hvd.start_timeline("")
         hvd.start_timeline(path)
         hvd.allreduce(torch.ones(3), name="timeline.me")
         hvd.stop_timeline()
@@ -307,9 +309,21 @@ def test_dynamic_timeline_and_process_sets(hvd: Any, tmp_path: Any, monkeypatch:
         if hvd.rank() == 0:
             text = json.dumps(json.loads(Path(path).read_text()))
             assert "timeline.me" in text
+        # init(comm=<list of ranks>, process_sets=[...]): sets registered in order from id 1
+        monkeypatch.delenv("HOROVOD_DYNAMIC_PROCESS_SETS")
+        hvd.shutdown()
+        first = hvd.ProcessSet([0])
+        hvd.init(comm=list(range(MPI.COMM_WORLD.Get_size())), process_sets=[first])
+        assert first.process_set_id == 1 and first.size() == 1
+        assert first.included() == (hvd.rank() == 0)
+        if hvd.size() > 1:
+            with pytest.raises(RuntimeError, match="global process set"):
+                hvd.allgather(torch.ones(1), process_set=first)
+        with pytest.raises(ValueError, match="dynamic"):
+            hvd.remove_process_set(first)
     finally:
         monkeypatch.delenv("HOROVOD_TIMELINE")
-        monkeypatch.delenv("HOROVOD_DYNAMIC_PROCESS_SETS")
+        monkeypatch.delenv("HOROVOD_DYNAMIC_PROCESS_SETS", raising=False)
         hvd.shutdown()
         hvd.init()
 

@@ -43,11 +43,15 @@ def _reference(n: int, passes: int, make_opt: Any) -> torch.Tensor:
     return _flat(model)
 
 
-def _train(hvd: Any, passes: int, make_opt: Any, **kwargs: Any) -> torch.Tensor:
+def _train(hvd: Any, passes: int, make_opt: Any, late_passes: bool = False,
+           **kwargs: Any) -> torch.Tensor:
     model = _model()
     opt = hvd.DistributedOptimizer(make_opt(model.parameters()),
                                    named_parameters=model.named_parameters(),
-                                   backward_passes_per_step=passes, **kwargs)
+                                   backward_passes_per_step=1 if late_passes else passes,
+                                   **kwargs)
+    if late_passes:
+        opt.set_backward_passes_per_step(passes)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     for step in range(STEPS):
         opt.zero_grad()
@@ -70,7 +74,8 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
 @pytest.mark.parametrize("passes", [1, 2])
 @pytest.mark.parametrize("compression", ["none", "fp16"])
 def test_training_matches_one_process(hvd: Any, passes: int, compression: str) -> None:
-    got = _train(hvd, passes, _sgd, compression=getattr(hvd.Compression, compression))
+    got = _train(hvd, passes, _sgd, late_passes=compression == "fp16",
+                 compression=getattr(hvd.Compression, compression))
     _same_everywhere(hvd, got)
     expect = _reference(hvd.size(), passes, _sgd)
     tol = 1e-5 if compression == "none" else 1e-2
