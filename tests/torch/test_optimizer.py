@@ -186,7 +186,25 @@ def _state(opt: torch.optim.Optimizer) -> list[Any]:
     return out
 
 
-@pytest.mark.parametrize("cls", ["SGD", "Adam", "AdamW", "RMSprop", "Adagrad"])
+def _equal(a: Any, b: Any) -> bool:
+    """Exact equality of nested state (tensors bit for bit, same dtypes and Python types)."""
+    if type(a) is not type(b):
+        return False
+    if torch.is_tensor(a):
+        return a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+OPTIMIZERS = [name for name in ("ASGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "AdamW",
+                                 "Adamax", "LBFGS", "NAdam", "RAdam", "RMSprop", "Rprop", "SGD")
+              if hasattr(torch.optim, name)]
+
+
+@pytest.mark.parametrize("cls", OPTIMIZERS)
 def test_broadcast_optimizer_state_round_trip(hvd: Any, cls: str) -> None:
     me = hvd.rank()
     kwargs = {"SGD": {"lr": 0.1, "momentum": 0.9}, "RMSprop": {"lr": 0.01, "centered": True}}
@@ -194,10 +212,15 @@ def test_broadcast_optimizer_state_round_trip(hvd: Any, cls: str) -> None:
     model = _model(seed=me)  # different on every rank
     opt = opt_cls(model.parameters(), **kwargs.get(cls, {"lr": 0.01}))
     for step in range(3 + me):  # different state (and step counts) on every rank
-        opt.zero_grad()
         x, y = _batch(step, 0, me)
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
+
+        def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            return loss
+
+        opt.step(closure)
     opt.param_groups[0]["lr"] = 0.5 + me
     root_state = hvd.broadcast_object(_state(opt) if me == 0 else None, root_rank=0)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -205,11 +228,7 @@ def test_broadcast_optimizer_state_round_trip(hvd: Any, cls: str) -> None:
     got = _state(opt)
     assert len(got) == len(root_state)
     for a, b in zip(got, root_state, strict=True):
-        assert a[0] == b[0] and type(a[1]) is type(b[1])
-        if torch.is_tensor(a[1]):
-            assert torch.equal(a[1], b[1]) and a[1].dtype == b[1].dtype, a[0]
-        else:
-            assert a[1] == b[1], a[0]
+        assert a[0] == b[0] and _equal(a[1], b[1]), a[0]
     # a fresh optimizer (no state yet) receives the root's state too
     fresh = opt_cls(model.parameters(), **kwargs.get(cls, {"lr": 0.01}))
     if me == 0:
