@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from hvdlite import _exit
 from hvdlite._fusion import FusionBuffers, nbytes, plan_buckets
 from hvdlite._negotiation import Kind, Request, Response
 from hvdlite._trace import Tracer, open_timeline
@@ -47,6 +48,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("hvdlite")
 
 _SHUTDOWN_JOIN_S = 60.0
+_ABORT_AFTER_S = 5.0  # from a job-level failure to the abort of the job
+_SHUTDOWN_GUARD_S = 10.0  # bound on a shutdown while a peer may be gone
 _MAX_REMEMBERED = 65536
 _MAX_NAP_S = 200e-6  # longest pause of a waiting caller between rounds without its result
 _MAX_PLANS = 256  # cached execution plans (see Engine._plan)
@@ -76,6 +79,8 @@ class Engine:
         from hvdlite._cycle import Negotiator
 
         base = MPI.COMM_WORLD if comm is None else comm
+        self._base = base  # what an abort ends: the whole job hvdlite was started on
+        self._guard: _exit.ExitGuard | None = None
         self.config = config if config is not None else load_config()
         _configure_logging(self.config.log_level)
         # hvdlite's traffic runs on its own duplicates so it can never match user messages.
@@ -423,7 +428,8 @@ class Engine:
         it (a peer shut down, a stall timed out, or this loop failed).
         """
         with self._lock:
-            if self._error is None and not self._stop_requested:
+            fatal = self._error is None and not self._stop_requested
+            if fatal:
                 self._error = reason
             self._stopped = True
             pending = list(self._entries.values()) + self._queue
@@ -435,10 +441,32 @@ class Engine:
             exc.__cause__ = reason.__cause__ or reason
             e.fail(exc)
         self.fusion.release()
+        if fatal and not isinstance(reason, ShutdownError):
+            self._arm_exit(reason)
+
+    def _arm_exit(self, reason: HvdliteError) -> None:
+        """The job is broken (a stall shut down, a rank failed): make sure it ends, even if a
+        peer never calls hvdlite again and this rank's exit would hang in MPI finalisation.
+        The error still reaches every caller first; _ABORT_AFTER_S later the job is aborted
+        with the reason printed once (hvdlite/_exit.py)."""
+        if self._guard is None:
+            self._guard = _exit.exit_guard(_ABORT_AFTER_S, str(reason), comm=self._base,
+                                           timeline=self.tracer.timeline)
 
     # -- lifecycle -------------------------------------------------------------------------
-    def shutdown(self) -> None:
-        """Stop the loop on every rank (it tells the others) and free the communicators."""
+    def shutdown(self, at_exit: bool = False) -> None:
+        """Stop the loop on every rank (it tells the others) and free the communicators.
+        ``at_exit``: the interpreter is exiting (the bound below then also covers MPI's
+        finalisation after it)."""
+        guard = None
+        if self._error is not None or self._entries or self._queue:
+            # A peer may be gone: the stop round, the joins and MPI's finalisation could all
+            # wait for it. Bound them (a clean exit with nothing pending arms nothing, so a
+            # rank that merely finishes later than its peers is never cut short).
+            what = "a failed job" if self._error else "collectives pending"
+            guard = _exit.exit_guard(
+                _SHUTDOWN_GUARD_S, f"hvdlite shutdown on rank {self.rank} with {what}: peers "
+                "did not respond", comm=self._base, backstop_s=0)
         if not self._stopped:
             self._stop_requested = True
             self._wake.put(None)
@@ -462,6 +490,8 @@ class Engine:
         if self._gpu is not None:
             self._gpu.shutdown()
         self.tracer.close()
+        if guard is not None and not at_exit:
+            guard.cancel()  # shut down in time; the process goes on (maybe to init again)
         for comm in (self._ctrl, self._data):
             if comm != MPI.COMM_NULL:
                 comm.Free()  # Free() resets the handle to COMM_NULL: a second call is a no-op
@@ -528,8 +558,16 @@ def init(comm: MPI.Intracomm | None = None, *, config: str | None = None,
         _default = Engine(comm, cfg)
         if not _atexit_registered:
             # Registered after mpi4py's own exit hook, so it runs before MPI is finalised.
-            atexit.register(shutdown)
+            atexit.register(_shutdown_at_exit)
             _atexit_registered = True
+
+
+def _shutdown_at_exit() -> None:
+    global _default
+    with _default_lock:
+        engine, _default = _default, None
+    if engine is not None:
+        engine.shutdown(at_exit=True)
 
 
 def shutdown() -> None:

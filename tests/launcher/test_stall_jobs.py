@@ -7,12 +7,13 @@ process ends non-zero within the bound instead of waiting forever.
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from jobs_util import clean_env
+from jobs_util import clean_env, mpiexec
 from test_run import _script, hvdliterun
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
@@ -89,3 +90,45 @@ def test_expect_stall_silences_the_inspector(tmp_path: Path) -> None:
     assert proc.returncode == 0, out
     assert "hvdlite stall" not in out and "StallError" not in out, out
     assert "rank 0 done" in out and "rank 1 done" in out
+
+
+# Rank 1 is busy in its own code (60 s) and never submits: rank 0 raises the stall error at
+# the shutdown time and the whole job must end soon after, rank 1 included (hvdlite aborts it).
+_SLEEPER = """
+import sys, time, numpy as np, hvdlite as hvd
+hvd.init()
+if hvd.rank() == 1:
+    time.sleep(60)
+    print("rank 1 woke up", flush=True)
+    sys.exit(0)
+try:
+    hvd.allreduce(np.ones(4, np.float32), name="grad.w")
+except hvd.StallError as exc:
+    print(f"rank 0 StallError: {exc}", flush=True)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("launcher", ["mpiexec", "hvdliterun"])
+def test_stalled_job_ends_when_a_rank_is_busy_in_user_code(tmp_path: Path, launcher: str) -> None:
+    """Issue 12: stall shutdown at 3 s, the job gone within shutdown + 10 s on both launchers,
+    the message naming the tensor and the missing rank, and a failing exit code."""
+    script = _script(tmp_path, "sleeper.py", _SLEEPER)
+    knobs = {"HVDLITE_STALL_CHECK_TIME_SECONDS": "1", "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS": "3"}
+    start = time.monotonic()
+    if launcher == "hvdliterun":
+        proc = hvdliterun("-np", "2", "--stall-check-time-s", "1", "--stall-shutdown-time-s",
+                          "3", "--", sys.executable, script, timeout=60)
+        out = proc.stdout + proc.stderr
+        rc = proc.returncode
+    else:
+        done = subprocess.run([mpiexec(), "-n", "2", sys.executable, script],
+                              env=clean_env(**knobs), capture_output=True, text=True,
+                              timeout=60, check=False)
+        out, rc = done.stdout + done.stderr, done.returncode
+    elapsed = time.monotonic() - start
+    assert rc != 0, out
+    assert elapsed < 13, f"job took {elapsed:.1f} s to end (stall shutdown 3 s): {out}"
+    assert "rank 1 woke up" not in out, out
+    assert "rank 0 StallError" in out and "grad.w" in out, out
+    assert re.search(r"missing[^\n]*\b1\b|rank 1", out), out
