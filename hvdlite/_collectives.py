@@ -67,9 +67,15 @@ def _output(kind: Kind, ref: TensorRef, out: Any, inplace: bool, name: str) -> A
         return src
     if out is None:
         return empty_like_ref(ref) if kind in _SHAPE_KNOWN else None
-    if (type(out) is type(src) is np.ndarray and out.shape == src.shape
-            and out.dtype == src.dtype and out.flags.writeable and out.flags.c_contiguous):
-        return out  # the steady state of out= on host arrays: nothing more to check
+    if type(out) is type(src) and out.shape == src.shape and out.dtype == src.dtype:
+        # The steady state of out=: the same kind of array as the input, checked cheaply.
+        flags = out.flags
+        if type(src) is np.ndarray:
+            if flags.writeable and flags.c_contiguous:
+                return out
+        elif (_module_name(out) == "cupy" and flags.c_contiguous
+              and out.data.device_id == ref.device_id):
+            return out
     what = _what(kind, name)
     oref = wrap(out, f"{what} (out=)")
     arr = oref.array
@@ -80,6 +86,10 @@ def _output(kind: Kind, ref: TensorRef, out: Any, inplace: bool, name: str) -> A
         )
     _writable(arr, what, "out=")
     return arr
+
+
+def _module_name(obj: Any) -> str:
+    return type(obj).__module__.split(".", 1)[0]
 
 
 # Checks that depend only on (dtype, device kind, collective, op, factors), done once per key
@@ -153,7 +163,7 @@ def _prepare_device(engine: Engine, ref: TensorRef, handle: Handle, stream: Any)
     device_id = ref.device_id
     event = runtime.record_ready(ref.framework, device_id, stream)
     handle.attach_device(runtime.stream_waiter(ref.framework, device_id),
-                         runtime.async_completion, device_id)
+                         runtime.async_completion, device_id, event)
     return event
 
 

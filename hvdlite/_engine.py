@@ -240,6 +240,17 @@ class Engine:
                 self._cycle(caller=True)
                 if handle._resolved:
                     return
+                ready = handle._ready
+                if ready is not None and not ready.done:
+                    # Our own input is still being produced: wait for it here (this thread
+                    # waits anyway; the GIL and the cycle lock are free meanwhile, so other
+                    # tensors keep moving), then announce it at once.
+                    lock.release()
+                    try:
+                        ready.synchronize()
+                    finally:
+                        lock.acquire()
+                    continue
                 # A round that did not resolve us: a peer had not submitted yet. Go again at
                 # once (it is usually there by the next round), then pace the rounds.
                 misses += 1

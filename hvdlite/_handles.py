@@ -73,6 +73,7 @@ class Handle:
         "_gate",
         "_keep",
         "_lock",
+        "_ready",
         "_remaining",
         "_resolved",
         "_results",
@@ -98,6 +99,7 @@ class Handle:
         self._completions: list[Callable[[], None]] = []
         self._async = False
         self._device = -1
+        self._ready: Any = None  # the READY event of a device call (all its tensors share it)
         self._waiter: Callable[[Handle, Any], None] | None = None
         # Objects that must stay alive until the device finished with them (inputs, buffers).
         self._keep: list[Any] = []
@@ -106,9 +108,11 @@ class Handle:
 
     # -- set up by the collective at submission ------------------------------------------
     def attach_device(self, waiter: Callable[[Handle, Any], None], async_completion: bool,
-                      device: int) -> None:
-        """Mark this a device handle: ``waiter`` orders a stream after the DONE events."""
+                      device: int, ready: Any = None) -> None:
+        """Mark this a device handle: ``waiter`` orders a stream after the DONE events;
+        ``ready`` is the READY event recorded for its inputs."""
         self._waiter, self._async, self._device = waiter, async_completion, device
+        self._ready = ready
 
     def attach_driver(self, driver: Callable[[Handle], None]) -> None:
         self._driver = driver
@@ -212,7 +216,8 @@ class Handle:
             self._finish()
         if self._exc is not None:
             raise self._exc
-        if self._waiter is not None:
+        if self._async and self._waiter is not None:
+            # Sync completion needs no stream wait: DONE has completed on the device.
             self._waiter(self, None)
         return self._results if self._as_list else self._results[0]
 

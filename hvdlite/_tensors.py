@@ -65,7 +65,7 @@ def wrap(obj: Any, what: Any, name: str | None = None) -> TensorRef:
     if module == "cupy":
         if not obj.flags.c_contiguous:
             _require_contiguous(False, label(what, name), "cupy.ascontiguousarray(x)")
-        device_id = obj.device.id
+        device_id = obj.data.device_id  # an int attribute; obj.device builds an object
         return TensorRef(obj, _CUDA_NAMES[device_id] if device_id < len(_CUDA_NAMES)
                          else f"cuda:{device_id}", "cupy", _identity, device_id)
     if module == "torch":

@@ -44,6 +44,7 @@ class NcclBackend:
         self._comms: dict[int, Any] = {}
         # ncclAvg divides inside the collective (no extra kernel) where NCCL has it.
         self._avg = getattr(nccl, "NCCL_AVG", None)
+        self._directs: dict[tuple[str, int, bool], tuple[int, int, int] | None] = {}
         self._ops = {ReduceOp.SUM: nccl.NCCL_SUM, ReduceOp.AVERAGE: nccl.NCCL_SUM,
                      ReduceOp.MIN: nccl.NCCL_MIN, ReduceOp.MAX: nccl.NCCL_MAX,
                      ReduceOp.PRODUCT: nccl.NCCL_PROD}
@@ -71,6 +72,11 @@ class NcclBackend:
 
     def run(self, bucket: list[Response], entries: list[Entry | None]) -> None:
         """Enqueue one bucket on the device and hand its completion to the runtime."""
+        if len(bucket) == 1 and entries[0] is not None and not self.tracer.on:
+            direct = self._direct_op(bucket[0])
+            if direct is not None:
+                self._run_direct(bucket[0], entries, direct)
+                return
         live = [e for e in entries if e is not None]
         device_id = live[0].tensor.device_id if live and live[0].tensor else \
             self.runtime.default_device
@@ -92,6 +98,45 @@ class NcclBackend:
             if switch:
                 cuda.runtime.setDevice(prev)
         self.runtime.complete(ctx, entries, self._outputs, self._timed)
+
+    def _direct_op(self, resp: Response) -> tuple[int, int, int] | None:
+        """(NCCL dtype, elements per value, NCCL op) when ``resp`` is one NCCL call and
+        nothing else (an unscaled allreduce whose op NCCL computes itself), else None."""
+        if resp.kind is not Kind.ALLREDUCE or resp.prescale != 1.0 or resp.postscale != 1.0:
+            return None
+        key = (resp.dtype, resp.op, bool(resp.joined))
+        hit = self._directs.get(key, False)
+        if hit is False:
+            row = DTYPES[resp.dtype]
+            op = ReduceOp(resp.op)
+            dtype, per = self._wire(row)
+            if op is not ReduceOp.AVERAGE:
+                hit = (dtype, per, self._op(row, op))
+            elif self._avg is not None and row.kind == "float" and not resp.joined:
+                hit = (dtype, per, self._avg)
+            else:
+                hit = None
+            self._directs[key] = hit
+        return hit  # type: ignore[return-value]
+
+    def _run_direct(self, resp: Response, entries: list[Entry | None],
+                    direct: tuple[int, int, int]) -> None:
+        # The steady state of small allreduces: one stream wait, one NCCL call, one DONE
+        # record; no CuPy stream context and no kernel (NCCL computes the op, Average
+        # included), so nothing here depends on this thread's current device or stream.
+        entry = entries[0]
+        assert entry is not None and entry.tensor is not None
+        device_id = entry.tensor.device_id
+        ctx = self.runtime.context(device_id)
+        comm = self._comms.get(device_id) or self.communicator(device_id)
+        stream = ctx.stream
+        if entry.ready is not None:
+            stream.wait_event(entry.ready)
+            ctx.release(entry.ready, 1)
+        src, out = entry.tensor.array, entry.output
+        dtype, per, op = direct
+        comm.allReduce(src.data.ptr, out.data.ptr, src.size * per, dtype, op, stream.ptr)
+        self.runtime.complete(ctx, entries, [out])
 
     def _enqueue(self, ctx: DeviceContext, comm: Any, bucket: list[Response],
                  entries: list[Entry | None], live: list[Entry]) -> None:
