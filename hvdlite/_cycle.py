@@ -119,6 +119,10 @@ class Negotiator:
         # Device entries whose producer has not finished (READY not complete): held back from
         # negotiation, so a tensor ready everywhere never queues behind one still produced.
         self._unready: list[Entry] = []
+        # The one handle whose entries are announced even with their producer running: set
+        # by a waiting caller when nothing else is pending on this rank (nothing can queue
+        # behind it then), so its collective waits on the device, not on the CPU.
+        self.announce_now: object = None
         self._join: str | None = None  # this rank's pending join, if any
         self._next_demote = 0.0
 
@@ -146,7 +150,7 @@ class Negotiator:
         if self._unready:
             self._unready = [e for e in self._unready if not self._released(e, entries, now)]
         for e in new:
-            if e.ready is not None and not e.ready.done:
+            if e.ready is not None and e.handle is not self.announce_now and not e.ready.done:
                 self._unready.append(e)
             else:
                 self._classify(e.request, now)
@@ -183,7 +187,7 @@ class Negotiator:
         non-blocking query, never a CPU wait), and it is classified now; or it is gone."""
         if entries.get(e.request.name) is not e:
             return True  # failed meanwhile (shutdown, a peer's failure)
-        if not e.ready.done:
+        if e.handle is not self.announce_now and not e.ready.done:
             return False
         self._classify(e.request, now)
         return True

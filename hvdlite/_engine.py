@@ -236,15 +236,23 @@ class Engine:
             lock.acquire()
         try:
             misses = 0
+            ready = handle._ready
+            if ready is not None and self._alone(handle) and not ready.done:
+                self.negotiator.announce_now = handle  # see below
             while not handle._resolved and not self._stopped:
                 self._cycle(caller=True)
                 if handle._resolved:
                     return
                 ready = handle._ready
                 if ready is not None and not ready.done:
-                    # Our own input is still being produced: wait for it here (this thread
-                    # waits anyway; the GIL and the cycle lock are free meanwhile, so other
-                    # tensors keep moving), then announce it at once.
+                    if self._alone(handle):
+                        # Nothing else pending here, so nothing can queue behind it: announce
+                        # it now and let hvdlite's stream wait for the producer (no CPU wait).
+                        self.negotiator.announce_now = handle
+                        continue
+                    # Our own input is still being produced and other work is pending: wait
+                    # for it here (this thread waits anyway; the GIL and the cycle lock are
+                    # free meanwhile, so the other tensors keep moving), then announce it.
                     lock.release()
                     try:
                         ready.synchronize()
@@ -262,7 +270,15 @@ class Engine:
             if not isinstance(exc, Exception):
                 raise  # KeyboardInterrupt and friends: the engine is failed, the user sees it
         finally:
+            self.negotiator.announce_now = None
             lock.release()
+
+    def _alone(self, handle: Handle) -> bool:
+        """Whether ``handle``'s tensors are all the work pending on this rank."""
+        queued, entries = self._queue, self._entries
+        return (len(queued) + len(entries) <= len(handle._results)
+                and all(e.handle is handle for e in queued)
+                and all(e.handle is handle for e in entries.values()))
 
     def _run(self) -> None:
         while True:
