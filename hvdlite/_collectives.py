@@ -17,12 +17,12 @@ from typing import Any
 
 import numpy as np
 
+from hvdlite._control.negotiation import Kind, Request
+from hvdlite._control.work import Entry
 from hvdlite._engine import Engine, default_engine
 from hvdlite._handles import Handle
-from hvdlite._negotiation import Kind, Request
 from hvdlite._ops import Average, DType, ReduceOp, check_device_dtype, check_op, lookup_dtype
 from hvdlite._tensors import TensorRef, empty_like_ref, wrap
-from hvdlite._work import Entry
 
 __all__ = [
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",

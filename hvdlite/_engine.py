@@ -20,10 +20,10 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hvdlite import _exit
-from hvdlite._fusion import FusionBuffers, nbytes, plan_buckets
-from hvdlite._negotiation import Kind, Request, Response
-from hvdlite._trace import Tracer, open_timeline
-from hvdlite._work import Entry
+from hvdlite._control.fusion import FusionBuffers, nbytes, plan_buckets
+from hvdlite._control.negotiation import Kind, Request, Response
+from hvdlite._control.work import Entry
+from hvdlite._observe.tracer import Tracer, open_timeline
 from hvdlite.config import Config, load_config
 from hvdlite.errors import (
     HvdliteError,
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from hvdlite._backends.nccl import NcclBackend
     from hvdlite._gpu.runtime import GpuRuntime
     from hvdlite._handles import Handle
-    from hvdlite._timeline import Timeline
+    from hvdlite._observe.timeline import Timeline
 
 log = logging.getLogger("hvdlite")
 
@@ -76,7 +76,7 @@ class Engine:
         from mpi4py import MPI
 
         from hvdlite._backends.mpi import MPIBackend, host_alloc
-        from hvdlite._cycle import Negotiator
+        from hvdlite._control.negotiator import Negotiator
 
         base = MPI.COMM_WORLD if comm is None else comm
         self._base = base  # what an abort ends: the whole job hvdlite was started on

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from hvdlite import _rankwrap
 
 if TYPE_CHECKING:
-    from hvdlite._timeline import Timeline
+    from hvdlite._observe.timeline import Timeline
 
 __all__ = ["ExitGuard", "abort_job", "announce", "exit_guard"]
 

@@ -14,12 +14,12 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from hvdlite._failures import FailureChannel
-from hvdlite._fusion import FusionBuffers
-from hvdlite._negotiation import Kind, Response
+from hvdlite._control.failures import FailureChannel
+from hvdlite._control.fusion import FusionBuffers
+from hvdlite._control.negotiation import Kind, Response
+from hvdlite._control.work import Entry, finish_all
+from hvdlite._observe.tracer import Tracer
 from hvdlite._ops import DTYPES, DType, ReduceOp, finish_reduce, scale_into
-from hvdlite._trace import Tracer
-from hvdlite._work import Entry, finish_all
 
 __all__ = ["MPIBackend", "mpi_datatype", "mpi_op"]
 

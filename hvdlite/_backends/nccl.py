@@ -16,13 +16,13 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from hvdlite._fusion import FusionBuffers
+from hvdlite._control.fusion import FusionBuffers
+from hvdlite._control.negotiation import Kind, Response
+from hvdlite._control.work import Entry
 from hvdlite._gpu.kernels import batched_copy
 from hvdlite._gpu.runtime import DeviceContext, GpuRuntime
-from hvdlite._negotiation import Kind, Response
+from hvdlite._observe.tracer import Tracer
 from hvdlite._ops import DTYPES, DType, ReduceOp, finish_reduce, nccl_wire, scale_into
-from hvdlite._trace import Tracer
-from hvdlite._work import Entry
 
 __all__ = ["NcclBackend"]
 

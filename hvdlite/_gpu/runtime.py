@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from hvdlite._trace import Tracer
-from hvdlite._work import finish_all
+from hvdlite._control.work import finish_all
+from hvdlite._observe.tracer import Tracer
 from hvdlite.errors import BackendUnavailableError
 
 __all__ = ["GpuRuntime", "import_cupy", "current_stream"]

@@ -115,8 +115,8 @@ def test_idle_nap_is_cut_short_by_local_work() -> None:
 
     from mpi4py import MPI
 
-    from hvdlite._cycle import Negotiator
-    from hvdlite._trace import Tracer
+    from hvdlite._control.negotiator import Negotiator
+    from hvdlite._observe.tracer import Tracer
     from hvdlite.config import load_config
 
     comm = MPI.COMM_SELF.Dup()

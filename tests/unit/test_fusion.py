@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hvdlite._fusion import FusionBuffers, nbytes, plan_buckets
-from hvdlite._negotiation import Kind, Response
+from hvdlite._control.fusion import FusionBuffers, nbytes, plan_buckets
+from hvdlite._control.negotiation import Kind, Response
 from hvdlite._ops import ReduceOp
 
 

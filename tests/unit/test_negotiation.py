@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from hvdlite._negotiation import (
+from hvdlite._control.negotiation import (
     CoordinatorTable,
     Kind,
     Request,

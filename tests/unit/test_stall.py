@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from hvdlite._negotiation import CoordinatorTable, Kind, Request, StallReport
-from hvdlite._stall import StallInspector, format_stall_table
+from hvdlite._control.negotiation import CoordinatorTable, Kind, Request, StallReport
+from hvdlite._control.stall import StallInspector, format_stall_table
 from hvdlite.config import Config
 
 

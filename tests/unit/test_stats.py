@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from hvdlite._stats import Stats, percentile
+from hvdlite._observe.stats import Stats, percentile
 
 
 def _nearest_rank(values: list[float], q: float) -> float:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hvdlite._timeline import Timeline
+from hvdlite._observe.timeline import Timeline
 from timeline import load, merge_continued, pair
 from timeline.check import check_file
 
@@ -285,7 +285,7 @@ def test_bad_arguments(tmp_path: Path) -> None:
 
 _CHILD = """
 import os, signal, sys, time
-from hvdlite._timeline import Timeline
+from hvdlite._observe.timeline import Timeline
 path, mode = sys.argv[1], sys.argv[2]
 tl = Timeline(path, 0, flush_interval_s=0.05)
 if mode == "handler":
@@ -354,7 +354,7 @@ def test_file_is_valid_after_kill(tmp_path: Path, mode: str, sig: int | None) ->
 
 _HOOK_CHILD = """
 import os, signal, sys, time
-from hvdlite._timeline import Timeline
+from hvdlite._observe.timeline import Timeline
 path, mode, sig = sys.argv[1], sys.argv[2], getattr(signal, sys.argv[3])
 def user(signum, frame):
     print(f"user handler ran", flush=True)
@@ -422,7 +422,7 @@ def test_signal_hook_keeps_every_event_and_chains(tmp_path: Path, mode: str,
 def test_hook_gives_the_signal_back_and_leaves_later_handlers(tmp_path: Path) -> None:
     """Closing the last timeline restores the previous SIGTERM handler if the hook is still
     the installed one; a handler installed after the hook stays."""
-    import hvdlite._timeline as tlmod
+    import hvdlite._observe.timeline as tlmod
 
     before = signal.getsignal(signal.SIGTERM)
     tl = Timeline(str(tmp_path / "a.json"), 0)
@@ -519,7 +519,7 @@ def test_close_from_signal_handler_while_flushing(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- NVTX ranges
 
 def test_nvtx_disabled_is_the_shared_noop() -> None:
-    from hvdlite import _nvtx
+    from hvdlite._observe import nvtx as _nvtx
 
     assert _nvtx.range("x", False) is _nvtx.range("y", False)
     with _nvtx.range("x", False):
@@ -530,7 +530,7 @@ def test_nvtx_disabled_is_the_shared_noop() -> None:
 
 def test_nvtx_missing_package_falls_back(monkeypatch: pytest.MonkeyPatch,
                                          caplog: pytest.LogCaptureFixture) -> None:
-    from hvdlite import _nvtx
+    from hvdlite._observe import nvtx as _nvtx
 
     monkeypatch.setitem(sys.modules, "nvtx", None)  # import nvtx -> ImportError
     _nvtx._reset_for_tests()
@@ -549,7 +549,7 @@ def test_nvtx_missing_package_falls_back(monkeypatch: pytest.MonkeyPatch,
 
 def test_nvtx_ranges_with_the_package() -> None:
     pytest.importorskip("nvtx")
-    from hvdlite import _nvtx
+    from hvdlite._observe import nvtx as _nvtx
 
     _nvtx._reset_for_tests()
     assert _nvtx.available()

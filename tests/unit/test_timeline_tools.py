@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from hvdlite._timeline import Timeline
+from hvdlite._observe.timeline import Timeline
 from timeline import Span, check, load, merge, pair, plot, summarize
 from timeline import __main__ as cli
 

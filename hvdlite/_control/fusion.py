@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from hvdlite._negotiation import Kind, Response
+from hvdlite._control.negotiation import Kind, Response
 
 __all__ = ["nbytes", "plan_buckets", "FusionBuffers"]
 

@@ -11,13 +11,13 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from hvdlite import _nvtx
-from hvdlite._stats import Stats
+from hvdlite._observe import nvtx as _nvtx
+from hvdlite._observe.stats import Stats
 
 if TYPE_CHECKING:
-    from hvdlite._negotiation import Response
-    from hvdlite._timeline import Timeline
-    from hvdlite._work import Entry
+    from hvdlite._control.negotiation import Response
+    from hvdlite._control.work import Entry
+    from hvdlite._observe.timeline import Timeline
 
 __all__ = ["Tracer", "open_timeline"]
 
@@ -34,7 +34,7 @@ def open_timeline(path: str, rank: int, mark_cycles: bool, max_bytes: int = 0,
     """
     if rank != 0 and "{rank}" not in path:
         return None
-    from hvdlite._timeline import Timeline
+    from hvdlite._observe.timeline import Timeline
 
     return Timeline(path, rank, mark_cycles=mark_cycles, max_bytes=max_bytes,
                     clock_offset_us=clock_offset_us)

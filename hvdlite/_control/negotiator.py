@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from mpi4py import MPI
 
-from hvdlite._failures import FailureChannel
-from hvdlite._negotiation import (
+from hvdlite._control.failures import FailureChannel
+from hvdlite._control.negotiation import (
     CoordinatorTable,
     Kind,
     Request,
@@ -34,9 +34,9 @@ from hvdlite._negotiation import (
     unpack_request,
     unpack_response,
 )
-from hvdlite._stall import StallInspector
-from hvdlite._trace import Tracer
-from hvdlite._work import Entry
+from hvdlite._control.stall import StallInspector
+from hvdlite._control.work import Entry
+from hvdlite._observe.tracer import Tracer
 from hvdlite.config import Config
 from hvdlite.errors import HvdliteError, ShutdownError, StallError
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from hvdlite._control.negotiation import Request
 from hvdlite._handles import Handle
-from hvdlite._negotiation import Request
 from hvdlite._tensors import TensorRef
 
 __all__ = ["Entry", "finish_all"]

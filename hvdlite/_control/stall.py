@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
-from hvdlite._negotiation import CoordinatorTable, StallReport
+from hvdlite._control.negotiation import CoordinatorTable, StallReport
 from hvdlite.config import Config
 
 __all__ = ["StallInspector", "format_stall_table"]
