@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from hvdlite._control.negotiation import Kind, Request
+from hvdlite._control.negotiation import SPECS, Kind, Request
 from hvdlite._control.work import Entry
 from hvdlite._engine import Engine, default_engine
 from hvdlite._handles import Handle
@@ -32,7 +32,6 @@ __all__ = [
     "reducescatter_async", "barrier", "barrier_async", "join", "poll", "synchronize",
 ]
 
-_SHAPE_KNOWN = (Kind.ALLREDUCE, Kind.BROADCAST)
 
 
 def _check_name(name: object) -> None:
@@ -66,7 +65,7 @@ def _output(kind: Kind, ref: TensorRef, out: Any, inplace: bool, name: str) -> A
             _writable(src, _what(kind, name), "the in-place tensor")
         return src
     if out is None:
-        return empty_like_ref(ref) if kind in _SHAPE_KNOWN else None
+        return empty_like_ref(ref) if SPECS[kind].preallocated else None
     if type(out) is type(src) and out.shape == src.shape and out.dtype == src.dtype:
         # The steady state of out=: the same kind of array as the input, checked cheaply.
         flags = out.flags
@@ -139,7 +138,7 @@ def _submit(kind: Kind, tensors: Sequence[Any], name: str | None, *, op: ReduceO
         user_out = outs[i] if outs is not None else None
         out = _output(kind, ref, user_out, inplace, tname) if (
             inplace or user_out is not None) else (
-            empty_like_ref(ref) if kind in _SHAPE_KNOWN else None)
+            empty_like_ref(ref) if SPECS[kind].preallocated else None)
         entry = Entry(req, ref, out, handle, i,
                       tensor if inplace else user_out)
         if ref.is_cuda:
@@ -171,13 +170,13 @@ def _check_reduction(kind: Kind, row: DType, is_cuda: bool, op: ReduceOp, presca
                      postscale: float, what: str) -> tuple[int, float, float]:
     """The checks that depend only on the dtype: op, scale factors, device support."""
     opv = 0
-    if kind in (Kind.ALLREDUCE, Kind.REDUCESCATTER):
+    reduces = SPECS[kind].reduces
+    if reduces:
         opv = int(check_op(row, op, what))
         prescale = _check_factor(prescale, "prescale_factor", row, what)
         postscale = _check_factor(postscale, "postscale_factor", row, what)
     if is_cuda:
-        check_device_dtype(row, ReduceOp(opv) if kind in (Kind.ALLREDUCE, Kind.REDUCESCATTER)
-                           else None, what)
+        check_device_dtype(row, ReduceOp(opv) if reduces else None, what)
     return opv, prescale, postscale
 
 
@@ -191,7 +190,7 @@ def _fields(engine: Engine, kind: Kind, name: str, ref: TensorRef, dtype: str,
     if kind is not Kind.ALLREDUCE:
         if kind is Kind.BROADCAST:
             root = _root(root, engine.size, _what(kind, name))
-        if kind in (Kind.ALLGATHER, Kind.ALLTOALL, Kind.REDUCESCATTER) and not shape:
+        if SPECS[kind].needs_dim0 and not shape:
             raise ValueError(f"{_what(kind, name)}: needs at least one dimension, got a 0-d "
                              "tensor; reshape it to (1,)")
         if kind is Kind.ALLTOALL:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from hvdlite import _exit
 from hvdlite._control.fusion import FusionBuffers, nbytes, plan_buckets
-from hvdlite._control.negotiation import Kind, Request, Response
+from hvdlite._control.negotiation import SPECS, Request, Response
 from hvdlite._control.work import Entry
 from hvdlite._observe.tracer import Tracer, open_timeline
 from hvdlite.config import Config, load_config
@@ -40,7 +40,7 @@ __all__ = ["Engine", "init", "shutdown", "is_initialized", "rank", "size", "loca
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-    from hvdlite._backends.nccl import NcclBackend
+    from hvdlite._backends.base import Backend
     from hvdlite._gpu.runtime import GpuRuntime
     from hvdlite._handles import Handle
     from hvdlite._observe.timeline import Timeline
@@ -139,7 +139,8 @@ class Engine:
         self._expecting_stall = 0
         self._entries: dict[str, Entry] = {}
         self._gpu: GpuRuntime | None = None  # created at the first device tensor
-        self._nccl: NcclBackend | None = None  # created by the loop at the first device bucket
+        # Data planes by device kind, one Backend protocol (hvdlite/_backends/base.py).
+        self._backends: dict[str, Backend] = {"cpu": self.mpi}
         self._switch_interval = sys.getswitchinterval()
         if self.config.gil_switch_interval_us > 0:
             sys.setswitchinterval(min(self._switch_interval,
@@ -419,34 +420,30 @@ class Engine:
 
     def _run_bucket(self, bucket: list[Response], entries: list[Entry | None]) -> None:
         head = bucket[0]
-        if head.error:
+        if head.error:  # the ranks disagreed (or a stall was declared): nothing runs
             cls = StallError if head.error.startswith("stall:") else MismatchError
             for e in entries:
                 if e is not None:
                     e.fail(cls(head.error.removeprefix("stall: ")))
             return
-        if head.kind is Kind.BARRIER:
+        result = SPECS[head.kind].result
+        if result is not None:  # an agreement only (barrier, join): done once agreed
             for e in entries:
                 if e is not None:
-                    e.finish(None)
+                    e.finish(result(head))
             return
-        if head.kind is Kind.JOIN:
-            for e in entries:
-                if e is not None:
-                    e.finish(head.last_joined)
-            return
-        if head.device == "cuda":
-            self._nccl_backend().run(bucket, entries)
-        else:
-            self.mpi.run(bucket, entries)
+        self._backend(head.device).run(bucket, entries)
 
-    def _nccl_backend(self) -> NcclBackend:
-        if self._nccl is None:
+    def _backend(self, device: str) -> Backend:
+        """The data plane for ``device`` memory ("cpu": MPI; "cuda": NCCL, made on first
+        use, since it imports CuPy and creates NCCL communicators)."""
+        backend = self._backends.get(device)
+        if backend is None:
             from hvdlite._backends.nccl import NcclBackend
 
-            self._nccl = NcclBackend(self._data, self.gpu_runtime(),
-                                     self.config.fusion_threshold, self.tracer)
-        return self._nccl
+            backend = self._backends[device] = NcclBackend(
+                self._data, self.gpu_runtime(), self.config.fusion_threshold, self.tracer)
+        return backend
 
     def _finish(self, reason: HvdliteError) -> None:
         """Stop for good: fail everything pending with ``reason``.
@@ -512,8 +509,8 @@ class Engine:
         if self._gpu is not None:
             self._gpu.synchronize()
             self._gpu.retirer.retire(wait=True)
-        if self._nccl is not None:
-            self._nccl.shutdown()
+        for backend in self._backends.values():
+            backend.shutdown()
         if self._gpu is not None:
             self._gpu.shutdown()
         self.tracer.close()

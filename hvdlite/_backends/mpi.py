@@ -101,6 +101,9 @@ class MPIBackend:
         if entries[0] is not None:
             entries[0].finish(out)
 
+    def shutdown(self) -> None:
+        """Nothing to release: the engine frees the communicator and the fusion buffers."""
+
     def _wait(self, req: MPI.Request) -> None:
         # Nonblocking collective waited together with the peers' failure notice (a plain
         # blocking call would wait forever for a rank whose loop died): inside MPI when this

@@ -8,11 +8,10 @@ from typing import Any
 
 import numpy as np
 
-from hvdlite._control.negotiation import Kind, Response
+from hvdlite._control.negotiation import SPECS, Response
 
 __all__ = ["nbytes", "plan_buckets", "FusionBuffers"]
 
-_FUSABLE = frozenset({Kind.ALLREDUCE})
 
 
 _ITEMSIZE: dict[str, int] = {}
@@ -37,7 +36,7 @@ def plan_buckets(responses: Sequence[Response], threshold: int) -> list[list[Res
     open_by_key: dict[tuple[object, ...], tuple[list[Response], int]] = {}
     for resp in responses:
         size = nbytes(resp)
-        if resp.kind not in _FUSABLE or resp.error or size > threshold or threshold <= 0:
+        if not SPECS[resp.kind].fusable or resp.error or size > threshold or threshold <= 0:
             buckets.append([resp])
             continue
         key = resp.fusion_key()

@@ -10,12 +10,12 @@ from __future__ import annotations
 import enum
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-__all__ = ["Kind", "Request", "Response", "CoordinatorTable", "ResponseCache", "StallReport",
-           "pack_request", "unpack_request", "pack_response", "unpack_response"]
+__all__ = ["Kind", "Spec", "SPECS", "Request", "Response", "CoordinatorTable", "ResponseCache",
+           "StallReport", "pack_request", "unpack_request", "pack_response", "unpack_response"]
 
 
 class Kind(enum.IntEnum):
@@ -75,23 +75,44 @@ class Response:
         return (self.kind, self.dtype, self.device, self.op, self.prescale, self.postscale)
 
 
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """One collective, described once: what the call layer validates, what the ranks must
+    agree on, whether it fuses and caches, and who executes it. Adding a collective is adding
+    a row here plus its executor in each backend (``Backend.run`` dispatches on ``kind``)."""
+
+    kind: Kind
+    reduces: bool  # takes a reduce op and scale factors
+    preallocated: bool  # output shape known at the call (allocated there, or in place)
+    needs_dim0: bool  # refuses 0-d tensors (splits or gathers along dim 0)
+    fusable: bool  # compatible instances may share a fusion bucket
+    cacheable: bool  # its response may be reused from the response cache
+    checks: tuple[tuple[str, str], ...]  # (field, label) compared across ranks
+    # Agreement-only collectives (no data) complete on the engine with this result.
+    result: Callable[[Response], Any] | None = None
+
+
 # Fields compared across ranks, by collective: (field, label for the message).
 _COMMON = (("kind", "collective"), ("dtype", "dtype"), ("device", "device"))
-_CHECKS: dict[Kind, tuple[tuple[str, str], ...]] = {
-    Kind.ALLREDUCE: (
-        *_COMMON,
-        ("op", "reduce op"),
-        ("shape", "shape"),
-        ("prescale", "prescale_factor"),
-        ("postscale", "postscale_factor"),
-    ),
-    Kind.REDUCESCATTER: (*_COMMON, ("op", "reduce op"), ("shape", "shape")),
-    Kind.BROADCAST: (*_COMMON, ("root", "root rank"), ("shape", "shape")),
-    Kind.ALLGATHER: (*_COMMON, ("trailing", "shape after dim 0")),
-    Kind.ALLTOALL: (*_COMMON, ("trailing", "shape after dim 0")),
-    Kind.BARRIER: (("kind", "collective"),),
-    Kind.JOIN: (("kind", "collective"),),
-}
+_REDUCE = (("op", "reduce op"), ("shape", "shape"))
+_ALONE = (("kind", "collective"),)
+SPECS: dict[Kind, Spec] = {s.kind: s for s in (
+    Spec(Kind.ALLREDUCE, reduces=True, preallocated=True, needs_dim0=False, fusable=True,
+         cacheable=True, checks=(*_COMMON, *_REDUCE, ("prescale", "prescale_factor"),
+                                 ("postscale", "postscale_factor"))),
+    Spec(Kind.REDUCESCATTER, reduces=True, preallocated=False, needs_dim0=True, fusable=False,
+         cacheable=True, checks=(*_COMMON, *_REDUCE)),
+    Spec(Kind.BROADCAST, reduces=False, preallocated=True, needs_dim0=False, fusable=False,
+         cacheable=True, checks=(*_COMMON, ("root", "root rank"), ("shape", "shape"))),
+    Spec(Kind.ALLGATHER, reduces=False, preallocated=False, needs_dim0=True, fusable=False,
+         cacheable=True, checks=(*_COMMON, ("trailing", "shape after dim 0"))),
+    Spec(Kind.ALLTOALL, reduces=False, preallocated=False, needs_dim0=True, fusable=False,
+         cacheable=True, checks=(*_COMMON, ("trailing", "shape after dim 0"))),
+    Spec(Kind.BARRIER, reduces=False, preallocated=False, needs_dim0=False, fusable=False,
+         cacheable=False, checks=_ALONE, result=lambda resp: None),
+    Spec(Kind.JOIN, reduces=False, preallocated=False, needs_dim0=False, fusable=False,
+         cacheable=False, checks=_ALONE, result=lambda resp: resp.last_joined),
+)}
 
 _FIXES = {
     "shape": "pass tensors of the same shape on every rank",
@@ -108,7 +129,7 @@ def _field(req: Request, name: str) -> object:
     value = getattr(req, name)
     if name == "kind":
         return Kind(value).name.lower()
-    if name == "op" and req.kind in (Kind.ALLREDUCE, Kind.REDUCESCATTER):
+    if name == "op" and SPECS[req.kind].reduces:
         from hvdlite._ops import ReduceOp
 
         return ReduceOp(value).name.title()
@@ -118,7 +139,7 @@ def _field(req: Request, name: str) -> object:
 def mismatch_message(name: str, by_rank: dict[int, Request]) -> str:
     """'' if the ranks agree on ``name``; else one line naming the field and each rank's value."""
     first = by_rank[min(by_rank)]
-    for fld, label in _CHECKS.get(first.kind, _COMMON):
+    for fld, label in SPECS[first.kind].checks:
         values: dict[object, list[int]] = {}
         for rank in sorted(by_rank):
             values.setdefault(_field(by_rank[rank], fld), []).append(rank)
@@ -309,7 +330,7 @@ class ResponseCache:
 
     def put(self, response: Response, request: Request | None) -> int:
         """Cache ``response``; return the slot evicted to make room for it (-1 if none)."""
-        if self.capacity == 0 or response.error or response.kind in (Kind.JOIN, Kind.BARRIER):
+        if self.capacity == 0 or response.error or not SPECS[response.kind].cacheable:
             return -1
         if response.joined:
             return -1  # depends on who had joined: not reusable later

@@ -24,6 +24,7 @@ from mpi4py import MPI
 
 from hvdlite._control.failures import FailureChannel
 from hvdlite._control.negotiation import (
+    SPECS,
     CoordinatorTable,
     Kind,
     Request,
@@ -195,7 +196,7 @@ class Negotiator:
     def _classify(self, req: Request, now: float) -> None:
         if req.kind is Kind.JOIN:
             self._join = req.name
-        if self.cache.capacity and req.kind not in (Kind.JOIN, Kind.BARRIER):
+        if self.cache.capacity and SPECS[req.kind].cacheable:
             slot, same = self.cache.lookup(req)
             if same:
                 self._hits[slot] = (req.name, now)

@@ -503,3 +503,18 @@ def test_response_round_trip(resp: Response) -> None:
     back = unpack_response(pickle.loads(pickle.dumps(pack_response(resp))))
     assert back == resp
     assert type(back.kind) is Kind
+
+
+def test_every_collective_is_one_spec_row() -> None:
+    """The collective table covers every kind; the agreement-only rows carry their result."""
+    from hvdlite._control.negotiation import SPECS
+
+    assert set(SPECS) == set(Kind)
+    assert {k for k, s in SPECS.items() if s.result is not None} == {Kind.BARRIER, Kind.JOIN}
+    assert {k for k, s in SPECS.items() if s.reduces} == {Kind.ALLREDUCE, Kind.REDUCESCATTER}
+    assert {k for k, s in SPECS.items() if s.fusable} == {Kind.ALLREDUCE}
+    joined = replace(_resp("j"), kind=Kind.JOIN, last_joined=3)
+    assert SPECS[Kind.JOIN].result(joined) == 3  # type: ignore[misc]
+    assert SPECS[Kind.BARRIER].result(joined) is None  # type: ignore[misc]
+    for spec in SPECS.values():  # every row names the fields the ranks must agree on
+        assert spec.checks and spec.checks[0] == ("kind", "collective")
