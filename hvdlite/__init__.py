@@ -48,6 +48,7 @@ from hvdlite._engine import (
 )
 from hvdlite._handles import Handle
 from hvdlite._ops import Average, Max, Min, Product, ReduceOp, Sum
+from hvdlite._sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from hvdlite.errors import (
     BackendUnavailableError,
     ConfigError,
@@ -70,12 +71,14 @@ __all__ = [
     "Min",
     "MismatchError",
     "NotInitializedError",
+    "ProcessSet",
     "Product",
     "ReduceOp",
     "ShutdownError",
     "StallError",
     "Sum",
     "__version__",
+    "add_process_set",
     "allgather",
     "allgather_async",
     "allreduce",
@@ -91,6 +94,8 @@ __all__ = [
     "broadcast_async",
     "broadcast_async_",
     "cross_rank",
+    "global_process_set",
+    "remove_process_set",
     "cross_size",
     "expect_stall",
     "grouped_allreduce",

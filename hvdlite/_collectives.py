@@ -17,21 +17,40 @@ from typing import Any
 
 import numpy as np
 
+from hvdlite._control.channel import Channel
 from hvdlite._control.negotiation import SPECS, Kind, Request
 from hvdlite._control.work import Entry
 from hvdlite._engine import Engine, default_engine
 from hvdlite._handles import Handle
 from hvdlite._ops import Average, DType, ReduceOp, check_device_dtype, check_op, lookup_dtype
+from hvdlite._sets import set_id_of
 from hvdlite._tensors import TensorRef, empty_like_ref, wrap
 
 __all__ = [
-    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
-    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
-    "grouped_allreduce_async_", "allgather", "allgather_async", "broadcast", "broadcast_",
-    "broadcast_async", "broadcast_async_", "alltoall", "alltoall_async", "reducescatter",
-    "reducescatter_async", "barrier", "barrier_async", "join", "poll", "synchronize",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "allgather",
+    "allgather_async",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "alltoall",
+    "alltoall_async",
+    "reducescatter",
+    "reducescatter_async",
+    "barrier",
+    "barrier_async",
+    "join",
+    "poll",
+    "synchronize",
 ]
-
 
 
 def _check_name(name: object) -> None:
@@ -72,8 +91,11 @@ def _output(kind: Kind, ref: TensorRef, out: Any, inplace: bool, name: str) -> A
         if type(src) is np.ndarray:
             if flags.writeable and flags.c_contiguous:
                 return out
-        elif (_module_name(out) == "cupy" and flags.c_contiguous
-              and out.data.device_id == ref.device_id):
+        elif (
+            _module_name(out) == "cupy"
+            and flags.c_contiguous
+            and out.data.device_id == ref.device_id
+        ):
             return out
     what = _what(kind, name)
     oref = wrap(out, f"{what} (out=)")
@@ -96,26 +118,40 @@ def _module_name(obj: Any) -> str:
 _checked: dict[tuple[Any, ...], tuple[int, float, float]] = {}
 
 
-def _submit(kind: Kind, tensors: Sequence[Any], name: str | None, *, op: ReduceOp = Average,
-            root: int = -1, prescale: float = 1.0, postscale: float = 1.0,
-            splits: Sequence[int] | None = None, outs: Sequence[Any] | None = None,
-            inplace: bool = False, group: bool = False, stream: Any = None,
-            wake: bool = True) -> Handle:
-    """The one template: validate, resolve the tensor and its stream, look up the dtype,
-    build request and output, submit. ``wake=False`` (the blocking forms): the caller waits
-    at once and runs the cycle itself, so the background thread is not woken for it."""
+def _submit(
+    kind: Kind,
+    tensors: Sequence[Any],
+    name: str | None,
+    *,
+    op: ReduceOp = Average,
+    root: int = -1,
+    prescale: float = 1.0,
+    postscale: float = 1.0,
+    splits: Sequence[int] | None = None,
+    outs: Sequence[Any] | None = None,
+    inplace: bool = False,
+    group: bool = False,
+    stream: Any = None,
+    wake: bool = True,
+    process_set: Any = None,
+) -> Handle:
+    """The one template: validate, resolve the process set, the tensor and its stream, look
+    up the dtype, build request and output, submit. ``wake=False`` (the blocking forms): the
+    caller waits at once and runs the cycle itself, so the background thread is not woken."""
     engine = default_engine()
     engine.check_usable()
     if name is not None and type(name) is not str:
         _check_name(name)
-    base = name if name is not None else engine.auto_name(kind.name.lower())
+    channel = (
+        engine.global_channel if process_set is None else engine.channel_for(set_id_of(process_set))
+    )
+    base = name if name is not None else engine.auto_name(kind.name.lower(), channel.id)
     handle = Handle(base, parts=max(len(tensors), 1), as_list=group)
     if not tensors:  # barrier, join: nothing to move, only an agreement
-        engine.submit([Entry(Request(base, kind), None, None, handle)], handle, wake)
+        engine.submit([Entry(Request(base, kind), None, None, handle)], handle, wake, channel)
         return handle
     entries = []
     ready: Any = None  # one READY event per call: all tensors of a call share the stream
-    requests = engine.requests
     for i, tensor in enumerate(tensors):
         tname = f"{base}.{i}" if group else base
         ref = wrap(tensor, kind, tname)
@@ -126,21 +162,31 @@ def _submit(kind: Kind, tensors: Sequence[Any], name: str | None, *, op: ReduceO
         except TypeError:  # an unhashable argument: the checks below name it
             key, checked = None, None
         if checked is None:
-            checked = _check_reduction(kind, row, ref.is_cuda, op, prescale, postscale,
-                                       _what(kind, tname))
+            checked = _check_reduction(
+                kind, row, ref.is_cuda, op, prescale, postscale, _what(kind, tname)
+            )
             if key is not None:
                 _checked[key] = checked
-        fields = _fields(engine, kind, tname, ref, row.name, checked, root, splits,
-                         base if group else "", len(tensors) if group else 0)
-        req = requests.get(tname)
-        if req is None or req != fields:
-            req = requests[tname] = Request._make(fields)
+        fields = _fields(
+            channel,
+            kind,
+            tname,
+            ref,
+            row.name,
+            checked,
+            root,
+            splits,
+            base if group else "",
+            len(tensors) if group else 0,
+        )
+        req = channel.remember(tname, fields)
         user_out = outs[i] if outs is not None else None
-        out = _output(kind, ref, user_out, inplace, tname) if (
-            inplace or user_out is not None) else (
-            empty_like_ref(ref) if SPECS[kind].preallocated else None)
-        entry = Entry(req, ref, out, handle, i,
-                      tensor if inplace else user_out)
+        out = (
+            _output(kind, ref, user_out, inplace, tname)
+            if (inplace or user_out is not None)
+            else (empty_like_ref(ref) if SPECS[kind].preallocated else None)
+        )
+        entry = Entry(req, ref, out, handle, i, tensor if inplace else user_out)
         if ref.is_cuda:
             if ready is None:
                 ready = _prepare_device(engine, ref, handle, stream)
@@ -150,8 +196,9 @@ def _submit(kind: Kind, tensors: Sequence[Any], name: str | None, *, op: ReduceO
         handle.hold(tensors)  # CuPy has no record_stream: inputs live until DONE
         if len(entries) > 1:
             engine.gpu_runtime().context(entries[0].tensor.device_id).share(  # type: ignore
-                ready, len(entries))
-    engine.submit(entries, handle, wake)
+                ready, len(entries)
+            )
+    engine.submit(entries, handle, wake, channel)
     return handle
 
 
@@ -161,13 +208,21 @@ def _prepare_device(engine: Engine, ref: TensorRef, handle: Handle, stream: Any)
     runtime = engine.gpu_runtime()
     device_id = ref.device_id
     event = runtime.record_ready(ref.framework, device_id, stream)
-    handle.attach_device(runtime.stream_waiter(ref.framework, device_id),
-                         runtime.async_completion, device_id, event)
+    handle.attach_device(
+        runtime.stream_waiter(ref.framework, device_id), runtime.async_completion, device_id, event
+    )
     return event
 
 
-def _check_reduction(kind: Kind, row: DType, is_cuda: bool, op: ReduceOp, prescale: float,
-                     postscale: float, what: str) -> tuple[int, float, float]:
+def _check_reduction(
+    kind: Kind,
+    row: DType,
+    is_cuda: bool,
+    op: ReduceOp,
+    prescale: float,
+    postscale: float,
+    what: str,
+) -> tuple[int, float, float]:
     """The checks that depend only on the dtype: op, scale factors, device support."""
     opv = 0
     reduces = SPECS[kind].reduces
@@ -180,53 +235,92 @@ def _check_reduction(kind: Kind, row: DType, is_cuda: bool, op: ReduceOp, presca
     return opv, prescale, postscale
 
 
-def _fields(engine: Engine, kind: Kind, name: str, ref: TensorRef, dtype: str,
-            checked: tuple[int, float, float], root: int, splits: Sequence[int] | None,
-            group: str, group_size: int) -> tuple[Any, ...]:
+def _fields(
+    channel: Channel,
+    kind: Kind,
+    name: str,
+    ref: TensorRef,
+    dtype: str,
+    checked: tuple[int, float, float],
+    root: int,
+    splits: Sequence[int] | None,
+    group: str,
+    group_size: int,
+) -> tuple[Any, ...]:
     """The request's fields, as a plain tuple (compared with the name's last request)."""
     shape = ref.array.shape
     opv, prescale, postscale = checked
     split_t: tuple[int, ...] = ()
     if kind is not Kind.ALLREDUCE:
-        if kind is Kind.BROADCAST:
-            root = _root(root, engine.size, _what(kind, name))
+        if kind is Kind.BROADCAST:  # a global rank; the set's own rank travels
+            whole = channel.id == 0
+            root = channel.ranks.index(_root(root, channel.ranks, _what(kind, name), whole))
         if SPECS[kind].needs_dim0 and not shape:
-            raise ValueError(f"{_what(kind, name)}: needs at least one dimension, got a 0-d "
-                             "tensor; reshape it to (1,)")
+            raise ValueError(
+                f"{_what(kind, name)}: needs at least one dimension, got a 0-d "
+                "tensor; reshape it to (1,)"
+            )
         if kind is Kind.ALLTOALL:
-            split_t = _splits(splits, shape[0], engine.size, _what(kind, name))
+            split_t = _splits(splits, shape[0], channel.size, _what(kind, name))
     device = "cuda" if ref.is_cuda else "cpu"
-    return (name, kind, dtype, shape, device, opv, root, prescale, postscale, split_t, group,
-            group_size)
+    return (
+        name,
+        kind,
+        dtype,
+        shape,
+        device,
+        opv,
+        root,
+        prescale,
+        postscale,
+        split_t,
+        group,
+        group_size,
+    )
 
 
-def _root(root: object, size: int, what: str) -> int:
+def _root(root: object, ranks: tuple[int, ...], what: str, whole: bool) -> int:
     try:
         value = operator.index(root)  # type: ignore[arg-type]  # int or NumPy integer
     except TypeError:
         value = -1
-    if isinstance(root, bool) or not 0 <= value < size:
-        raise ValueError(f"{what}: root_rank must be an int in [0, {size}), got {root!r}")
+    if isinstance(root, bool) or value not in ranks:
+        if whole:
+            raise ValueError(f"{what}: root_rank must be an int in [0, {len(ranks)}), got "
+                             f"{root!r}")
+        raise ValueError(f"{what}: root_rank must be one of the process set's ranks "
+                         f"{list(ranks)}, got {root!r}")
     return value
 
 
 def _splits(splits: Sequence[int] | None, rows: int, size: int, what: str) -> tuple[int, ...]:
     if splits is None:
         if rows % size:
-            raise ValueError(f"{what}: dim 0 ({rows}) is not divisible by size ({size}); "
-                             "pass splits= explicitly")
+            raise ValueError(
+                f"{what}: dim 0 ({rows}) is not divisible by size ({size}); pass splits= explicitly"
+            )
         return (rows // size,) * size
     out = tuple(int(s) for s in splits)
     if len(out) != size or any(s < 0 for s in out) or sum(out) != rows:
-        raise ValueError(f"{what}: splits must be {size} non-negative ints summing to dim 0 "
-                         f"({rows}), got {list(out)}")
+        raise ValueError(
+            f"{what}: splits must be {size} non-negative ints summing to dim 0 "
+            f"({rows}), got {list(out)}"
+        )
     return out
 
 
 # -- allreduce ---------------------------------------------------------------------------
-def allreduce_async(tensor: Any, name: str | None = None, op: ReduceOp = Average,
-                    prescale_factor: float = 1.0, postscale_factor: float = 1.0, *,
-                    out: Any = None, stream: Any = None) -> Handle:
+def allreduce_async(
+    tensor: Any,
+    name: str | None = None,
+    op: ReduceOp = Average,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    *,
+    out: Any = None,
+    stream: Any = None,
+    process_set: Any = None,
+) -> Handle:
     """Start reducing ``tensor`` across all ranks; return a :class:`Handle` at once.
 
     ``op`` is one of ``Sum``, ``Average``, ``Min``, ``Max``, ``Product``. The input is
@@ -240,68 +334,191 @@ def allreduce_async(tensor: Any, name: str | None = None, op: ReduceOp = Average
     or op not supported, non-contiguous input, a name already in flight, bad ``out``) and
     :class:`NotInitializedError` before :func:`init`. Do not modify ``tensor`` until done.
     """
-    return _submit(Kind.ALLREDUCE, [tensor], name, op=op, prescale=prescale_factor,
-                   postscale=postscale_factor, outs=[out], stream=stream)
+    return _submit(
+        Kind.ALLREDUCE,
+        [tensor],
+        name,
+        op=op,
+        prescale=prescale_factor,
+        postscale=postscale_factor,
+        outs=[out],
+        stream=stream,
+        process_set=process_set,
+    )
 
 
-def allreduce(tensor: Any, name: str | None = None, op: ReduceOp = Average,
-              prescale_factor: float = 1.0, postscale_factor: float = 1.0, *,
-              out: Any = None, stream: Any = None) -> Any:
+def allreduce(
+    tensor: Any,
+    name: str | None = None,
+    op: ReduceOp = Average,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    *,
+    out: Any = None,
+    stream: Any = None,
+    process_set: Any = None,
+) -> Any:
     """Blocking :func:`allreduce_async`: returns the reduced array."""
-    return _submit(Kind.ALLREDUCE, [tensor], name, op=op, prescale=prescale_factor,
-                   postscale=postscale_factor, outs=[out], stream=stream, wake=False).wait()
+    return _submit(
+        Kind.ALLREDUCE,
+        [tensor],
+        name,
+        op=op,
+        prescale=prescale_factor,
+        postscale=postscale_factor,
+        outs=[out],
+        stream=stream,
+        process_set=process_set,
+        wake=False,
+    ).wait()
 
 
-def allreduce_async_(tensor: Any, name: str | None = None, op: ReduceOp = Average,
-                     prescale_factor: float = 1.0, postscale_factor: float = 1.0, *,
-                     stream: Any = None) -> Handle:
+def allreduce_async_(
+    tensor: Any,
+    name: str | None = None,
+    op: ReduceOp = Average,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    *,
+    stream: Any = None,
+    process_set: Any = None,
+) -> Handle:
     """In-place :func:`allreduce_async`: the result is written into ``tensor``."""
-    return _submit(Kind.ALLREDUCE, [tensor], name, op=op, prescale=prescale_factor,
-                   postscale=postscale_factor, inplace=True, stream=stream)
+    return _submit(
+        Kind.ALLREDUCE,
+        [tensor],
+        name,
+        op=op,
+        prescale=prescale_factor,
+        postscale=postscale_factor,
+        inplace=True,
+        stream=stream,
+        process_set=process_set,
+    )
 
 
-def allreduce_(tensor: Any, name: str | None = None, op: ReduceOp = Average,
-               prescale_factor: float = 1.0, postscale_factor: float = 1.0, *,
-               stream: Any = None) -> Any:
+def allreduce_(
+    tensor: Any,
+    name: str | None = None,
+    op: ReduceOp = Average,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    *,
+    stream: Any = None,
+    process_set: Any = None,
+) -> Any:
     """Blocking in-place allreduce; returns ``tensor``."""
-    return _submit(Kind.ALLREDUCE, [tensor], name, op=op, prescale=prescale_factor,
-                   postscale=postscale_factor, inplace=True, stream=stream, wake=False).wait()
+    return _submit(
+        Kind.ALLREDUCE,
+        [tensor],
+        name,
+        op=op,
+        prescale=prescale_factor,
+        postscale=postscale_factor,
+        inplace=True,
+        stream=stream,
+        process_set=process_set,
+        wake=False,
+    ).wait()
 
 
-def grouped_allreduce_async(tensors: Sequence[Any], name: str | None = None,
-                            op: ReduceOp = Average, prescale_factor: float = 1.0,
-                            postscale_factor: float = 1.0, *, stream: Any = None) -> Handle:
+def grouped_allreduce_async(
+    tensors: Sequence[Any],
+    name: str | None = None,
+    op: ReduceOp = Average,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    *,
+    stream: Any = None,
+    process_set: Any = None,
+) -> Handle:
     """Allreduce a list of tensors as one unit: enqueued atomically, negotiated together and
     fused together (up to the fusion threshold). The handle's result is the list of results,
     in input order. Member ``i`` is named ``f"{name}.{i}"``. Same rules as
     :func:`allreduce_async` for each member."""
-    return _submit(Kind.ALLREDUCE, _as_list(tensors), name, op=op, prescale=prescale_factor,
-                   postscale=postscale_factor, group=True, stream=stream)
+    return _submit(
+        Kind.ALLREDUCE,
+        _as_list(tensors),
+        name,
+        op=op,
+        prescale=prescale_factor,
+        postscale=postscale_factor,
+        group=True,
+        stream=stream,
+    )
 
 
-def grouped_allreduce(tensors: Sequence[Any], name: str | None = None, op: ReduceOp = Average,
-                      prescale_factor: float = 1.0, postscale_factor: float = 1.0, *,
-                      stream: Any = None) -> list[Any]:
+def grouped_allreduce(
+    tensors: Sequence[Any],
+    name: str | None = None,
+    op: ReduceOp = Average,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    *,
+    stream: Any = None,
+    process_set: Any = None,
+) -> list[Any]:
     """Blocking :func:`grouped_allreduce_async`: returns the list of reduced arrays."""
-    return _submit(Kind.ALLREDUCE, _as_list(tensors), name, op=op, prescale=prescale_factor,
-                   postscale=postscale_factor, group=True, stream=stream, wake=False).wait()
+    return _submit(
+        Kind.ALLREDUCE,
+        _as_list(tensors),
+        name,
+        op=op,
+        prescale=prescale_factor,
+        postscale=postscale_factor,
+        group=True,
+        stream=stream,
+        wake=False,
+    ).wait()
 
 
-def grouped_allreduce_async_(tensors: Sequence[Any], name: str | None = None,
-                             op: ReduceOp = Average, prescale_factor: float = 1.0,
-                             postscale_factor: float = 1.0, *, stream: Any = None) -> Handle:
+def grouped_allreduce_async_(
+    tensors: Sequence[Any],
+    name: str | None = None,
+    op: ReduceOp = Average,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    *,
+    stream: Any = None,
+    process_set: Any = None,
+) -> Handle:
     """In-place :func:`grouped_allreduce_async`."""
-    return _submit(Kind.ALLREDUCE, _as_list(tensors), name, op=op, prescale=prescale_factor,
-                   postscale=postscale_factor, group=True, inplace=True, stream=stream)
+    return _submit(
+        Kind.ALLREDUCE,
+        _as_list(tensors),
+        name,
+        op=op,
+        prescale=prescale_factor,
+        postscale=postscale_factor,
+        group=True,
+        inplace=True,
+        stream=stream,
+    )
 
 
-def grouped_allreduce_(tensors: Sequence[Any], name: str | None = None, op: ReduceOp = Average,
-                       prescale_factor: float = 1.0, postscale_factor: float = 1.0, *,
-                       stream: Any = None) -> list[Any]:
+def grouped_allreduce_(
+    tensors: Sequence[Any],
+    name: str | None = None,
+    op: ReduceOp = Average,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    *,
+    stream: Any = None,
+    process_set: Any = None,
+) -> list[Any]:
     """Blocking in-place grouped allreduce; returns the list of (updated) tensors."""
-    return _submit(Kind.ALLREDUCE, _as_list(tensors), name, op=op, prescale=prescale_factor,
-                   postscale=postscale_factor, group=True, inplace=True, stream=stream,
-                   wake=False).wait()
+    return _submit(
+        Kind.ALLREDUCE,
+        _as_list(tensors),
+        name,
+        op=op,
+        prescale=prescale_factor,
+        postscale=postscale_factor,
+        group=True,
+        inplace=True,
+        stream=stream,
+        wake=False,
+    ).wait()
 
 
 def _as_list(tensors: Sequence[Any]) -> list[Any]:
@@ -311,85 +528,186 @@ def _as_list(tensors: Sequence[Any]) -> list[Any]:
 
 
 # -- the other collectives ----------------------------------------------------------------
-def allgather_async(tensor: Any, name: str | None = None, *, stream: Any = None) -> Handle:
+def allgather_async(
+    tensor: Any, name: str | None = None, *, stream: Any = None, process_set: Any = None
+) -> Handle:
     """Start gathering ``tensor`` from every rank, concatenated along dim 0 in rank order.
 
     Dim 0 may differ per rank; the other dimensions, the dtype and the device must agree
     (else :class:`MismatchError` on every rank). Non-blocking, thread-safe."""
-    return _submit(Kind.ALLGATHER, [tensor], name, stream=stream)
+    return _submit(Kind.ALLGATHER, [tensor], name, stream=stream, process_set=process_set)
 
 
-def allgather(tensor: Any, name: str | None = None, *, stream: Any = None) -> Any:
+def allgather(
+    tensor: Any, name: str | None = None, *, stream: Any = None, process_set: Any = None
+) -> Any:
     """Blocking :func:`allgather_async`."""
-    return _submit(Kind.ALLGATHER, [tensor], name, stream=stream, wake=False).wait()
+    return _submit(
+        Kind.ALLGATHER, [tensor], name, stream=stream, process_set=process_set, wake=False
+    ).wait()
 
 
-def broadcast_async(tensor: Any, root_rank: int, name: str | None = None, *,
-                    stream: Any = None) -> Handle:
+def broadcast_async(
+    tensor: Any,
+    root_rank: int,
+    name: str | None = None,
+    *,
+    stream: Any = None,
+    process_set: Any = None,
+) -> Handle:
     """Start copying ``root_rank``'s ``tensor`` to every rank; the result is a new array.
 
     Shape, dtype and root must agree across ranks. ``ValueError`` for a root outside
     ``[0, size)``. Non-blocking, thread-safe."""
-    return _submit(Kind.BROADCAST, [tensor], name, root=root_rank, stream=stream)
+    return _submit(
+        Kind.BROADCAST, [tensor], name, root=root_rank, stream=stream, process_set=process_set
+    )
 
 
-def broadcast(tensor: Any, root_rank: int, name: str | None = None, *, stream: Any = None) -> Any:
+def broadcast(
+    tensor: Any,
+    root_rank: int,
+    name: str | None = None,
+    *,
+    stream: Any = None,
+    process_set: Any = None,
+) -> Any:
     """Blocking :func:`broadcast_async`."""
-    return _submit(Kind.BROADCAST, [tensor], name, root=root_rank, stream=stream,
-                   wake=False).wait()
+    return _submit(
+        Kind.BROADCAST,
+        [tensor],
+        name,
+        root=root_rank,
+        stream=stream,
+        process_set=process_set,
+        wake=False,
+    ).wait()
 
 
-def broadcast_async_(tensor: Any, root_rank: int, name: str | None = None, *,
-                     stream: Any = None) -> Handle:
+def broadcast_async_(
+    tensor: Any,
+    root_rank: int,
+    name: str | None = None,
+    *,
+    stream: Any = None,
+    process_set: Any = None,
+) -> Handle:
     """In-place :func:`broadcast_async`: non-root ranks receive into ``tensor``."""
-    return _submit(Kind.BROADCAST, [tensor], name, root=root_rank, inplace=True, stream=stream)
+    return _submit(
+        Kind.BROADCAST,
+        [tensor],
+        name,
+        root=root_rank,
+        inplace=True,
+        stream=stream,
+        process_set=process_set,
+    )
 
 
-def broadcast_(tensor: Any, root_rank: int, name: str | None = None, *, stream: Any = None) -> Any:
+def broadcast_(
+    tensor: Any,
+    root_rank: int,
+    name: str | None = None,
+    *,
+    stream: Any = None,
+    process_set: Any = None,
+) -> Any:
     """Blocking in-place broadcast; returns ``tensor``."""
-    return _submit(Kind.BROADCAST, [tensor], name, root=root_rank, inplace=True, stream=stream,
-                   wake=False).wait()
+    return _submit(
+        Kind.BROADCAST,
+        [tensor],
+        name,
+        root=root_rank,
+        inplace=True,
+        stream=stream,
+        process_set=process_set,
+        wake=False,
+    ).wait()
 
 
-def alltoall_async(tensor: Any, splits: Sequence[int] | None = None,
-                   name: str | None = None, *, stream: Any = None) -> Handle:
+def alltoall_async(
+    tensor: Any,
+    splits: Sequence[int] | None = None,
+    name: str | None = None,
+    *,
+    stream: Any = None,
+    process_set: Any = None,
+) -> Handle:
     """Start an all-to-all: rows ``splits[j]`` of dim 0 go to rank ``j`` (default: equal
     parts); the result concatenates what every rank sent here, in rank order. Not allowed
     while ranks have joined. Non-blocking, thread-safe."""
-    return _submit(Kind.ALLTOALL, [tensor], name, splits=splits, stream=stream)
+    return _submit(
+        Kind.ALLTOALL, [tensor], name, splits=splits, stream=stream, process_set=process_set
+    )
 
 
-def alltoall(tensor: Any, splits: Sequence[int] | None = None, name: str | None = None, *,
-             stream: Any = None) -> Any:
+def alltoall(
+    tensor: Any,
+    splits: Sequence[int] | None = None,
+    name: str | None = None,
+    *,
+    stream: Any = None,
+    process_set: Any = None,
+) -> Any:
     """Blocking :func:`alltoall_async`."""
-    return _submit(Kind.ALLTOALL, [tensor], name, splits=splits, stream=stream,
-                   wake=False).wait()
+    return _submit(
+        Kind.ALLTOALL,
+        [tensor],
+        name,
+        splits=splits,
+        stream=stream,
+        process_set=process_set,
+        wake=False,
+    ).wait()
 
 
-def reducescatter_async(tensor: Any, name: str | None = None,
-                        op: ReduceOp = Average, *, stream: Any = None) -> Handle:
+def reducescatter_async(
+    tensor: Any,
+    name: str | None = None,
+    op: ReduceOp = Average,
+    *,
+    stream: Any = None,
+    process_set: Any = None,
+) -> Handle:
     """Start reducing ``tensor`` across ranks and keep this rank's part of dim 0.
 
     Rank ``r`` gets rows ``[start_r, start_r + n_r)`` where the ``n_r`` differ by at most one
     and the lower ranks get the extra rows. Non-blocking, thread-safe."""
-    return _submit(Kind.REDUCESCATTER, [tensor], name, op=op, stream=stream)
+    return _submit(
+        Kind.REDUCESCATTER, [tensor], name, op=op, stream=stream, process_set=process_set
+    )
 
 
-def reducescatter(tensor: Any, name: str | None = None, op: ReduceOp = Average, *,
-                  stream: Any = None) -> Any:
+def reducescatter(
+    tensor: Any,
+    name: str | None = None,
+    op: ReduceOp = Average,
+    *,
+    stream: Any = None,
+    process_set: Any = None,
+) -> Any:
     """Blocking :func:`reducescatter_async`."""
-    return _submit(Kind.REDUCESCATTER, [tensor], name, op=op, stream=stream, wake=False).wait()
+    return _submit(
+        Kind.REDUCESCATTER,
+        [tensor],
+        name,
+        op=op,
+        stream=stream,
+        process_set=process_set,
+        wake=False,
+    ).wait()
 
 
-def barrier_async(name: str | None = None) -> Handle:
-    """A handle that completes once every rank has reached this barrier (in agreed order
-    with the other collectives)."""
-    return _submit(Kind.BARRIER, [], name)
+def barrier_async(name: str | None = None, *, process_set: Any = None) -> Handle:
+    """A handle that completes once every rank of ``process_set`` (default: all) has reached
+    this barrier (in agreed order with the set's other collectives); ranks outside the set
+    are not waited for."""
+    return _submit(Kind.BARRIER, [], name, process_set=process_set)
 
 
-def barrier() -> None:
-    """Block until every rank has called :func:`barrier`."""
-    _submit(Kind.BARRIER, [], None, wake=False).wait()
+def barrier(*, process_set: Any = None) -> None:
+    """Block until every rank of ``process_set`` (default: all) has called :func:`barrier`."""
+    _submit(Kind.BARRIER, [], None, wake=False, process_set=process_set).wait()
 
 
 def join() -> int:
@@ -411,3 +729,14 @@ def poll(handle: Handle) -> bool:
 def synchronize(handle: Handle) -> Any:
     """Wait for ``handle`` and return its result (raises its error)."""
     return handle.wait()
+
+
+def _submit_set_change(action: int, set_id: int, ranks: tuple[int, ...]) -> int:
+    """Agree a process-set change on the global set and wait until every rank applied it."""
+    engine = default_engine()
+    engine.check_usable()
+    name = f"process_set.{'add' if action == 0 else 'remove'}.{set_id}"
+    handle = Handle(name)
+    req = Request(name, Kind.PROCESS_SET, shape=ranks, op=action, root=set_id)
+    engine.submit([Entry(req, None, None, handle)], handle, False)
+    return int(handle.wait())

@@ -20,17 +20,16 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hvdlite import _exit
-from hvdlite._control.fusion import FusionBuffers, nbytes, plan_buckets
-from hvdlite._control.negotiation import SPECS, Request, Response
+from hvdlite._control.channel import Channel
+from hvdlite._control.fusion import FusionBuffers
+from hvdlite._control.negotiation import Response
 from hvdlite._control.work import Entry
 from hvdlite._observe.tracer import Tracer, open_timeline
 from hvdlite.config import Config, load_config
 from hvdlite.errors import (
     HvdliteError,
-    MismatchError,
     NotInitializedError,
     ShutdownError,
-    StallError,
 )
 
 __all__ = ["Engine", "init", "shutdown", "is_initialized", "rank", "size", "local_rank",
@@ -40,7 +39,6 @@ __all__ = ["Engine", "init", "shutdown", "is_initialized", "rank", "size", "loca
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-    from hvdlite._backends.base import Backend
     from hvdlite._gpu.runtime import GpuRuntime
     from hvdlite._handles import Handle
     from hvdlite._observe.timeline import Timeline
@@ -70,13 +68,13 @@ class Engine:
     runs on the engine's background thread.
     """
 
-    def __init__(self, comm: MPI.Intracomm | None = None, config: Config | None = None) -> None:
+    def __init__(self, comm: MPI.Intracomm | None = None, config: Config | None = None,
+                 process_sets: Sequence[Sequence[int]] = ()) -> None:
         # Imported here, not at module level: importing mpi4py.MPI initialises MPI, and
         # importing hvdlite must have no side effects (the launcher imports it, too).
         from mpi4py import MPI
 
-        from hvdlite._backends.mpi import MPIBackend, host_alloc
-        from hvdlite._control.negotiator import Negotiator
+        from hvdlite._backends.mpi import host_alloc
 
         base = MPI.COMM_WORLD if comm is None else comm
         self._base = base  # what an abort ends: the whole job hvdlite was started on
@@ -105,17 +103,11 @@ class Engine:
         self._cycle_lock = threading.Lock()
         self._napping = False  # the loop is in an idle nap (see _idle_nap)
         self._nap_s = 20e-6  # first pause between cycles a waiting caller runs without result
-        # The last request per tensor name: a call whose parameters did not change reuses it,
-        # so the response cache matches it by identity (see ResponseCache.lookup).
-        self.requests: dict[str, Request] = {}
-        self._plans: dict[tuple[int, ...], tuple[tuple[Response, ...],
-                                                 list[tuple[list[Response], int]]]] = {}
         # Wake-ups of the background loop: a C-level queue of tokens is about twice as quick
         # to hand over as threading.Event, whose wait and set run Python-level Condition code.
         self._wake: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._queue: list[Entry] = []
-        self._in_flight: set[str] = set()
-        self._counters: dict[str, itertools.count[int]] = {}
+        self._counters: dict[tuple[str, int], itertools.count[int]] = {}
         self._error: HvdliteError | None = None  # sticky: raised by every later call
         self._stop_requested = False
         self._stopped = False
@@ -131,16 +123,20 @@ class Engine:
         block = 2 * self.local_size <= cores
         if cores == 1 and (os.cpu_count() or 1) > 1:
             log.warning(_ONE_CORE)
-        self.negotiator = Negotiator(self._ctrl, self.config, self.tracer, block,
-                                     self._idle_nap)
-        self.mpi = MPIBackend(self._data, self.fusion, self.negotiator.failures, self.tracer,
-                              block)
+        self._block = block
         self._buckets = itertools.count()
         self._expecting_stall = 0
-        self._entries: dict[str, Entry] = {}
         self._gpu: GpuRuntime | None = None  # created at the first device tensor
-        # Data planes by device kind, one Backend protocol (hvdlite/_backends/base.py).
-        self._backends: dict[str, Backend] = {"cpu": self.mpi}
+        # One channel per process set this rank belongs to (set 0: every rank), by set id;
+        # cycles run their rounds in id order. ``sets`` knows every set's ranks, member or not.
+        self.global_channel = self._channel(0, tuple(range(self.size)), self._ctrl, self._data)
+        self._channels: dict[int, Channel] = {0: self.global_channel}
+        self.sets: dict[int, tuple[int, ...]] = {0: tuple(range(self.size))}
+        self.negotiator = self.global_channel.negotiator
+        self.mpi = self.global_channel.mpi
+        self._next_set = 1
+        for ranks in process_sets:
+            self._add_set(self.next_set_id(), tuple(ranks))  # collective, same order everywhere
         self._switch_interval = sys.getswitchinterval()
         if self.config.gil_switch_interval_us > 0:
             sys.setswitchinterval(min(self._switch_interval,
@@ -178,23 +174,29 @@ class Engine:
         if self._stopped or self._stop_requested:
             raise ShutdownError("hvdlite is shut down; call hvdlite.init() again to use it")
 
-    def auto_name(self, kind: str) -> str:
-        """A name that agrees across ranks if every rank makes the same unnamed calls."""
+    def auto_name(self, kind: str, set_id: int = 0) -> str:
+        """A name that agrees across the set's ranks if they make the same unnamed calls."""
         with self._lock:
-            counter = self._counters.setdefault(kind, itertools.count())
+            counter = self._counters.setdefault((kind, set_id), itertools.count())
             return f"{kind}.noname.{next(counter)}"
 
-    def submit(self, entries: Sequence[Entry], handle: Handle, wake: bool = True) -> None:
-        """Queue ``entries`` (all of one ``handle``) atomically: one cycle sees all or none.
+    def submit(self, entries: Sequence[Entry], handle: Handle, wake: bool = True,
+               channel: Channel | None = None) -> None:
+        """Queue ``entries`` (all of one ``handle``, on ``channel``, default the global set)
+        atomically: one cycle sees all or none.
 
         ``wake=False``: the caller is about to wait on ``handle`` and so runs the cycle itself
         (:meth:`progress`); the background thread is not woken for it."""
         handle.attach_driver(self.progress)
         now = time.perf_counter()
         stats = self.tracer.stats
+        channel = channel if channel is not None else self.global_channel
         with self._lock:
             self.check_usable()
-            in_flight = self._in_flight
+            if channel.id not in self._channels:
+                raise HvdliteError(f"process set {channel.id} was removed; add it again or "
+                                   "use another process set")
+            in_flight = channel.in_flight
             if len(entries) == 1:
                 name = entries[0].request.name
                 if name in in_flight:
@@ -210,9 +212,8 @@ class Engine:
             for e in entries:
                 e.enqueued_at = now
                 e.stats = stats
+                e.channel = channel
             self._queue.extend(entries)
-        if len(self.requests) > _MAX_REMEMBERED:
-            self.requests.clear()  # names made up per step (unnamed calls) must not pile up
         # A token per asynchronous submission, even while the loop is awake: cheap then (no
         # waiter to signal), and measured faster than waking only a sleeping loop (2 ranks,
         # 1000 async allreduces per step: 12 vs 23 us per tensor), which left the loop napping
@@ -239,7 +240,7 @@ class Engine:
             misses = 0
             ready = handle._ready
             if ready is not None and self._alone(handle) and not ready.done:
-                self.negotiator.announce_now = handle  # see below
+                self._announce_now(handle)  # see below
             while not handle._resolved and not self._stopped:
                 self._cycle(caller=True)
                 if handle._resolved:
@@ -249,7 +250,7 @@ class Engine:
                     if self._alone(handle):
                         # Nothing else pending here, so nothing can queue behind it: announce
                         # it now and let hvdlite's stream wait for the producer (no CPU wait).
-                        self.negotiator.announce_now = handle
+                        self._announce_now(handle)
                         continue
                     # Our own input is still being produced and other work is pending: wait
                     # for it here (this thread waits anyway; the GIL and the cycle lock are
@@ -271,15 +272,19 @@ class Engine:
             if not isinstance(exc, Exception):
                 raise  # KeyboardInterrupt and friends: the engine is failed, the user sees it
         finally:
-            self.negotiator.announce_now = None
+            self._announce_now(None)
             lock.release()
+
+    def _announce_now(self, handle: Handle | None) -> None:
+        for channel in self._channels.values():
+            channel.negotiator.announce_now = handle
 
     def _alone(self, handle: Handle) -> bool:
         """Whether ``handle``'s tensors are all the work pending on this rank."""
-        queued, entries = self._queue, self._entries
-        return (len(queued) + len(entries) <= len(handle._results)
+        queued, channels = self._queue, list(self._channels.values())
+        return (len(queued) + sum(len(c.entries) for c in channels) <= len(handle._results)
                 and all(e.handle is handle for e in queued)
-                and all(e.handle is handle for e in entries.values()))
+                and all(e.handle is handle for c in channels for e in c.entries.values()))
 
     def _run(self) -> None:
         while True:
@@ -296,26 +301,30 @@ class Engine:
                 return
 
     def _cycle(self, caller: bool) -> None:
-        """One cycle: drain the queue, negotiate, execute in the agreed order, complete.
-        Runs under the cycle lock, on whichever thread holds it."""
+        """One cycle: drain the queue, then per process set (in set-id order, the same on
+        every member): negotiate, execute in the agreed order, complete. Runs under the
+        cycle lock, on whichever thread holds it."""
         if self._gpu is not None and len(self._gpu.retirer):
             self._gpu.retirer.retire()
         new = self._drain()
-        working = bool(self._entries)
-        t0 = time.perf_counter()
-        negotiator = self.negotiator
-        negotiator.in_caller = self.mpi.in_caller = caller
-        cycle = negotiator.cycle(new, self._entries, self._stop_requested,
-                                 self._expecting_stall > 0)
-        if working:  # idle rounds (mostly naps waiting for peers) are not negotiation
-            self.tracer.stats.record_negotiation(time.perf_counter() - t0)
-        if self.tracer.timeline is not None:
-            self.tracer.negotiated(cycle.responses, self._entries)
-            self.tracer.cycle()
-        if cycle.responses:
-            self._execute(cycle.responses)
-        if cycle.stop is not None:
-            self._finish(cycle.stop)
+        stopping, expecting = self._stop_requested, self._expecting_stall > 0
+        for channel in list(self._channels.values()):  # a set added now runs from next cycle
+            if channel.id not in self._channels:
+                continue  # removed earlier in this cycle (the same on every member)
+            mine = [e for e in new if e.channel is channel] if len(self._channels) > 1 else new
+            working = bool(channel.entries) or bool(mine)
+            t0 = time.perf_counter()
+            cycle = channel.negotiate(mine, stopping, expecting, caller)
+            if working:  # idle rounds (mostly naps waiting for peers) are not negotiation
+                self.tracer.stats.record_negotiation(time.perf_counter() - t0)
+            if self.tracer.timeline is not None:
+                self.tracer.negotiated(cycle.responses, channel.entries)
+                self.tracer.cycle()
+            if cycle.responses:
+                channel.execute(cycle.responses, self._lock)
+            if cycle.stop is not None:
+                self._finish(cycle.stop)
+                return
 
     def _die(self, exc: BaseException) -> None:
         """The sticky failure: every pending and later call raises it, here and on peers."""
@@ -339,7 +348,8 @@ class Engine:
         wake = self._wake
         try:
             if not self._queue and not self._stop_requested:
-                wake.get(timeout=self.negotiator.next_wait_s(bool(self._entries)))
+                wake.get(timeout=min(c.negotiator.next_wait_s(bool(c.entries))
+                                     for c in self._channels.values()))
             while True:  # the tokens of submissions this cycle drains anyway
                 wake.get_nowait()
         except queue.Empty:
@@ -363,87 +373,65 @@ class Engine:
     def _drain(self) -> list[Entry]:
         with self._lock:
             new, self._queue = self._queue, []
-        entries = self._entries
-        for e in new:
-            entries[e.request.name] = e
         if self.tracer.timeline is not None:
             self.tracer.negotiating(new)
         return new
 
-    def _execute(self, responses: list[Response]) -> None:
-        threshold = self.config.fusion_threshold
-        pop = self._entries.pop
-        for bucket, payload in self._plan(responses, threshold):
-            entries = [pop(r.name, None) for r in bucket]
-            self._account(bucket, payload, threshold)
-            # Free the names before any handle completes: a caller that reuses a name right
-            # after wait() returns must not see it as still in flight.
+    # -- process sets ----------------------------------------------------------------------
+    def _channel(self, set_id: int, ranks: tuple[int, ...], ctrl: Any, data: Any) -> Channel:
+        return Channel(set_id, ranks, ctrl, data, self.config, self.tracer, self.fusion,
+                       self.gpu_runtime, self._block, self._idle_nap, self._apply_set_change,
+                       self._buckets)
+
+    def _add_set(self, set_id: int, ranks: tuple[int, ...]) -> None:
+        """Create set ``set_id`` (collective over every rank: both splits run everywhere, at
+        the same point of the agreed order); members get its channel."""
+        from mpi4py import MPI
+
+        member = self.rank in ranks
+        color = 0 if member else MPI.UNDEFINED
+        key = ranks.index(self.rank) if member else 0  # set rank = position in ``ranks``
+        ctrl = self._ctrl.Split(color, key)
+        data = self._data.Split(color, key)
+        self.sets[set_id] = ranks
+        if member:
+            self._channels[set_id] = self._channel(set_id, ranks, ctrl, data)
+
+    def _apply_set_change(self, resp: Response) -> int:
+        """Execute an agreed process-set change (under the cycle lock, on every rank)."""
+        set_id, ranks = resp.root, tuple(resp.shape)
+        if resp.op == 0:
+            self._add_set(set_id, ranks)
+            return set_id
+        self.sets.pop(set_id, None)
+        channel = self._channels.pop(set_id, None)
+        if channel is not None:
             with self._lock:
-                if len(bucket) == 1:
-                    self._in_flight.discard(bucket[0].name)
-                else:
-                    self._in_flight.difference_update([r.name for r in bucket])
-            try:
-                self._run_bucket(bucket, entries)
-            except BaseException as exc:
-                for e in entries:
-                    if e is not None:  # popped above, so _finish would not reach them
-                        why = str(exc) if isinstance(exc, HvdliteError) else repr(exc)
-                        e.fail(HvdliteError(f"tensor {e.request.name!r}: {why}"))
-                raise
+                pending = channel.take_pending()
+            for e in pending:
+                e.fail(HvdliteError(f"tensor {e.request.name!r}: process set {set_id} was "
+                                    "removed before this collective ran"))
+            channel.close()
+        return set_id
 
-    def _plan(self, responses: list[Response],
-              threshold: int) -> list[tuple[list[Response], int]]:
-        """Buckets and their payloads, cached per agreed response list: in steady state the
-        responses come from the response cache, the same objects in the same order every
-        step, so the plan is one lookup. The key holds the responses' ids, and the entry the
-        responses themselves, so no id is reused by another response while it is cached."""
-        if len(responses) == 1:
-            return [(responses, nbytes(responses[0]))]
-        key = tuple(map(id, responses))
-        hit = self._plans.get(key)
-        if hit is not None:
-            return hit[1]
-        plan = [(b, sum(nbytes(r) for r in b)) for b in plan_buckets(responses, threshold)]
-        if len(self._plans) >= _MAX_PLANS:
-            self._plans.clear()
-        self._plans[key] = (tuple(responses), plan)
-        return plan
+    def next_set_id(self) -> int:
+        """The id the next added process set gets (the same on every rank: sets are added
+        in the same order everywhere)."""
+        with self._lock:
+            set_id, self._next_set = self._next_set, self._next_set + 1
+            return set_id
 
-    def _account(self, bucket: list[Response], payload: int, threshold: int) -> None:
-        # The buffer a bucket could fill: the fusion threshold, or its own size unfused (a
-        # lone tensor, any non-allreduce) -- the same figure for stats() and the timeline.
-        room = payload if len(bucket) == 1 else threshold
-        self.tracer.stats.record_bucket(len(bucket), payload, room)
-        if self.tracer.timeline is not None:
-            self.tracer.dequeued([r.name for r in bucket], next(self._buckets), room)
-
-    def _run_bucket(self, bucket: list[Response], entries: list[Entry | None]) -> None:
-        head = bucket[0]
-        if head.error:  # the ranks disagreed (or a stall was declared): nothing runs
-            cls = StallError if head.error.startswith("stall:") else MismatchError
-            for e in entries:
-                if e is not None:
-                    e.fail(cls(head.error.removeprefix("stall: ")))
-            return
-        result = SPECS[head.kind].result
-        if result is not None:  # an agreement only (barrier, join): done once agreed
-            for e in entries:
-                if e is not None:
-                    e.finish(result(head))
-            return
-        self._backend(head.device).run(bucket, entries)
-
-    def _backend(self, device: str) -> Backend:
-        """The data plane for ``device`` memory ("cpu": MPI; "cuda": NCCL, made on first
-        use, since it imports CuPy and creates NCCL communicators)."""
-        backend = self._backends.get(device)
-        if backend is None:
-            from hvdlite._backends.nccl import NcclBackend
-
-            backend = self._backends[device] = NcclBackend(
-                self._data, self.gpu_runtime(), self.config.fusion_threshold, self.tracer)
-        return backend
+    def channel_for(self, set_id: int) -> Channel:
+        """This rank's channel of process set ``set_id``; ValueError if it is not a member."""
+        channel = self._channels.get(set_id)
+        if channel is None:
+            if set_id in self.sets:
+                raise ValueError(f"rank {self.rank} is not in process set {set_id} (ranks "
+                                 f"{list(self.sets[set_id])}); call its collectives on its "
+                                 "member ranks only")
+            raise ValueError(f"process set {set_id} is not registered (known: "
+                             f"{sorted(self.sets)}); add it with hvdlite.add_process_set first")
+        return channel
 
     def _finish(self, reason: HvdliteError) -> None:
         """Stop for good: fail everything pending with ``reason``.
@@ -456,10 +444,9 @@ class Engine:
             if fatal:
                 self._error = reason
             self._stopped = True
-            pending = list(self._entries.values()) + self._queue
-            self._entries.clear()
+            pending = [e for c in self._channels.values() for e in c.take_pending()]
+            pending += self._queue
             self._queue = []
-            self._in_flight.clear()
         for e in pending:
             exc = type(reason)(f"tensor {e.request.name!r}: {reason}")
             exc.__cause__ = reason.__cause__ or reason
@@ -483,7 +470,8 @@ class Engine:
         ``at_exit``: the interpreter is exiting (the bound below then also covers MPI's
         finalisation after it)."""
         guard = None
-        if self._error is not None or self._entries or self._queue:
+        if (self._error is not None or self._queue
+                or any(c.entries for c in self._channels.values())):
             # A peer may be gone: the stop round, the joins and MPI's finalisation could all
             # wait for it. Bound them (a clean exit with nothing pending arms nothing, so a
             # rank that merely finishes later than its peers is never cut short).
@@ -502,15 +490,14 @@ class Engine:
         self._thread.join()
         from mpi4py import MPI
 
-        self.negotiator.failures.close()
         sys.setswitchinterval(self._switch_interval)
         # Device work must drain before its communicators go away, and its retirement (the
         # event-timed spans among it) before the timeline closes.
         if self._gpu is not None:
             self._gpu.synchronize()
             self._gpu.retirer.retire(wait=True)
-        for backend in self._backends.values():
-            backend.shutdown()
+        for channel in self._channels.values():
+            channel.close(free_comms=channel is not self.global_channel)
         if self._gpu is not None:
             self._gpu.shutdown()
         self.tracer.close()
@@ -565,13 +552,15 @@ _atexit_registered = False
 
 
 def init(comm: MPI.Intracomm | None = None, *, config: str | None = None,
-         **overrides: Any) -> None:
+         process_sets: Sequence[Any] | None = None, **overrides: Any) -> None:
     """Start hvdlite on every rank of ``comm`` (default ``MPI.COMM_WORLD``).
 
     Collective: every rank of ``comm`` must call it. Idempotent while running (later calls
     return at once and ignore their arguments). After :func:`shutdown` it starts a fresh
-    engine. ``config`` is a YAML file; ``overrides`` are knob names from
-    :mod:`hvdlite.config` and win over the environment and the file. Raises
+    engine. ``config`` is a YAML file; ``process_sets`` lists :class:`hvdlite.ProcessSet`
+    objects (or rank lists) registered now, numbered 1, 2, ... in order (the same list on
+    every rank); ``overrides`` are knob names from :mod:`hvdlite.config` and win over the
+    environment and the file. Raises
     :class:`hvdlite.ConfigError` for unknown knobs or bad values.
     """
     global _default, _atexit_registered
@@ -579,7 +568,12 @@ def init(comm: MPI.Intracomm | None = None, *, config: str | None = None,
         if _default is not None and not _default._stopped and _default._error is None:
             return
         cfg = load_config(config, overrides)
-        _default = Engine(comm, cfg)
+        from hvdlite._sets import ProcessSet
+
+        sets = [ps if isinstance(ps, ProcessSet) else ProcessSet(ps) for ps in process_sets or ()]
+        _default = Engine(comm, cfg, [ps.ranks for ps in sets])
+        for set_id, ps in enumerate(sets, start=1):  # as Engine numbered them
+            ps.process_set_id = set_id
         if not _atexit_registered:
             # Registered after mpi4py's own exit hook, so it runs before MPI is finalised.
             atexit.register(_shutdown_at_exit)

@@ -26,6 +26,7 @@ class Kind(enum.IntEnum):
     REDUCESCATTER = 4
     BARRIER = 5
     JOIN = 6
+    PROCESS_SET = 7  # add (op 0) or remove (op 1) process set ``root`` of ranks ``shape``
 
 
 class Request(NamedTuple):
@@ -88,8 +89,10 @@ class Spec:
     fusable: bool  # compatible instances may share a fusion bucket
     cacheable: bool  # its response may be reused from the response cache
     checks: tuple[tuple[str, str], ...]  # (field, label) compared across ranks
-    # Agreement-only collectives (no data) complete on the engine with this result.
+    # Agreement-only collectives (no data) complete on the engine with this result...
     result: Callable[[Response], Any] | None = None
+    # ...or with what the engine's executor for agreed changes returns (process sets).
+    engine_action: bool = False
 
 
 # Fields compared across ranks, by collective: (field, label for the message).
@@ -112,6 +115,10 @@ SPECS: dict[Kind, Spec] = {s.kind: s for s in (
          cacheable=False, checks=_ALONE, result=lambda resp: None),
     Spec(Kind.JOIN, reduces=False, preallocated=False, needs_dim0=False, fusable=False,
          cacheable=False, checks=_ALONE, result=lambda resp: resp.last_joined),
+    Spec(Kind.PROCESS_SET, reduces=False, preallocated=False, needs_dim0=False, fusable=False,
+         cacheable=False, checks=(*_ALONE, ("op", "process set action"),
+                                  ("root", "process set id"), ("shape", "process set ranks")),
+         engine_action=True),
 )}
 
 _FIXES = {
@@ -120,6 +127,9 @@ _FIXES = {
     "device": "keep the tensor on the same kind of device on every rank",
     "root rank": "pass the same root_rank on every rank",
     "collective": "use a tensor name for one collective only",
+    "process set ranks": "add and remove the same process sets, in the same order, on every "
+                         "rank",
+    "process set id": "add and remove the same process sets, in the same order, on every rank",
 }
 
 

@@ -22,7 +22,7 @@ class Entry:
     """
 
     __slots__ = ("request", "tensor", "output", "handle", "index", "enqueued_at", "ready",
-                 "user", "stats")
+                 "user", "stats", "channel")
 
     def __init__(self, request: Request, tensor: TensorRef | None, output: Any, handle: Handle,
                  index: int = 0, user: Any = None) -> None:
@@ -35,6 +35,7 @@ class Entry:
         self.enqueued_at = 0.0
         self.ready: Any = None
         self.stats: Any = None  # the engine's Stats, fed at completion
+        self.channel: Any = None  # the process set's Channel it was submitted on
 
     def finish(self, value: Any) -> None:
         """Complete this entry's part of its handle with ``value`` (host work, barrier, join)."""

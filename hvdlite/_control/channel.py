@@ -1,0 +1,182 @@
+"""A channel: one process set as the engine runs it.
+
+Every process set (the global one included) negotiates its own order on its own control
+communicator, with its own coordinator (the set's rank 0), response cache and stall inspector,
+and moves data on its own data communicator (MPI) and NCCL communicators. The engine runs one
+round of every channel this rank belongs to per cycle, in set-id order; channels are created
+and removed at agreed points of the global order (see ``Engine._apply_set_change``), so the
+members of a set run its rounds in lockstep and every communicator sees the same sequence of
+collectives on every member.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from hvdlite._control.fusion import FusionBuffers, nbytes, plan_buckets
+from hvdlite._control.negotiation import SPECS, Request, Response
+from hvdlite._control.negotiator import CycleResult, Negotiator
+from hvdlite._control.work import Entry
+from hvdlite.config import Config
+from hvdlite.errors import HvdliteError, MismatchError, StallError
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+    from hvdlite._backends.base import Backend
+    from hvdlite._gpu.runtime import GpuRuntime
+    from hvdlite._observe.tracer import Tracer
+
+__all__ = ["Channel"]
+
+_MAX_PLANS = 256  # cached execution plans per channel (see Channel.plan)
+_MAX_REMEMBERED = 65536  # request objects kept for reuse, by tensor name
+
+
+class Channel:
+    """Communicators, negotiator, data planes and pending work of one process set."""
+
+    def __init__(self, set_id: int, ranks: tuple[int, ...], ctrl: MPI.Intracomm,
+                 data: MPI.Intracomm, config: Config, tracer: Tracer, fusion: FusionBuffers,
+                 gpu: Callable[[], GpuRuntime], block: bool, nap: Callable[[float], bool],
+                 agreed: Callable[[Response], Any], buckets: itertools.count[int]) -> None:
+        from hvdlite._backends.mpi import MPIBackend
+
+        self.id, self.ranks = set_id, ranks
+        self.ctrl, self.data = ctrl, data
+        self.rank, self.size = ctrl.Get_rank(), ctrl.Get_size()
+        self.config, self.tracer = config, tracer
+        self.negotiator = Negotiator(ctrl, config, tracer, block, nap)
+        self.mpi = MPIBackend(data, fusion, self.negotiator.failures, tracer, block)
+        self.backends: dict[str, Backend] = {"cpu": self.mpi}
+        self.entries: dict[str, Entry] = {}
+        self.in_flight: set[str] = set()
+        # The last request per tensor name: a call whose parameters did not change reuses it,
+        # so the response cache matches it by identity (see ResponseCache.lookup).
+        self.requests: dict[str, Request] = {}
+        self._plans: dict[tuple[int, ...], tuple[tuple[Response, ...],
+                                                 list[tuple[list[Response], int]]]] = {}
+        self._gpu = gpu
+        self._agreed = agreed  # the engine's executor for set changes (agreed on this set)
+        self._buckets = buckets
+
+    def global_rank(self, set_rank: int) -> int:
+        return self.ranks[set_rank]
+
+    def remember(self, name: str, fields: tuple[Any, ...]) -> Request:
+        """The request for ``fields``: the name's last one if nothing changed (any thread)."""
+        req = self.requests.get(name)
+        if req is None or req != fields:
+            if len(self.requests) > _MAX_REMEMBERED:
+                self.requests.clear()  # names made up per step must not pile up
+            req = self.requests[name] = Request._make(fields)
+        return req
+
+    # -- one round (under the engine's cycle lock) -------------------------------------------
+    def negotiate(self, new: list[Entry], stopping: bool, expecting_stall: bool,
+                  caller: bool) -> CycleResult:
+        for e in new:
+            self.entries[e.request.name] = e
+        negotiator = self.negotiator
+        negotiator.in_caller = self.mpi.in_caller = caller
+        return negotiator.cycle(new, self.entries, stopping, expecting_stall)
+
+    def execute(self, responses: list[Response], lock: threading.Lock) -> None:
+        """Run the agreed responses in order; ``lock`` guards the names in flight."""
+        threshold = self.config.fusion_threshold
+        pop = self.entries.pop
+        for bucket, payload in self.plan(responses, threshold):
+            entries = [pop(r.name, None) for r in bucket]
+            self._account(bucket, payload, threshold)
+            # Free the names before any handle completes: a caller that reuses a name right
+            # after wait() returns must not see it as still in flight.
+            with lock:
+                if len(bucket) == 1:
+                    self.in_flight.discard(bucket[0].name)
+                else:
+                    self.in_flight.difference_update([r.name for r in bucket])
+            try:
+                self._run_bucket(bucket, entries)
+            except BaseException as exc:
+                for e in entries:
+                    if e is not None:  # popped above, so the engine's stop would miss them
+                        why = str(exc) if isinstance(exc, HvdliteError) else repr(exc)
+                        e.fail(HvdliteError(f"tensor {e.request.name!r}: {why}"))
+                raise
+
+    def plan(self, responses: list[Response],
+             threshold: int) -> list[tuple[list[Response], int]]:
+        """Buckets and their payloads, cached per agreed response list: in steady state the
+        responses come from the response cache, the same objects in the same order every
+        step, so the plan is one lookup. The key holds the responses' ids, and the entry the
+        responses themselves, so no id is reused by another response while it is cached."""
+        if len(responses) == 1:
+            return [(responses, nbytes(responses[0]))]
+        key = tuple(map(id, responses))
+        hit = self._plans.get(key)
+        if hit is not None:
+            return hit[1]
+        plan = [(b, sum(nbytes(r) for r in b)) for b in plan_buckets(responses, threshold)]
+        if len(self._plans) >= _MAX_PLANS:
+            self._plans.clear()
+        self._plans[key] = (tuple(responses), plan)
+        return plan
+
+    def _account(self, bucket: list[Response], payload: int, threshold: int) -> None:
+        # The buffer a bucket could fill: the fusion threshold, or its own size unfused (a
+        # lone tensor, any non-allreduce) -- the same figure for stats() and the timeline.
+        room = payload if len(bucket) == 1 else threshold
+        self.tracer.stats.record_bucket(len(bucket), payload, room)
+        if self.tracer.timeline is not None:
+            self.tracer.dequeued([r.name for r in bucket], next(self._buckets), room)
+
+    def _run_bucket(self, bucket: list[Response], entries: list[Entry | None]) -> None:
+        head = bucket[0]
+        if head.error:  # the ranks disagreed (or a stall was declared): nothing runs
+            cls = StallError if head.error.startswith("stall:") else MismatchError
+            for e in entries:
+                if e is not None:
+                    e.fail(cls(head.error.removeprefix("stall: ")))
+            return
+        spec = SPECS[head.kind]
+        if spec.result is not None or spec.engine_action:  # an agreement only
+            value = self._agreed(head) if spec.engine_action else spec.result(head)  # type: ignore[misc]
+            for e in entries:
+                if e is not None:
+                    e.finish(value)
+            return
+        self.backend(head.device).run(bucket, entries)
+
+    def backend(self, device: str) -> Backend:
+        """The data plane for ``device`` memory ("cpu": MPI; "cuda": NCCL, made on first
+        use, since it imports CuPy and creates NCCL communicators over this set)."""
+        backend = self.backends.get(device)
+        if backend is None:
+            from hvdlite._backends.nccl import NcclBackend
+
+            backend = self.backends[device] = NcclBackend(
+                self.data, self._gpu(), self.config.fusion_threshold, self.tracer)
+        return backend
+
+    # -- the end --------------------------------------------------------------------------
+    def take_pending(self) -> list[Entry]:
+        """Every pending entry, removed (the caller fails them); names in flight forgotten."""
+        pending = list(self.entries.values())
+        self.entries.clear()
+        self.in_flight.clear()
+        return pending
+
+    def close(self, free_comms: bool = True) -> None:
+        """Release the data planes and (unless the engine frees them) the communicators."""
+        from mpi4py import MPI
+
+        self.negotiator.failures.close()
+        for backend in self.backends.values():
+            backend.shutdown()
+        if free_comms:
+            for comm in (self.ctrl, self.data):
+                if comm != MPI.COMM_NULL:
+                    comm.Free()
