@@ -288,10 +288,16 @@ class Engine:
 
     def _run(self) -> None:
         while True:
-            self._wait_for_work()
+            woken = self._wait_for_work()
             with self._cycle_lock:
                 if self._stopped:
                     return
+                if woken and not self._queue and not self._stop_requested and not any(
+                        c.entries for c in self._channels.values()):
+                    # Woken for work a waiting caller has already run (allreduce_async, then
+                    # wait() at once): nothing to do. (A wake-up by the timer always runs its
+                    # round: peers with pending work may be waiting in it.)
+                    continue
                 try:
                     self._cycle(caller=False)
                 except BaseException as exc:  # noqa: BLE001 - must reach every caller
@@ -344,16 +350,22 @@ class Engine:
         except Exception as exc:  # the peers may be gone or stuck; nothing more to do
             log.error("hvdlite: could not tell the other ranks about the failure: %r", exc)
 
-    def _wait_for_work(self) -> None:
+    def _wait_for_work(self) -> bool:
+        """Sleep until work is submitted or the pace says so; False if the timer ran out."""
         wake = self._wake
-        try:
-            if not self._queue and not self._stop_requested:
+        woken = True
+        if not self._queue and not self._stop_requested:
+            try:
                 wake.get(timeout=min(c.negotiator.next_wait_s(bool(c.entries))
                                      for c in self._channels.values()))
+            except queue.Empty:
+                woken = False
+        try:
             while True:  # the tokens of submissions this cycle drains anyway
                 wake.get_nowait()
         except queue.Empty:
             pass
+        return woken
 
     def _idle_nap(self, seconds: float) -> bool:
         """A nap of the negotiation's idle wait that ends early when work is submitted here
