@@ -272,7 +272,8 @@ class Engine:
             if not isinstance(exc, Exception):
                 raise  # KeyboardInterrupt and friends: the engine is failed, the user sees it
         finally:
-            self._announce_now(None)
+            if self.negotiator.announce_now is not None:
+                self._announce_now(None)
             lock.release()
 
     def _announce_now(self, handle: Handle | None) -> None:

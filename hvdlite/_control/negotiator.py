@@ -237,9 +237,10 @@ class Negotiator:
         w): a few big-int operations instead of a dozen NumPy calls per cycle.
         """
         upper = 64 + 64 * self.words  # where the ~invalid section starts
-        keep = ~_pack(self._invalid) & self._all
-        vec = (~flags & _WORD) | (_pack(self._hits.keys()) << 64) | (keep << upper)
-        self._invalid = set()
+        keep = ~_pack(self._invalid) & self._all if self._invalid else self._all
+        vec = (~flags & _WORD) | (_pack(self._hits) << 64) | (keep << upper)
+        if self._invalid:
+            self._invalid = set()
         buf = self._vec_buf
         buf[:] = vec.to_bytes(len(buf), "little")
         # See _wait: inside MPI while work flows (if this host has the cores), else polled.
@@ -248,7 +249,7 @@ class Negotiator:
         self._seen = ~out & _WORD
         ready = (out >> 64) & self._all
         invalid = ~(out >> upper) & self._all
-        return _bits(ready), _bits(invalid)
+        return _bits(ready), (_bits(invalid) if invalid else [])
 
     def _wait(self, req: MPI.Request) -> None:
         # While work flows, wait inside MPI with the GIL released (one hand-off) when every

@@ -80,26 +80,28 @@ class Stats:
                     st.ring[st.pos] = latency_s
                     st.pos = (st.pos + 1) % self.window
 
+    # The three below are called only by the thread that holds the engine's cycle lock (one
+    # writer at a time), so they skip this object's lock: a snapshot taken meanwhile may see
+    # one round's figures half recorded, never lose them.
     def record_negotiation(self, seconds: float) -> None:
         """Time one tensor (or one round) spent in negotiation."""
-        with self._lock:
-            self._neg_count += 1
-            self._neg_total += seconds
-            self._neg_max = max(self._neg_max, seconds)
+        self._neg_count += 1
+        self._neg_total += seconds
+        if seconds > self._neg_max:
+            self._neg_max = seconds
 
     def record_bucket(self, n_tensors: int, payload_bytes: int, buffer_bytes: int) -> None:
         """One executed bucket: tensors in it, their bytes, and the buffer size they could fill
         (the fusion threshold, or the bucket's own size when it went unfused)."""
-        with self._lock:
-            self._buckets += 1
-            self._bucket_tensors += n_tensors
-            self._payload += payload_bytes
-            self._buffer += buffer_bytes
-            self._fill_sum += payload_bytes / buffer_bytes if buffer_bytes > 0 else 1.0
+        self._buckets += 1
+        self._bucket_tensors += n_tensors
+        self._payload += payload_bytes
+        self._buffer += buffer_bytes
+        self._fill_sum += payload_bytes / buffer_bytes if buffer_bytes > 0 else 1.0
 
     def record_cache(self, hits: int, misses: int) -> None:
         """Response-cache outcomes of one negotiation round."""
-        with self._lock:
+        if hits or misses:
             self._hits += hits
             self._misses += misses
 
