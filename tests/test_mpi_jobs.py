@@ -19,8 +19,13 @@ from jobs_util import REPO, clean_env, mpiexec, run_group
 MPI_TESTS = REPO / "tests" / "mpi"
 JOB_TIMEOUT_S = {1: 150, 2: 200, 4: 300}
 TAIL_CHARS = 12_000
-# A pytest -q summary line, e.g. "12 passed, 1 skipped in 3.21s" (maybe framed by "=").
-SUMMARY = re.compile(r"^=*\s*(\d+ \w+(?:, \d+ \w+)* in [\d.]+s)\b", re.MULTILINE)
+# A pytest -q summary, e.g. "12 passed, 1 skipped in 3.21s" (maybe framed by "="). Not anchored:
+# the ranks share mpiexec's stdout, so two ranks' summaries can run together on one line
+# ("... in 8.13s236 passed, ...").
+SUMMARY = re.compile(
+    r"(\d+ (?:passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?)"
+    r"(?:, \d+ \w+)* in [\d.]+s)"
+)
 
 
 def _job_env(size: int, report_dir: Path) -> dict[str, str]:
