@@ -157,7 +157,9 @@ def _submit(
         ref = wrap(tensor, kind, tname)
         row = lookup_dtype(ref.array.dtype, kind, tname)
         try:
-            key = (row.name, ref.device_id >= 0, kind, op, prescale, postscale)
+            # Types too: 1 == Sum and True == 1.0 hash alike, and must not pass as them.
+            key = (row.name, ref.device_id >= 0, kind, op, type(op), prescale,
+                   type(prescale), postscale, type(postscale))
             checked = _checked.get(key)
         except TypeError:  # an unhashable argument: the checks below name it
             key, checked = None, None
@@ -300,7 +302,11 @@ def _splits(splits: Sequence[int] | None, rows: int, size: int, what: str) -> tu
                 f"{what}: dim 0 ({rows}) is not divisible by size ({size}); pass splits= explicitly"
             )
         return (rows // size,) * size
-    out = tuple(int(s) for s in splits)
+    try:
+        out = tuple(operator.index(s) for s in splits)  # ints only: no silent 1.5 -> 1
+    except TypeError:
+        raise TypeError(f"{what}: splits must be a sequence of {size} ints (rows of dim 0 per "
+                        f"rank), got {splits!r}") from None
     if len(out) != size or any(s < 0 for s in out) or sum(out) != rows:
         raise ValueError(
             f"{what}: splits must be {size} non-negative ints summing to dim 0 "
@@ -438,13 +444,14 @@ def grouped_allreduce_async(
     :func:`allreduce_async` for each member."""
     return _submit(
         Kind.ALLREDUCE,
-        _as_list(tensors),
+        _as_list(tensors, name),
         name,
         op=op,
         prescale=prescale_factor,
         postscale=postscale_factor,
         group=True,
         stream=stream,
+        process_set=process_set,
     )
 
 
@@ -461,13 +468,14 @@ def grouped_allreduce(
     """Blocking :func:`grouped_allreduce_async`: returns the list of reduced arrays."""
     return _submit(
         Kind.ALLREDUCE,
-        _as_list(tensors),
+        _as_list(tensors, name),
         name,
         op=op,
         prescale=prescale_factor,
         postscale=postscale_factor,
         group=True,
         stream=stream,
+        process_set=process_set,
         wake=False,
     ).wait()
 
@@ -485,7 +493,7 @@ def grouped_allreduce_async_(
     """In-place :func:`grouped_allreduce_async`."""
     return _submit(
         Kind.ALLREDUCE,
-        _as_list(tensors),
+        _as_list(tensors, name),
         name,
         op=op,
         prescale=prescale_factor,
@@ -493,6 +501,7 @@ def grouped_allreduce_async_(
         group=True,
         inplace=True,
         stream=stream,
+        process_set=process_set,
     )
 
 
@@ -509,7 +518,7 @@ def grouped_allreduce_(
     """Blocking in-place grouped allreduce; returns the list of (updated) tensors."""
     return _submit(
         Kind.ALLREDUCE,
-        _as_list(tensors),
+        _as_list(tensors, name),
         name,
         op=op,
         prescale=prescale_factor,
@@ -517,13 +526,17 @@ def grouped_allreduce_(
         group=True,
         inplace=True,
         stream=stream,
+        process_set=process_set,
         wake=False,
     ).wait()
 
 
-def _as_list(tensors: Sequence[Any]) -> list[Any]:
+def _as_list(tensors: Sequence[Any], name: str | None = None) -> list[Any]:
     if not isinstance(tensors, (list, tuple)) or not tensors:
-        raise TypeError(f"expected a non-empty list of tensors, got {type(tensors).__name__}")
+        what = type(tensors).__name__ + (" of 0" if isinstance(tensors, (list, tuple)) else "")
+        call = f"grouped_allreduce of {name!r}: " if isinstance(name, str) else ""
+        raise TypeError(f"{call}expected a non-empty list of tensors, got {what}; pass a "
+                        "list or tuple of arrays, e.g. [grad_a, grad_b]")
     return list(tensors)
 
 

@@ -19,8 +19,9 @@ __all__ = ["ReduceOp", "Sum", "Average", "Min", "Max", "Product", "DType", "DTYP
 class ReduceOp(enum.IntEnum):
     """How :func:`hvdlite.allreduce` combines the ranks' tensors.
 
-    ``Average`` on integer tensors is ``floor(sum / n)`` (NumPy ``floor_divide``), where ``n`` is
-    the number of ranks that contributed (joined ranks do not). On ``bool`` tensors ``Sum`` and
+    ``Average`` is ``sum / n`` where ``n`` is the process set's size, joined ranks included (they
+    contribute zeros), as in Horovod; on integer tensors the quotient is truncated toward zero
+    (C integer division, as Horovod computes it). On ``bool`` tensors ``Sum`` and
     ``Max`` are a logical or, ``Min`` and ``Product`` a logical and; ``Average`` is refused.
     """
 
@@ -150,7 +151,11 @@ def finish_reduce(xp: Any, buf: Any, op: ReduceOp, contributors: int, postscale:
     """In place on the reduced ``buf``: divide for Average, then apply ``postscale``."""
     if op is ReduceOp.AVERAGE and contributors > 1:
         if row.kind == "int":
+            # Truncation toward zero: floor, then one up where a negative quotient had a
+            # remainder (exact for every integer width, no float round trip).
+            rem = xp.remainder(buf, contributors)
             xp.floor_divide(buf, contributors, out=buf)
+            buf += ((rem != 0) & (buf < 0)).astype(buf.dtype)
         else:
             xp.divide(buf, contributors, out=buf)
     scale_into(xp, buf, buf, postscale)

@@ -10,11 +10,8 @@ Measured on the 2-core dev VM: named tensors 1.2-2.8 s for the 100,000 allreduce
 each), growth +4 to +16 KiB; the test takes ~2-4 s with the job's start. 5,000 steps fit.
 
 Unnamed calls (a new automatic name every call) are the second case: the engine remembers the
-last Request of every name in ``Engine.requests`` and only clears it past 65,536 names, so
-5,000 steps of 20 unnamed calls grow resident memory by ~16 MB (plateau ~19 MB from ~6,000
-steps on, when the memo is cleared); that job takes ~4-12 s. That case is marked
-xfail(strict=True) until the memo is bounded like the response cache (with the memo capped
-at 1,024 the same job grows 80 KiB).
+last Request per name for reuse and forgets them in batches of 2,048 names, so memory stays
+flat there too (it grew ~16 MB when the memo held 65,536 names).
 """
 
 from __future__ import annotations
@@ -65,11 +62,5 @@ def test_resident_memory_flat_over_5000_steps_of_20_named_async_allreduces() -> 
 
 
 @pytest.mark.timeout(JOB_TIMEOUT_S + 30)
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine bug: Engine.requests keeps the last Request of every name up to 65,536 "
-    "names, so unnamed calls (new automatic names each call) grow resident memory ~16 MB in "
-    "5,000 steps of 20 (plateau ~19 MB)",
-)
 def test_resident_memory_flat_over_5000_steps_of_20_unnamed_async_allreduces() -> None:
     _run("unnamed")

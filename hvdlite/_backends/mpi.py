@@ -122,7 +122,7 @@ class MPIBackend:
         if spec is None:
             spec = _SPECS[(head.dtype, head.op)] = _spec(head.dtype, head.op)
         row, op, mtype, wire, mop, native = spec
-        contributors = self.size - len(head.joined)
+        contributors = self.size  # Horovod: joined ranks count (they add zeros)
         tracing = self.tracer.on
         names = [r.name for r in bucket] if tracing else []
         if len(bucket) == 1 and native:
@@ -237,7 +237,7 @@ class MPIBackend:
         self._wait(self.comm.Ireduce_scatter([send, mtype], [out, mtype],
                                              recvcounts=[r * per_row for r in rows],
                                              op=mpi_op(row, op)))
-        finish_reduce(np, out, op, self.size - len(resp.joined), 1.0, row)
+        finish_reduce(np, out, op, self.size, 1.0, row)
         return out.astype(row.np_dtype, copy=False)
 
 

@@ -112,7 +112,7 @@ class NcclBackend:
             dtype, per = self._wire(row)
             if op is not ReduceOp.AVERAGE:
                 hit = (dtype, per, self._op(row, op))
-            elif self._avg is not None and row.kind == "float" and not resp.joined:
+            elif self._avg is not None and row.kind == "float":  # joined ranks add zeros
                 hit = (dtype, per, self._avg)
             else:
                 hit = None
@@ -193,7 +193,7 @@ class NcclBackend:
         row = DTYPES[head.dtype]
         op = ReduceOp(head.op)
         dtype, per = self._wire(row)
-        contributors = self.size - len(head.joined)
+        contributors = self.size  # Horovod: joined ranks count (they add zeros)
         if len(bucket) == 1:
             entry = entries[0]
             out = self._identity(head, row) if entry is None else entry.output
@@ -201,8 +201,7 @@ class NcclBackend:
             if head.prescale != 1.0:
                 scale_into(self.cupy, out, src, head.prescale)
                 src = out
-            if (op is ReduceOp.AVERAGE and self._avg is not None and row.kind == "float"
-                    and contributors == self.size):
+            if op is ReduceOp.AVERAGE and self._avg is not None and row.kind == "float":
                 comm.allReduce(src.data.ptr, out.data.ptr, out.size * per, dtype, self._avg,
                                ctx.stream.ptr)
                 scale_into(self.cupy, out, out, head.postscale)
@@ -341,7 +340,7 @@ class NcclBackend:
                             dtype, self._op(row, op), r, ctx.stream.ptr)
                 offset += n
             self.nccl.groupEnd()
-        finish_reduce(self.cupy, out, op, self.size - len(resp.joined), 1.0, row)
+        finish_reduce(self.cupy, out, op, self.size, 1.0, row)
         return [out]
 
     def shutdown(self) -> None:

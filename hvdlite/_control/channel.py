@@ -33,7 +33,9 @@ if TYPE_CHECKING:
 __all__ = ["Channel"]
 
 _MAX_PLANS = 256  # cached execution plans per channel (see Channel.plan)
-_MAX_REMEMBERED = 65536  # request objects kept for reuse, by tensor name
+# Request objects kept for reuse, by tensor name: a training step's named tensors fit many
+# times over; unnamed calls (a fresh name each) are forgotten in batches, so memory stays flat.
+_MAX_REMEMBERED = 2048
 
 
 class Channel:

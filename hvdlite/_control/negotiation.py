@@ -89,6 +89,7 @@ class Spec:
     fusable: bool  # compatible instances may share a fusion bucket
     cacheable: bool  # its response may be reused from the response cache
     checks: tuple[tuple[str, str], ...]  # (field, label) compared across ranks
+    while_joined: bool = True  # may run while some ranks have joined (Horovod: allreduce only)
     # Agreement-only collectives (no data) complete on the engine with this result...
     result: Callable[[Response], Any] | None = None
     # ...or with what the engine's executor for agreed changes returns (process sets).
@@ -104,13 +105,16 @@ SPECS: dict[Kind, Spec] = {s.kind: s for s in (
          cacheable=True, checks=(*_COMMON, *_REDUCE, ("prescale", "prescale_factor"),
                                  ("postscale", "postscale_factor"))),
     Spec(Kind.REDUCESCATTER, reduces=True, preallocated=False, needs_dim0=True, fusable=False,
-         cacheable=True, checks=(*_COMMON, *_REDUCE)),
+         cacheable=True, checks=(*_COMMON, *_REDUCE), while_joined=False),
     Spec(Kind.BROADCAST, reduces=False, preallocated=True, needs_dim0=False, fusable=False,
-         cacheable=True, checks=(*_COMMON, ("root", "root rank"), ("shape", "shape"))),
+         cacheable=True, checks=(*_COMMON, ("root", "root rank"), ("shape", "shape")),
+         while_joined=False),
     Spec(Kind.ALLGATHER, reduces=False, preallocated=False, needs_dim0=True, fusable=False,
-         cacheable=True, checks=(*_COMMON, ("trailing", "shape after dim 0"))),
+         cacheable=True, checks=(*_COMMON, ("trailing", "shape after dim 0")),
+         while_joined=False),
     Spec(Kind.ALLTOALL, reduces=False, preallocated=False, needs_dim0=True, fusable=False,
-         cacheable=True, checks=(*_COMMON, ("trailing", "shape after dim 0"))),
+         cacheable=True, checks=(*_COMMON, ("trailing", "shape after dim 0")),
+         while_joined=False),
     Spec(Kind.BARRIER, reduces=False, preallocated=False, needs_dim0=False, fusable=False,
          cacheable=False, checks=_ALONE, result=lambda resp: None),
     Spec(Kind.JOIN, reduces=False, preallocated=False, needs_dim0=False, fusable=False,
@@ -179,15 +183,15 @@ def build_response(name: str, by_rank: dict[int, Request], size: int,
     first = by_rank[min(by_rank)]
     error = mismatch_message(name, by_rank)
     sizes: tuple[int, ...] = ()
-    if not error and first.kind is Kind.ALLGATHER:
-        sizes = tuple(by_rank[r].shape[0] if r in by_rank else 0 for r in range(size))
+    if not error and joined and not SPECS[first.kind].while_joined:
+        # As in Horovod: only allreduce runs while ranks have joined.
+        error = (f"tensor {name!r}: {first.kind.name.lower()} cannot run while ranks "
+                 f"{sorted(joined)} have joined; only allreduce can: run it before join() "
+                 "or after every rank has joined")
+    elif not error and first.kind is Kind.ALLGATHER:
+        sizes = tuple(by_rank[r].shape[0] for r in range(size))
     elif not error and first.kind is Kind.ALLTOALL:
-        if joined:
-            error = f"tensor {name!r}: alltoall cannot run while ranks {list(joined)} have joined"
-        else:
-            sizes = tuple(s for r in range(size) for s in by_rank[r].splits)
-    if not error and first.kind is Kind.BROADCAST and first.root in joined:
-        error = f"tensor {name!r}: broadcast root rank {first.root} has already joined"
+        sizes = tuple(s for r in range(size) for s in by_rank[r].splits)
     return Response(
         name=name, kind=first.kind, dtype=first.dtype, shape=first.shape, device=first.device,
         op=first.op, root=first.root, prescale=first.prescale, postscale=first.postscale,

@@ -75,13 +75,23 @@ def _scale_int(values: np.ndarray, factor: float) -> np.ndarray:
     return np.trunc(values.astype(np.float64) * factor).astype(values.dtype)
 
 
+def _trunc_div(values: np.ndarray, n: int) -> np.ndarray:
+    """Integer division truncated toward zero, exact for 64-bit values (Python ints)."""
+    flat = [int(v) for v in values.reshape(-1)]
+    out = [abs(v) // n * (1 if v >= 0 else -1) for v in flat]
+    return np.array(out, dtype=values.dtype).reshape(values.shape)
+
+
 def reference_allreduce(
-    inputs: Sequence[np.ndarray], op: str, prescale: float = 1.0, postscale: float = 1.0
+    inputs: Sequence[np.ndarray], op: str, prescale: float = 1.0, postscale: float = 1.0,
+    count: int | None = None,
 ) -> np.ndarray:
-    """The contract's allreduce of ``inputs`` (one array per contributing rank) with ``op``."""
+    """The contract's allreduce of ``inputs`` (one array per contributing rank) with ``op``;
+    Average divides by ``count`` (default: the number of inputs; with joined ranks, the set's
+    size, as in Horovod) and truncates integer quotients toward zero."""
     stack = np.stack(inputs)
     dt = stack.dtype
-    count = len(inputs)
+    count = len(inputs) if count is None else count
     if dt.kind == "b":
         logical = np.logical_or if op in ("Sum", "Max") else np.logical_and
         return logical.reduce(stack, axis=0)
@@ -91,7 +101,8 @@ def reference_allreduce(
     if dt.kind in "iu":
         reduced = ufunc.reduce(_scale_int(stack, prescale), axis=0, dtype=dt)
         if op == "Average":
-            reduced = np.floor_divide(reduced, dt.type(count))
+            reduced = (np.trunc(reduced.astype(np.float64) / count)).astype(dt) if (
+                dt.itemsize < 8) else _trunc_div(reduced, count)
         return _scale_int(reduced, postscale)
     wide = np.complex128 if dt.kind == "c" else np.float64
     reduced = ufunc.reduce(stack.astype(wide) * prescale, axis=0)

@@ -17,8 +17,9 @@ Two kinds of misuse:
   left untouched.
 
 After every case a correct allreduce under the same name, and allgather and broadcast under
-fresh names, must give exact results. Cases marked ``xfail(strict=True)`` are engine bugs found
-while writing this matrix (the reason says which); they fail today and will flag once fixed.
+fresh names, must give exact results. Writing this matrix found four engine bugs (argument
+checks cached by value, alltoall splits converted before validation, grouped calls not named,
+the request memo growing with unnamed calls); their cases now pass.
 """
 
 from __future__ import annotations
@@ -120,16 +121,6 @@ _NAME = r"name must be a str or None"
 _GROUP = r"non-empty list of tensors"
 _FACTOR = r"must be a real number"
 
-BUG_SPLITS_NOT_INT = (
-    "engine bug: alltoall splits are converted with int() before validation, so a non-int "
-    "entry raises int()'s own error (no tensor name, no fix) or is silently truncated "
-    "(1.5 -> 1), and a bare int fails with \"'int' object is not iterable\""
-)
-BUG_GROUP_NAME = (
-    "engine bug: a grouped call with an empty list or a non-list says 'expected a non-empty "
-    "list of tensors, got list' without naming the call's name="
-)
-
 LOCAL: dict[str, Any] = {
     # unsupported dtype (object/str allreduce: test_errors.py)
     "dtype.datetime.allreduce": Misuse(
@@ -229,18 +220,15 @@ LOCAL: dict[str, Any] = {
         ValueError, _SPLITS),
     "splits.empty": Misuse(
         lambda h, n: h.alltoall(_rows(h), splits=[], name=n), ValueError, _SPLITS),
-    "splits.str": pytest.param(
-        Misuse(lambda h, n: h.alltoall(_rows(h), splits=["a"] * h.size(), name=n),
-               (TypeError, ValueError), r"splits"),
-        marks=pytest.mark.xfail(strict=True, reason=BUG_SPLITS_NOT_INT)),
-    "splits.float": pytest.param(
-        Misuse(lambda h, n: h.alltoall(_rows(h), splits=_bad_splits_float(h), name=n),
-               (TypeError, ValueError), r"splits"),
-        marks=pytest.mark.xfail(strict=True, reason=BUG_SPLITS_NOT_INT)),
-    "splits.scalar": pytest.param(
-        Misuse(lambda h, n: h.alltoall(_rows(h), splits=h.size(), name=n),
-               (TypeError, ValueError), r"splits"),
-        marks=pytest.mark.xfail(strict=True, reason=BUG_SPLITS_NOT_INT)),
+    "splits.str": Misuse(
+        lambda h, n: h.alltoall(_rows(h), splits=["a"] * h.size(), name=n),
+        (TypeError, ValueError), r"splits"),
+    "splits.float": Misuse(
+        lambda h, n: h.alltoall(_rows(h), splits=_bad_splits_float(h), name=n),
+        (TypeError, ValueError), r"splits"),
+    "splits.scalar": Misuse(
+        lambda h, n: h.alltoall(_rows(h), splits=h.size(), name=n),
+        (TypeError, ValueError), r"splits"),
     # 0-d tensors where dim 0 matters
     "zero_d.allgather": Misuse(
         lambda h, n: h.allgather(np.array(1.0), name=n), ValueError, _ZERO_D),
@@ -274,19 +262,14 @@ LOCAL: dict[str, Any] = {
     "name.bytes.grouped": Misuse(
         lambda h, n: h.grouped_allreduce([np.ones(2)], name=n.encode()), TypeError, _NAME, False),
     # grouped call with an empty list or no list
-    "group.empty": pytest.param(
-        Misuse(lambda h, n: h.grouped_allreduce([], name=n), TypeError, _GROUP),
-        marks=pytest.mark.xfail(strict=True, reason=BUG_GROUP_NAME)),
-    "group.empty_tuple.async_": pytest.param(
-        Misuse(lambda h, n: h.grouped_allreduce_async_((), name=n), TypeError, _GROUP),
-        marks=pytest.mark.xfail(strict=True, reason=BUG_GROUP_NAME)),
-    "group.single_tensor": pytest.param(
-        Misuse(lambda h, n: h.grouped_allreduce_async(np.ones(3), name=n), TypeError, _GROUP),
-        marks=pytest.mark.xfail(strict=True, reason=BUG_GROUP_NAME)),
-    "group.generator": pytest.param(
-        Misuse(lambda h, n: h.grouped_allreduce_((np.ones(1) for _ in range(2)), name=n),
-               TypeError, _GROUP),
-        marks=pytest.mark.xfail(strict=True, reason=BUG_GROUP_NAME)),
+    "group.empty": Misuse(lambda h, n: h.grouped_allreduce([], name=n), TypeError, _GROUP),
+    "group.empty_tuple.async_": Misuse(
+        lambda h, n: h.grouped_allreduce_async_((), name=n), TypeError, _GROUP),
+    "group.single_tensor": Misuse(
+        lambda h, n: h.grouped_allreduce_async(np.ones(3), name=n), TypeError, _GROUP),
+    "group.generator": Misuse(
+        lambda h, n: h.grouped_allreduce_((np.ones(1) for _ in range(2)), name=n),
+        TypeError, _GROUP),
     "group.empty.unnamed": Misuse(
         lambda h, n: h.grouped_allreduce([]), TypeError, _GROUP, names_tensor=False),
     # scale factors of the wrong type (True, NumPy scalars: test_argument_check_does_not_depend_...)
@@ -338,11 +321,6 @@ def test_local_misuse(hvd: Any, case: Misuse, request: pytest.FixtureRequest) ->
     _still_works(hvd, name)
 
 
-BUG_CHECK_CACHE = (
-    "engine bug: _collectives._checked caches the op/factor checks by value, and op=1 == Sum, "
-    "True == 1.0, np.float32(3.0) == 3.0, np.int64(7) == 7.0 hash alike: the same argument is "
-    "refused with TypeError until an equal valid one was used once, then accepted"
-)
 # bad argument, the equal valid one, whether the bad one must be refused (else: only the same
 # answer both times is required)
 HISTORY: dict[str, tuple[dict[str, Any], dict[str, Any], bool]] = {
@@ -355,7 +333,6 @@ HISTORY: dict[str, tuple[dict[str, Any], dict[str, Any], bool]] = {
 
 
 @pytest.mark.parametrize("case", list(HISTORY))
-@pytest.mark.xfail(strict=True, reason=BUG_CHECK_CACHE)
 def test_argument_check_does_not_depend_on_earlier_calls(hvd: Any, case: str) -> None:
     """The same argument gets the same answer before and after an equal valid one was used;
     an op that is no ReduceOp and a bool factor are refused both times (the checks say so)."""

@@ -251,13 +251,16 @@ def test_join_response_when_all_joined_then_joined_set_resets() -> None:
     assert table.pop_ready() == []
 
 
-def test_allgather_sizes_with_joined_rank() -> None:
+def test_allgather_with_joined_rank_is_an_error() -> None:
+    """As in Horovod, only allreduce runs while ranks have joined."""
     table = CoordinatorTable(3)
     table.add(1, [join()], now=0.0)
     table.add(0, [Request("ag", Kind.ALLGATHER, "int32", (3, 2))], now=0.0)
     table.add(2, [Request("ag", Kind.ALLGATHER, "int32", (5, 2))], now=0.0)
     (resp,) = table.pop_ready()
-    assert (resp.error, resp.sizes, resp.joined) == ("", (3, 0, 5), (1,))
+    assert resp.error.startswith("tensor 'ag': allgather cannot run while ranks [1] have "
+                                 "joined; only allreduce can")
+    assert resp.sizes == ()
 
 
 def test_broadcast_from_joined_root_is_an_error() -> None:
@@ -265,10 +268,11 @@ def test_broadcast_from_joined_root_is_an_error() -> None:
     table.add(1, [join()], now=0.0)
     table.add(0, [Request("bc", Kind.BROADCAST, "float32", (2,), root=1)], now=0.0)
     (resp,) = table.pop_ready()
-    assert resp.error == "tensor 'bc': broadcast root rank 1 has already joined"
+    assert resp.error.startswith("tensor 'bc': broadcast cannot run while ranks [1] have "
+                                 "joined")
     table.add(0, [Request("bc2", Kind.BROADCAST, "float32", (2,), root=0)], now=0.0)
-    (resp,) = table.pop_ready()
-    assert (resp.error, resp.joined) == ("", (1,))
+    (resp,) = table.pop_ready()  # any root: Horovod refuses broadcast while ranks are joined
+    assert resp.error.startswith("tensor 'bc2': broadcast cannot run while ranks [1]")
 
 
 def test_alltoall_with_joined_rank_is_an_error() -> None:
@@ -278,7 +282,8 @@ def test_alltoall_with_joined_rank_is_an_error() -> None:
         table.add(rank, [Request("a2a", Kind.ALLTOALL, "int8", (3,), splits=(1, 1, 1))],
                   now=0.0)
     (resp,) = table.pop_ready()
-    assert resp.error == "tensor 'a2a': alltoall cannot run while ranks [2] have joined"
+    assert resp.error.startswith("tensor 'a2a': alltoall cannot run while ranks [2] have "
+                                 "joined")
     assert resp.sizes == ()
 
 

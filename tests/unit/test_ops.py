@@ -221,17 +221,22 @@ def test_float_scaling_keeps_precision(name: str) -> None:
     np.testing.assert_array_equal(dst, src * row.np_dtype.type(0.25))
 
 
-def test_integer_average_floors_negative_values() -> None:
-    row = DTYPES["int32"]
-    sums = [-7, -6, -5, -1, 0, 1, 5, 6, 7]
-    for n in (2, 3, 4):
-        buf = np.array(sums, np.int32)
-        finish_reduce(np, buf, Average, n, 1.0, row)
-        assert buf.tolist() == [s // n for s in sums]  # Python // floors
+def test_integer_average_truncates_toward_zero() -> None:
+    """Horovod's integer Average is C division: the quotient truncated toward zero."""
+    for name in ("int8", "int32", "int64", "uint16"):
+        row = DTYPES[name]
+        info = np.iinfo(row.np_dtype)
+        sums = [s for s in (-7, -6, -5, -1, 0, 1, 5, 6, 7, info.min, info.max)
+                if info.min <= s <= info.max]
+        for n in (2, 3, 4):
+            buf = np.array(sums, row.np_dtype)
+            finish_reduce(np, buf, Average, n, 1.0, row)
+            assert buf.tolist() == [int(s / n) if abs(s) < 2**52 else -(-s // n) if s < 0
+                                    else s // n for s in sums], (name, n)
+            assert buf.dtype == row.np_dtype
     buf = np.array([-7, 7], np.int32)
-    finish_reduce(np, buf, Average, 2, 1.0, row)
-    assert buf.tolist() == [-4, 3]  # not -3 (truncation) nor -4.0 (a float)
-    assert buf.dtype == np.int32
+    finish_reduce(np, buf, Average, 2, 1.0, DTYPES["int32"])
+    assert buf.tolist() == [-3, 3]  # not -4 (floor) nor -3.5 (a float)
 
 
 def test_unsigned_average() -> None:
@@ -245,8 +250,8 @@ def test_integer_average_then_postscale() -> None:
     row = DTYPES["int64"]
     buf = np.array([-7, 7, 9], np.int64)
     finish_reduce(np, buf, Average, 2, 0.5, row)
-    # floor(-7/2) = -4, then -4 * 0.5 = -2; the other order would give trunc(-1.75) = -1.
-    assert buf.tolist() == [math.trunc((s // 2) * 0.5) for s in (-7, 7, 9)] == [-2, 1, 2]
+    # trunc(-7/2) = -3, then trunc(-3 * 0.5) = -1: divide first, then scale.
+    assert buf.tolist() == [math.trunc(int(s / 2) * 0.5) for s in (-7, 7, 9)] == [-1, 1, 2]
 
 
 @pytest.mark.parametrize("name", FLOATS + COMPLEX)
