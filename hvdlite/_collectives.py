@@ -726,10 +726,11 @@ def barrier(*, process_set: Any = None) -> None:
 def join() -> int:
     """Declare that this rank has no more data for this epoch; block until every rank has.
 
-    While joined, this rank takes part in the other ranks' collectives without data: in
-    allreduce and reducescatter it contributes the op's identity (Average divides by the ranks
-    that contributed), in allgather zero rows. Broadcasts from a joined root and alltoall fail
-    with :class:`MismatchError`. Returns the rank that joined last.
+    While joined, this rank takes part in the other ranks' allreduces without data, as in
+    Horovod: it contributes the op's identity (zeros for Sum and Average, and Average divides
+    by the whole set, joined ranks included). Allgather, broadcast, alltoall and reducescatter
+    fail with :class:`MismatchError` on every rank while any rank has joined. Blocking; the
+    global set only. Returns the rank that joined last.
     """
     return int(_submit(Kind.JOIN, [], default_engine().auto_name("join"), wake=False).wait())
 
