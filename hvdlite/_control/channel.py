@@ -18,13 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 from hvdlite._control.fusion import FusionBuffers, nbytes, plan_buckets
 from hvdlite._control.negotiation import SPECS, Request, Response
-from hvdlite._control.negotiator import CycleResult, Negotiator
 from hvdlite._control.work import Entry
 from hvdlite.config import Config
 from hvdlite.errors import HvdliteError, MismatchError, StallError
 
 if TYPE_CHECKING:
     from mpi4py import MPI
+
+    from hvdlite._control.negotiator import CycleResult
 
     from hvdlite._backends.base import Backend
     from hvdlite._gpu.runtime import GpuRuntime
@@ -45,7 +46,10 @@ class Channel:
                  data: MPI.Intracomm, config: Config, tracer: Tracer, fusion: FusionBuffers,
                  gpu: Callable[[], GpuRuntime], block: bool, nap: Callable[[float], bool],
                  agreed: Callable[[Response], Any], buckets: itertools.count[int]) -> None:
+        # Imported here: both import mpi4py.MPI, which initialises MPI, and importing hvdlite
+        # must not.
         from hvdlite._backends.mpi import MPIBackend
+        from hvdlite._control.negotiator import Negotiator
 
         self.id, self.ranks = set_id, ranks
         self.ctrl, self.data = ctrl, data
