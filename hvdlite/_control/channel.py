@@ -25,9 +25,8 @@ from hvdlite.errors import HvdliteError, MismatchError, StallError
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-    from hvdlite._control.negotiator import CycleResult
-
     from hvdlite._backends.base import Backend
+    from hvdlite._control.negotiator import CycleResult
     from hvdlite._gpu.runtime import GpuRuntime
     from hvdlite._observe.tracer import Tracer
 

@@ -12,12 +12,14 @@ import importlib.util
 import os
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hvdlite
 from hvdlite._ops import ReduceOp
 from hvdlite.errors import HvdliteError, NotInitializedError
-from hvdlite.torch import process_sets as _ps
+
+if TYPE_CHECKING:
+    from hvdlite.torch.process_sets import ProcessSet
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
@@ -96,17 +98,25 @@ def resolve_op(op: Any, average: Any, what: str) -> ReduceOp:
     return op
 
 
-def init(comm: Any = None, process_sets: Sequence[_ps.ProcessSet] | str | None = None,
+def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = None,
          **overrides: Any) -> None:
     """Start hvdlite on every rank (collective; idempotent while running).
 
     ``comm``: an ``mpi4py`` communicator or a list of ``MPI.COMM_WORLD`` ranks (default: all
-    of ``MPI.COMM_WORLD``). ``process_sets``: :class:`ProcessSet` objects to register, or
-    ``"dynamic"`` to allow :func:`add_process_set` later. ``overrides`` are hvdlite knobs (see
-    ``hvdlite.config``). ``HOROVOD_TIMELINE=DYNAMIC`` starts no timeline at init: call
-    :func:`start_timeline` later.
+    of ``MPI.COMM_WORLD``). ``process_sets``: :class:`ProcessSet` objects registered with the
+    engine now (ids 1, 2, ... in list order; the same list on every rank), or ``"dynamic"`` to
+    allow :func:`add_process_set`/:func:`remove_process_set` later (as does
+    ``HOROVOD_DYNAMIC_PROCESS_SETS=1``). ``ValueError`` for a set given twice, a set naming
+    every rank (the global set) or a rank ``>= size``. While already running, the given sets
+    get the ids of the registered sets with the same ranks (``ValueError`` if none).
+    ``overrides`` are hvdlite knobs (see ``hvdlite.config``). ``HOROVOD_TIMELINE=DYNAMIC``
+    starts no timeline at init: call :func:`start_timeline` later.
     """
     from mpi4py import MPI
+
+    from hvdlite.torch import process_sets as _ps
+
+    sets, dynamic = _ps.init_sets(process_sets)
 
     if comm is not None and not hasattr(comm, "Get_rank"):
         try:
@@ -118,8 +128,13 @@ def init(comm: Any = None, process_sets: Sequence[_ps.ProcessSet] | str | None =
         comm = MPI.COMM_WORLD.Create_group(group)
     if os.environ.get("HOROVOD_TIMELINE", "").strip().upper() == "DYNAMIC":
         overrides.setdefault("timeline", "")
-    hvdlite.init(comm, **overrides)
-    _ps.setup(process_sets)
+    if hvdlite.is_initialized():
+        hvdlite.init(comm, **overrides)  # a no-op while running
+        _ps.adopt(sets)
+    else:
+        _ps.check_init_ranks(sets, (comm if comm is not None else MPI.COMM_WORLD).Get_size())
+        hvdlite.init(comm, process_sets=sets, **overrides)
+        _ps.started(dynamic)
     sizes = (comm if comm is not None else MPI.COMM_WORLD).allgather(hvdlite.local_size())
     _homogeneous["value"] = len(set(sizes)) == 1
 

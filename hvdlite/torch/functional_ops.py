@@ -8,6 +8,9 @@ Gradients (what ``backward()`` sends to the input), as Horovod defines them:
 - alltoall: the gradient sent back with an alltoall of the received splits;
 - reducescatter: the gradients of every rank's part gathered (times ``size()`` for Sum), with
   the scale factors applied.
+
+With ``process_set=``, "ranks" are the set's members: the backward collectives run on the same
+set, averages divide by its size and rows are taken at this rank's place in the set.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import hvdlite
 from hvdlite.torch import mpi_ops
 from hvdlite.torch.basics import Average, Sum, resolve_op
 from hvdlite.torch.compression import Compression, Compressor
-from hvdlite.torch.process_sets import global_process_set
+from hvdlite.torch.process_sets import global_process_set, resolve
 
 __all__ = [
     "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
@@ -56,7 +59,8 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
               compression: type[Compressor] = Compression.none, op: Any = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
               process_set: Any = global_process_set) -> torch.Tensor:
-    """Reduce ``tensor`` over all ranks and return the result (a new tensor; differentiable).
+    """Reduce ``tensor`` over the ranks of ``process_set`` (default: all) and return the
+    result (a new tensor; differentiable).
 
     ``op``: ``Average`` (default), ``Sum``, ``Min``, ``Max``, ``Product``; ``average`` is
     Horovod's deprecated flag. ``compression`` compresses before and restores after the
@@ -104,8 +108,8 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
     return [compression.decompress(o, p[1]) for o, p in zip(outs, pairs, strict=True)]
 
 
-def _my_rows(dims: torch.Tensor) -> int:
-    r = hvdlite.rank()
+def _my_rows(dims: torch.Tensor, process_set: Any) -> int:
+    r = resolve(process_set, "allgather (backward)").rank
     return int(dims[:r].sum().item()) if r else 0
 
 
@@ -123,12 +127,13 @@ class _Allgather(_DIFF):
                                      "allgather (backward)", ctx.process_set).wait()
         dims = mpi_ops._allgather([torch.tensor([ctx.rows], dtype=torch.int64)], None, False,
                                   ctx.process_set).wait()
-        return reduced.narrow(0, _my_rows(dims), ctx.rows), None, None
+        return reduced.narrow(0, _my_rows(dims, ctx.process_set), ctx.rows), None, None
 
 
 def allgather(tensor: torch.Tensor, name: str | None = None,
               process_set: Any = global_process_set) -> torch.Tensor:
-    """Concatenate every rank's ``tensor`` along dim 0, in rank order (differentiable).
+    """Concatenate the ``tensor`` of every rank of ``process_set`` (default: all) along dim 0,
+    in rank order (differentiable).
 
     Dim 0 may differ per rank; the other dimensions and the dtype must agree."""
     tensor = mpi_ops._check_tensor(tensor, "allgather")
@@ -153,7 +158,7 @@ class _GroupedAllgather(_DIFF):
                                      "grouped_allgather (backward)", ctx.process_set).wait()
         dims = mpi_ops._allgather([torch.tensor([ctx.rows], dtype=torch.int64)], None, False,
                                   ctx.process_set).wait()
-        r = hvdlite.rank()
+        r = resolve(ctx.process_set, "grouped_allgather (backward)").rank
         offsets = dims[:r].sum(dim=0) if r else torch.zeros(len(ctx.rows), dtype=torch.int64)
         parts = zip(reduced, offsets.tolist(), ctx.rows, strict=True)
         return (None, None, *[g.narrow(0, int(off), rows) for g, off, rows in parts])
@@ -185,8 +190,9 @@ class _Broadcast(_DIFF):
 
 def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
               process_set: Any = global_process_set) -> torch.Tensor:
-    """Return ``root_rank``'s ``tensor`` on every rank (a new tensor; differentiable).
-    ``ValueError`` for a root outside ``[0, size())``."""
+    """Return ``root_rank``'s ``tensor`` on every rank of ``process_set`` (a new tensor;
+    differentiable). ``root_rank`` is a global rank; ``ValueError`` for a root outside
+    ``[0, size())`` or, with a process set, outside the set."""
     return _Broadcast.apply(mpi_ops._check_tensor(tensor, "broadcast"), root_rank, name,
                             process_set)
 
@@ -218,8 +224,10 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
     return _Alltoall.apply(mpi_ops._check_tensor(tensor, "alltoall"), splits, name, process_set)
 
 
-def _rs_grad(grad: torch.Tensor, op: Any, pre: float, post: float) -> torch.Tensor:
-    factor = pre * post * (hvdlite.size() if op is Sum else 1)
+def _rs_grad(grad: torch.Tensor, op: Any, pre: float, post: float,
+             process_set: Any) -> torch.Tensor:
+    n = resolve(process_set, "reducescatter (backward)").size if op is Sum else 1
+    factor = pre * post * n
     return mpi_ops.scale(grad.contiguous(), factor)
 
 
@@ -234,7 +242,7 @@ class _Reducescatter(_DIFF):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         op, pre, post, ps = ctx.args
-        out = mpi_ops._allgather([_rs_grad(grad, op, pre, post)], None, False, ps).wait()
+        out = mpi_ops._allgather([_rs_grad(grad, op, pre, post, ps)], None, False, ps).wait()
         return out, None, None, None, None, None
 
 
@@ -242,8 +250,9 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
                   compression: type[Compressor] = Compression.none, op: Any = Average,
                   process_set: Any = global_process_set, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> torch.Tensor:
-    """Reduce ``tensor`` over all ranks and return this rank's rows of dim 0 (the first
-    ``dim0 % size`` ranks get one row more). Differentiable."""
+    """Reduce ``tensor`` over the ranks of ``process_set`` (default: all) and return this
+    rank's rows of dim 0 (the first ``dim0 % set size`` ranks get one row more).
+    Differentiable."""
     op = resolve_op(op, None, "reducescatter")
     tensor = mpi_ops._check_tensor(tensor, "reducescatter")
     compressed, cctx = compression.compress(tensor)
@@ -263,7 +272,7 @@ class _GroupedReducescatter(_DIFF):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         op, pre, post, ps = ctx.args
-        outs = mpi_ops._allgather([_rs_grad(g, op, pre, post) for g in grads], None, True,
+        outs = mpi_ops._allgather([_rs_grad(g, op, pre, post, ps) for g in grads], None, True,
                                   ps).wait()
         return (None, None, None, None, None, *outs)
 

@@ -12,7 +12,7 @@ import torch
 
 import hvdlite
 from hvdlite.torch import mpi_ops
-from hvdlite.torch.process_sets import check_process_set, global_process_set
+from hvdlite.torch.process_sets import global_process_set, resolve
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object",
            "allgather_object"]
@@ -25,7 +25,8 @@ def broadcast_parameters(params: Any, root_rank: int,
     ``params``: a ``state_dict()`` (or any mapping name -> tensor, broadcast in sorted name
     order), or a list / iterable of ``(name, tensor)`` pairs (``model.named_parameters()``) or
     of bare tensors (``model.parameters()``). Every rank must pass the same structure.
-    ``ValueError`` for anything else.
+    ``ValueError`` for anything else. With ``process_set``, only its members call this and
+    ``root_rank`` (a global rank) must be one of them; elsewhere ``ValueError``.
     """
     if isinstance(params, dict):
         items: list[tuple[Any, Any]] = sorted(params.items(), key=lambda kv: str(kv[0]))
@@ -34,7 +35,7 @@ def broadcast_parameters(params: Any, root_rank: int,
     else:
         raise ValueError(f"broadcast_parameters: invalid params of type {type(params).__name__}; "
                          "pass model.state_dict() or model.named_parameters()")
-    check_process_set(process_set, "broadcast_parameters")
+    resolve(process_set, "broadcast_parameters")  # a non-member fails before any broadcast
     handles = []
     for name, p in items:
         if not isinstance(p, torch.Tensor):
@@ -51,8 +52,9 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
     """Return ``root_rank``'s ``obj`` (pickled there, unpickled everywhere else) on every rank.
 
     ``obj`` may be anything picklable (tensors included); other ranks may pass ``None``.
+    With ``process_set``: among its members, ``root_rank`` a global rank of the set.
     """
-    check_process_set(process_set, "broadcast_object")
+    resolve(process_set, "broadcast_object")
     me = hvdlite.rank()
     if me == root_rank:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
@@ -72,8 +74,9 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
 
 def allgather_object(obj: Any, name: str | None = None,
                      process_set: Any = global_process_set) -> list[Any]:
-    """Return the list of every rank's ``obj`` (picklable), in rank order."""
-    check_process_set(process_set, "allgather_object")
+    """Return the list of every rank's ``obj`` (picklable), in rank order (the members of
+    ``process_set`` only, in their order in the set, when one is given)."""
+    resolve(process_set, "allgather_object")
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     sizes = mpi_ops.allgather_async(torch.tensor([buf.numel()], dtype=torch.int64),
@@ -106,7 +109,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"broadcast_optimizer_state: expected a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
-    check_process_set(process_set, "broadcast_optimizer_state")
+    resolve(process_set, "broadcast_optimizer_state")
     params = _param_order(optimizer)
     layout = [len(g["params"]) for g in optimizer.param_groups]
     meta: dict[str, Any] | None = None

@@ -11,6 +11,12 @@ Where hvdlite's core and Horovod differ, Horovod's behaviour is built here:
   float32 and rounded once, and moved as raw 16-bit words by allgather/broadcast/alltoall.
 - ``reducescatter`` takes ``prescale_factor``/``postscale_factor``; ``alltoall`` returns the
   received splits; grouped allgather/reducescatter exist.
+
+Every collective takes ``process_set=`` (default :data:`global_process_set`): it runs among the
+set's ranks on the set's own communicators, ``Average`` divides by the set's size, ranks,
+roots and splits are as for the global set but with the set's size (broadcast roots stay
+global ranks, as in Horovod), and a rank outside the set gets
+:class:`~hvdlite.torch.InvalidArgumentError` (a ``ValueError``) at the call.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import torch
 import hvdlite
 from hvdlite._ops import ReduceOp
 from hvdlite.torch.basics import Average, InvalidArgumentError, Sum, resolve_op
-from hvdlite.torch.process_sets import check_process_set, global_process_set
+from hvdlite.torch.process_sets import Resolved, global_process_set, resolve
 
 __all__ = [
     "Handle", "SparseHandle", "allreduce_async", "allreduce_async_", "allreduce_",
@@ -156,9 +162,9 @@ def _unraw(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _reduction_plan(tensors: list[torch.Tensor], op: ReduceOp, pre: float, post: float,
-                    what: str, process_set: Any) -> tuple[ReduceOp, float, float, bool]:
-    """(core op, prescale, postscale, scale in torch) for a reduction of ``tensors``."""
-    check_process_set(process_set, what)
+                    what: str, ps: Resolved) -> tuple[ReduceOp, float, float, bool]:
+    """(core op, prescale, postscale, scale in torch) for a reduction of ``tensors`` over the
+    process set ``ps`` (``Average`` divides by its size)."""
     pre = _factor(pre, "prescale_factor", what)
     post = _factor(post, "postscale_factor", what)
     if op is Average:
@@ -166,7 +172,7 @@ def _reduction_plan(tensors: list[torch.Tensor], op: ReduceOp, pre: float, post:
             raise TypeError(f"{what}: op Average is not defined for bool tensors; use Sum "
                             "(logical or), Min or Max")
         op = Sum
-        post = post / hvdlite.size()
+        post = post / ps.size
     # float16: the core scales in float16 arithmetic (each product computed in float32 and
     # rounded), which equals Horovod's float32 rule when the factor itself is a float16 value
     # (1, 1/2, 1/4 ...: Average over a power-of-two size); otherwise scale here.
@@ -182,7 +188,8 @@ def _exact_half(factor: float) -> bool:
 
 def _allreduce(tensors: list[torch.Tensor], name: str | None, op: ReduceOp, pre: float,
                post: float, inplace: bool, group: bool, what: str, process_set: Any) -> Handle:
-    core_op, pre, post, in_torch = _reduction_plan(tensors, op, pre, post, what, process_set)
+    ps = resolve(process_set, what)
+    core_op, pre, post, in_torch = _reduction_plan(tensors, op, pre, post, what, ps)
     sends = tensors
     if in_torch:
         # Scale here (float32 for the 16-bit types); the core gets factors of 1 and reduces
@@ -205,10 +212,10 @@ def _allreduce(tensors: list[torch.Tensor], name: str | None, op: ReduceOp, pre:
     fn: Callable[..., Any]
     if group:
         fn = hvdlite.grouped_allreduce_async_ if core_inplace else hvdlite.grouped_allreduce_async
-        part = _core(fn, sends, name, core_op, core_pre, core_post)
+        part = _core(fn, sends, name, core_op, core_pre, core_post, process_set=ps.core)
     else:
         fn = hvdlite.allreduce_async_ if core_inplace else hvdlite.allreduce_async
-        part = _core(fn, sends[0], name, core_op, core_pre, core_post)
+        part = _core(fn, sends[0], name, core_op, core_pre, core_post, process_set=ps.core)
 
     def finish(results: list[Any]) -> Any:
         outs = results[0] if group else [results[0]]
@@ -229,8 +236,9 @@ def _allreduce(tensors: list[torch.Tensor], name: str | None, op: ReduceOp, pre:
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                     op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                     process_set: Any = global_process_set) -> Handle:
-    """Start reducing ``tensor`` over all ranks (``op``: Average by default, Sum, Min, Max,
-    Product); the input is not modified. ``average`` is Horovod's deprecated flag. Returns a
+    """Start reducing ``tensor`` over the ranks of ``process_set`` (default: all; ``op``:
+    Average by default, dividing by the set's size, Sum, Min, Max, Product); the input is not
+    modified. ``average`` is Horovod's deprecated flag. Returns a
     :class:`Handle` for :func:`poll`/:func:`synchronize`. ``TypeError``/``ValueError`` for bad
     arguments, ``NotImplementedError`` for Adasum."""
     what = "allreduce_async"
@@ -297,7 +305,8 @@ def _member_name(name: str | None, i: int) -> str | None:
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: Any = global_process_set) -> Handle:
-    """Start concatenating every rank's ``tensor`` along dim 0 (dim 0 may differ per rank)."""
+    """Start concatenating the ``tensor`` of every rank of ``process_set`` along dim 0, in
+    rank order (dim 0 may differ per rank)."""
     return _allgather([_check_tensor(tensor, "allgather_async")], name, False, process_set)
 
 
@@ -311,8 +320,9 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
 
 def _allgather(tensors: list[torch.Tensor], name: str | None, group: bool,
                process_set: Any) -> Handle:
-    check_process_set(process_set, "allgather")
-    parts = [_core(hvdlite.allgather_async, _raw(t), _member_name(name, i) if group else name)
+    ps = resolve(process_set, "allgather")
+    parts = [_core(hvdlite.allgather_async, _raw(t), _member_name(name, i) if group else name,
+                   process_set=ps.core)
              for i, t in enumerate(tensors)]
 
     def finish(results: list[Any]) -> Any:
@@ -324,7 +334,8 @@ def _allgather(tensors: list[torch.Tensor], name: str | None, group: bool,
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: Any = global_process_set) -> Handle:
-    """Start copying ``root_rank``'s ``tensor`` to every rank (a new tensor; input kept)."""
+    """Start copying ``root_rank``'s ``tensor`` to every rank of ``process_set`` (a new
+    tensor; input kept). ``root_rank`` is a global rank, a member of the set."""
     return _broadcast(_check_tensor(tensor, "broadcast_async"), root_rank, name, False,
                       process_set)
 
@@ -344,9 +355,9 @@ def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 
 def _broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, inplace: bool,
                process_set: Any) -> Handle:
-    check_process_set(process_set, "broadcast")
+    ps = resolve(process_set, "broadcast")
     fn = hvdlite.broadcast_async_ if inplace else hvdlite.broadcast_async
-    part = _core(fn, _raw(tensor), root_rank, name)
+    part = _core(fn, _raw(tensor), root_rank, name, process_set=ps.core)
     if inplace:
         return Handle([part], lambda _results: tensor)
     return Handle([part], lambda results: _unraw(results[0], tensor.dtype))
@@ -369,13 +380,14 @@ def _split_list(splits: Any, what: str) -> list[int] | None:
 
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
                    process_set: Any = global_process_set) -> Handle:
-    """Start an all-to-all: rows ``splits[j]`` of dim 0 go to rank ``j`` (default: equal
-    parts). :func:`synchronize` returns ``(output, received_splits)``: what every rank sent
-    here, concatenated in rank order, and an int32 tensor of how many rows came from each."""
+    """Start an all-to-all: rows ``splits[j]`` of dim 0 go to rank ``j`` of ``process_set``
+    (``len(splits)`` is the set's size; default: equal parts). :func:`synchronize` returns
+    ``(output, received_splits)``: what every rank sent here, concatenated in rank order, and
+    an int32 tensor of how many rows came from each."""
     what = "alltoall_async"
     tensor = _check_tensor(tensor, what)
-    check_process_set(process_set, what)
-    n = hvdlite.size()
+    ps = resolve(process_set, what)
+    n = ps.size
     split_list = _split_list(splits, what)
     if tensor.dim() == 0:
         raise InvalidArgumentError(f"{what}: needs at least one dimension, got a 0-d tensor")
@@ -389,8 +401,9 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
         raise InvalidArgumentError(f"{what}: splits must be {n} non-negative ints summing to "
                                    f"dim 0 ({rows}), got {split_list}")
     sent = torch.tensor(split_list, dtype=torch.int32)
-    counts = _core(hvdlite.alltoall_async, sent, None, None if name is None else f"{name}.splits")
-    data = _core(hvdlite.alltoall_async, _raw(tensor), split_list, name)
+    counts = _core(hvdlite.alltoall_async, sent, None, None if name is None else f"{name}.splits",
+                   process_set=ps.core)
+    data = _core(hvdlite.alltoall_async, _raw(tensor), split_list, name, process_set=ps.core)
     split_dtype = splits.dtype if isinstance(splits, torch.Tensor) else torch.int32
 
     def finish(results: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -399,15 +412,17 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     return Handle([counts, data], finish)
 
 
-def _rs_one(t: torch.Tensor, name: str | None, core_op: ReduceOp, pre: float) -> Any:
+def _rs_one(t: torch.Tensor, name: str | None, core_op: ReduceOp, pre: float,
+            ps: Resolved) -> Any:
     send = t.float() * pre if t.dtype == torch.bfloat16 else scale(t, pre)
-    return _core(hvdlite.reducescatter_async, send, name, core_op)
+    return _core(hvdlite.reducescatter_async, send, name, core_op, process_set=ps.core)
 
 
 def _reducescatter(tensors: list[torch.Tensor], name: str | None, op: Any, pre: float,
                    post: float, group: bool, what: str, process_set: Any) -> Handle:
-    core_op, pre, post, _ = _reduction_plan(tensors, op, pre, post, what, process_set)
-    parts = [_rs_one(t, _member_name(name, i) if group else name, core_op, pre)
+    ps = resolve(process_set, what)
+    core_op, pre, post, _ = _reduction_plan(tensors, op, pre, post, what, ps)
+    parts = [_rs_one(t, _member_name(name, i) if group else name, core_op, pre, ps)
              for i, t in enumerate(tensors)]
 
     def finish(results: list[Any]) -> Any:
@@ -421,8 +436,8 @@ def _reducescatter(tensors: list[torch.Tensor], name: str | None, op: Any, pre: 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any = Average,
                         process_set: Any = global_process_set, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0) -> Handle:
-    """Start reducing ``tensor`` over all ranks and keep this rank's rows of dim 0 (the
-    first ``dim0 % size`` ranks get one row more)."""
+    """Start reducing ``tensor`` over the ranks of ``process_set`` and keep this rank's rows
+    of dim 0 (the first ``dim0 % set size`` ranks of the set get one row more)."""
     what = "reducescatter_async"
     op = resolve_op(op, None, what)
     return _reducescatter([_check_tensor(tensor, what)], name, op, prescale_factor,
@@ -443,21 +458,22 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
 def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: Any,
                            process_set: Any = global_process_set) -> SparseHandle:
     """Reduce a sparse COO tensor by gathering every rank's indices and values (Average
-    divides the values by ``size()``). Returns a callable handle: ``handle()`` waits and
-    returns the (uncoalesced) sparse result."""
+    divides the values by the size of ``process_set``). Returns a callable handle:
+    ``handle()`` waits and returns the (uncoalesced) sparse result."""
     what = "sparse_allreduce_async"
     if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
         raise TypeError(f"{what}: expected a sparse COO torch.Tensor")
     op = resolve_op(op, None, what)
     if op not in (Average, Sum):
         raise TypeError(f"{what}: op must be Average or Sum, got {op!r}")
-    check_process_set(process_set, what)
+    ps = resolve(process_set, what)
     indices = tensor._indices().t().contiguous()
     values = tensor._values().contiguous()
-    ih = _core(hvdlite.allgather_async, indices, None if name is None else f"{name}.indices")
+    ih = _core(hvdlite.allgather_async, indices, None if name is None else f"{name}.indices",
+               process_set=ps.core)
     vh = _core(hvdlite.allgather_async, _raw(values),
-               None if name is None else f"{name}.values")
-    n = hvdlite.size()
+               None if name is None else f"{name}.values", process_set=ps.core)
+    n = ps.size
 
     def finish(results: list[Any]) -> torch.Tensor:
         idx, vals = results[0], _unraw(results[1], values.dtype)
@@ -478,9 +494,9 @@ def join(device: int = -1) -> int:
 
 
 def barrier(process_set: Any = global_process_set) -> None:
-    """Block until every rank reached the barrier."""
-    check_process_set(process_set, "barrier")
-    hvdlite.barrier()
+    """Block until every rank of ``process_set`` (default: all) reached the barrier; ranks
+    outside the set are not waited for. ``ValueError`` on a rank outside the set."""
+    _core(hvdlite.barrier, process_set=resolve(process_set, "barrier").core)
 
 
 def poll(handle: Any) -> bool:

@@ -16,11 +16,12 @@ from typing import Any
 import torch
 
 import hvdlite
+from hvdlite import _sets
 from hvdlite.torch import mpi_ops
-from hvdlite.torch.basics import Average, resolve_op
+from hvdlite.torch.basics import Average, InvalidArgumentError, resolve_op
 from hvdlite.torch.compression import Compression, Compressor
 from hvdlite.torch.functions import broadcast_object
-from hvdlite.torch.process_sets import check_process_set, global_process_set
+from hvdlite.torch.process_sets import global_process_set, resolve
 
 __all__ = ["DistributedOptimizer"]
 
@@ -89,7 +90,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._groups = groups
         self._p_to_group: dict[torch.Tensor, tuple[torch.Tensor, ...]] = {}
         self._group_counts: dict[tuple[torch.Tensor, ...], int] = {}
-        if hvdlite.size() > 1:
+        # As Horovod: on a rank outside process_set nothing is communicated (no hooks, and
+        # synchronize() is a no-op), so step() applies this rank's own gradients.
+        self._member = process_set is global_process_set or bool(process_set.included())
+        if self._member and hvdlite.size() > 1:
             self._register_hooks()
 
     # -- hooks ------------------------------------------------------------------------------
@@ -107,7 +111,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _form_groups(self) -> None:
         plist = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-        order = broadcast_object([self._parameter_names[p] for p in plist], 0,
+        root = 0 if self.process_set is global_process_set else self.process_set.ranks[0]
+        order = broadcast_object([self._parameter_names[p] for p in plist], root,
                                  "DistributedOptimizer.order", self.process_set)
         rank_of = {n: i for i, n in enumerate(order)}
         plist.sort(key=lambda p: rank_of.get(self._parameter_names[p], len(order)))
@@ -218,7 +223,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for parameters this rank's backward did not reach) and write the averaged gradients
         into ``p.grad``. Call it before gradient clipping or ``GradScaler.unscale_``, then
         step inside :meth:`skip_synchronize`."""
-        if hvdlite.size() == 1 or not self._requires_update:
+        if hvdlite.size() == 1 or not self._member or not self._requires_update:
             self._synchronized = True
             return
         done: set[torch.Tensor] = set()
@@ -285,7 +290,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                          groups: Any = None, sparse_as_dense: bool = False,
                          process_set: Any = global_process_set) -> torch.optim.Optimizer:
-    """Wrap ``optimizer`` so each ``step()`` uses gradients averaged over all ranks.
+    """Wrap ``optimizer`` so each ``step()`` uses gradients averaged over all ranks (over the
+    members of ``process_set`` when one is given).
 
     Returns an instance of a subclass of ``optimizer``'s class sharing its param groups.
     ``named_parameters``: ``model.named_parameters()`` (names key the allreduces; default
@@ -294,8 +300,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     Sum. ``gradient_predivide_factor``: divide before the sum and multiply after (Average
     only). ``groups``: an int (that many fused groups) or a list of lists of parameters
     reduced together; ``num_groups`` is its deprecated name. ``sparse_as_dense``: densify
-    sparse gradients instead of gathering them. ``ValueError``/``TypeError`` for bad
-    arguments; ``NotImplementedError`` for Adasum.
+    sparse gradients instead of gathering them. ``process_set``: a registered set whose
+    members reduce among themselves (``Average`` divides by its size); on a rank outside it,
+    as in Horovod, nothing is communicated and ``step()`` applies that rank's own gradients.
+    ``ValueError``/``TypeError`` for bad arguments; ``NotImplementedError`` for Adasum.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer expects a torch.optim.Optimizer, got "
@@ -328,7 +336,16 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
         elif isinstance(groups, bool) or not isinstance(groups, int) or groups <= 0:
             raise ValueError(f"groups must be a positive int or a list of lists of tensors, "
                              f"got {groups!r}")
-    check_process_set(process_set, "DistributedOptimizer")
+    if process_set is not global_process_set:
+        if not isinstance(process_set, _sets.ProcessSet):
+            raise TypeError(f"DistributedOptimizer: process_set must be a "
+                            f"hvdlite.torch.ProcessSet, got {type(process_set).__name__}")
+        if process_set.process_set_id is None:
+            raise InvalidArgumentError(f"DistributedOptimizer: {process_set!r} is not "
+                                       "registered; pass it to hvd.init(process_sets=[...]) or "
+                                       "hvd.add_process_set first")
+        if process_set.included():
+            resolve(process_set, "DistributedOptimizer")  # still registered (not stale)?
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression,

@@ -1,200 +1,265 @@
-"""Process sets, as Horovod's PyTorch API names them.
+"""Process sets, as Horovod's PyTorch API names them, backed by hvdlite's engine-level sets.
 
-hvdlite's engine runs every collective on one communicator (the global set). This module keeps
-Horovod's objects (:class:`ProcessSet`, :data:`global_process_set`, :func:`add_process_set`,
-:func:`remove_process_set`) so code that builds them runs, and :func:`check_process_set` is the
-one place that decides whether a collective can run on a given set: today only the global set
-(or a set naming every rank in order, which is the same thing) is accepted.
+A :class:`ProcessSet` here is a :class:`hvdlite.ProcessSet` (so the numpy/CuPy collectives take
+it too) with Horovod's conventions: ranks are sorted, ``size()``/``rank()`` are ``None`` until
+the set is registered, ``rank()`` raises ``ValueError`` on a rank outside the set, and the
+object may be built from an ``mpi4py`` communicator (``mpi_comm``). Sets are registered at
+``hvdlite.torch.init(process_sets=[...])`` (ids 1, 2, ... in list order) or, with dynamic
+process sets enabled (``init(process_sets="dynamic")`` or ``HOROVOD_DYNAMIC_PROCESS_SETS=1``
+at ``init``), by :func:`add_process_set` / :func:`remove_process_set`, which are collective:
+every rank calls them, in the same order.
+
+:func:`resolve` is the one place where a collective's ``process_set=`` is checked and mapped
+onto the engine: the set's size (``Average`` divides by it), this rank's rank in it, and
+:class:`~hvdlite.torch.InvalidArgumentError` (a ``ValueError``, as Horovod's) for a rank
+outside the set or a set that is not registered.
 """
 
 from __future__ import annotations
 
+import operator
 import os
+import re
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import hvdlite
-from hvdlite.errors import HvdliteError
+from hvdlite import _sets
+from hvdlite._engine import default_engine
+from hvdlite.errors import NotInitializedError
+from hvdlite.torch.basics import InvalidArgumentError, NotInitializedValueError
 
 __all__ = [
     "ProcessSet",
     "global_process_set",
     "add_process_set",
     "remove_process_set",
-    "check_process_set",
+    "resolve",
+    "Resolved",
 ]
 
 
-class ProcessSet:
-    """A subset of the ranks that a collective runs on (``process_set=``).
+class ProcessSet(_sets.ProcessSet):
+    """A subset of the ranks that collectives run on (``process_set=``), Horovod's way.
 
-    Build it from a list of ranks or an ``mpi4py`` communicator; register it with
-    ``hvdlite.torch.init(process_sets=[...])`` or :func:`add_process_set`. The global set
-    (:data:`global_process_set`) holds every rank and has id 0.
+    Build it from a list of ranks (sorted, as Horovod does: a rank's place in the set is its
+    order among the members) or an ``mpi4py`` communicator (its ranks in ``MPI.COMM_WORLD``);
+    register it with ``hvdlite.torch.init(process_sets=[...])`` or :func:`add_process_set`.
+    ``process_set_id`` is ``None`` until then. :data:`global_process_set` holds every rank and
+    has id 0. ``ValueError`` for ranks that are not distinct non-negative ints.
     """
 
     def __init__(self, ranks_or_comm: Sequence[int] | Any) -> None:
-        self.process_set_id: int | None = None
         self.mpi_comm: Any = None
-        self.ranks: list[int] | None
         if hasattr(ranks_or_comm, "Get_group"):  # an mpi4py communicator
-            from mpi4py import MPI
-
             self.mpi_comm = ranks_or_comm
-            world = MPI.COMM_WORLD.Get_group()
-            group = ranks_or_comm.Get_group()
-            ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), world)
-            self.ranks = sorted(int(r) for r in ranks)
-        else:
-            try:
-                ranks = [int(r) for r in ranks_or_comm]
-            except TypeError:
-                raise TypeError("ProcessSet expects a list of ranks or an mpi4py communicator, "
-                                f"got {type(ranks_or_comm).__name__}") from None
-            if any(r < 0 for r in ranks) or len(set(ranks)) != len(ranks):
-                raise ValueError(f"ProcessSet ranks must be distinct and >= 0, got {ranks}")
-            self.ranks = sorted(ranks)
+            super().__init__(ranks_or_comm)  # translated to MPI.COMM_WORLD ranks
+            assert self._ranks is not None
+            self._ranks = tuple(sorted(self._ranks))
+            return
+        try:
+            ranks = sorted(operator.index(r) for r in ranks_or_comm)
+        except TypeError:
+            raise ValueError("ProcessSet should be initialized with a list of process ranks or "
+                             f"an mpi4py Comm object, got {ranks_or_comm!r}") from None
+        super().__init__(ranks)  # ValueError: empty, repeated or negative ranks
 
-    def _all_ranks(self) -> list[int]:
-        if self.ranks:
-            return self.ranks
-        return list(range(hvdlite.size()))  # the global set: every rank
+    def size(self) -> int | None:  # type: ignore[override]
+        """Number of ranks in the set; ``None`` while it is not registered (Horovod)."""
+        if self.process_set_id is None:
+            return None
+        return len(self.ranks)
 
-    def size(self) -> int:
-        """Number of ranks in this set."""
-        return len(self._all_ranks())
-
-    def rank(self) -> int:
-        """This process's rank within the set, or -1 if it is not a member."""
+    def rank(self) -> int | None:  # type: ignore[override]
+        """This process's rank within the set (its place among the sorted members); ``None``
+        while the set is not registered; ``ValueError`` if this process is not a member.
+        Collectives still take global ranks (e.g. ``broadcast``'s ``root_rank``)."""
+        if self.process_set_id is None:
+            return None
         me = hvdlite.rank()
-        ranks = self._all_ranks()
-        return ranks.index(me) if me in ranks else -1
+        ranks = self.ranks
+        if me not in ranks:
+            raise ValueError(f"Process is not part of provided process set: rank {me} is not "
+                             f"in {self!r}")
+        return ranks.index(me)
 
     def included(self) -> bool:
-        """True if this process belongs to the set."""
-        return self.rank() >= 0
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, ProcessSet):
-            return NotImplemented
-        if self is other:
-            return True
-        if self.process_set_id is not None and self.process_set_id == other.process_set_id:
-            return True
-        return self.ranks == other.ranks and self.ranks is not None and bool(self.ranks)
-
-    def __hash__(self) -> int:
-        return hash(tuple(self.ranks or ()))
+        """True if this process is a member of the set."""
+        return hvdlite.rank() in self.ranks
 
     def __repr__(self) -> str:
-        ranks = "all" if self is global_process_set else self.ranks
-        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={ranks})"
+        shown: Any = "all" if self._ranks is None else list(self._ranks)
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={shown})"
+
+    __str__ = __repr__
 
 
-global_process_set = ProcessSet([])
-global_process_set.process_set_id = 0
-
-_lock = threading.Lock()
-_registered: dict[int, ProcessSet] = {0: global_process_set}
-_state = {"dynamic": False, "next_id": 1}
-
-
-def _dynamic_env() -> bool:
-    return os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", "").strip().lower() in {"1", "true"}
-
-
-def setup(process_sets: Sequence[ProcessSet] | str | None) -> None:
-    """Called by ``init``: forget earlier registrations and register ``process_sets``
-    (a list of :class:`ProcessSet`, or ``"dynamic"`` to allow :func:`add_process_set`)."""
-    with _lock:
-        for ps in _registered.values():
-            if ps is not global_process_set:
-                ps.process_set_id = None
-        _registered.clear()
-        _registered[0] = global_process_set
-        _state["next_id"] = 1
-        _state["dynamic"] = _dynamic_env()
-        if process_sets is None:
-            return
-        if isinstance(process_sets, str):
-            if process_sets != "dynamic":
-                raise ValueError("init(process_sets=...) takes a list of ProcessSet objects or "
-                                 f"the string 'dynamic', got {process_sets!r}")
-            _state["dynamic"] = True
-            return
-    for ps in process_sets:
-        if not isinstance(ps, ProcessSet):
-            raise TypeError(f"init(process_sets=...): expected ProcessSet objects, got "
-                            f"{type(ps).__name__}")
-        _register(ps)
-
-
-def _register(ps: ProcessSet) -> ProcessSet:
-    size = hvdlite.size()
-    assert ps.ranks is not None
-    if any(r >= size for r in ps.ranks):
-        raise ValueError(f"{ps!r}: ranks must be < size() ({size})")
-    with _lock:
-        for other in _registered.values():
-            if other is not global_process_set and other.ranks == ps.ranks:
-                raise ValueError(f"a process set with ranks {ps.ranks} is already registered "
-                                 f"(id {other.process_set_id})")
-        ps.process_set_id = _state["next_id"]
-        _state["next_id"] += 1
-        _registered[ps.process_set_id] = ps
+def _global_set() -> ProcessSet:
+    ps = ProcessSet.__new__(ProcessSet)
+    ps.mpi_comm = None
+    ps._ranks = None  # every rank
+    ps.process_set_id = 0
     return ps
 
 
-def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
-    """Register a process set after ``init`` (needs ``init(process_sets="dynamic")`` or
-    ``HOROVOD_DYNAMIC_PROCESS_SETS=1``, as in Horovod). Collective in Horovod; here it only
-    records the set. Returns the registered :class:`ProcessSet`."""
+#: Every rank, id 0: the default ``process_set`` of every collective.
+global_process_set = _global_set()
+
+_lock = threading.Lock()
+_state = {"dynamic": False}
+
+
+def _dynamic_env() -> bool:
+    """``HOROVOD_DYNAMIC_PROCESS_SETS`` read as Horovod reads it: a positive integer."""
+    match = re.match(r"\s*[+-]?\d+", os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS", ""))
+    return match is not None and int(match.group()) > 0
+
+
+def init_sets(process_sets: Sequence[Any] | str | None) -> tuple[list[ProcessSet], bool]:
+    """``init``'s ``process_sets`` argument checked: (sets to register, in order; dynamic?).
+
+    ``"dynamic"`` (any case) registers none now and allows :func:`add_process_set`; a list
+    holds :class:`ProcessSet` objects (``global_process_set`` in it is skipped: it always
+    exists). ``ValueError`` for a set given twice; ``TypeError`` for anything else.
+    """
+    if process_sets is None:
+        return [], False
+    if isinstance(process_sets, str):
+        if process_sets.lower() != "dynamic":
+            raise ValueError("init(process_sets=...) takes a list of ProcessSet objects or the "
+                             f"string 'dynamic', got {process_sets!r}")
+        return [], True
+    sets: list[ProcessSet] = []
+    seen: dict[tuple[int, ...], int] = {}
+    for i, ps in enumerate(process_sets):
+        if not isinstance(ps, ProcessSet):
+            raise TypeError(f"init(process_sets=...): expected hvdlite.torch.ProcessSet objects, "
+                            f"got {type(ps).__name__}")
+        if ps._ranks is None:  # the global set
+            continue
+        if ps._ranks in seen:
+            raise ValueError(f"Horovod could not be initialized because process_sets entry "
+                             f"number {i} is a duplicate of entry {seen[ps._ranks]}: {ps!r}")
+        seen[ps._ranks] = i
+        sets.append(ps)
+    return sets, False
+
+
+def check_init_ranks(sets: Sequence[ProcessSet], size: int) -> None:
+    """``ValueError`` before starting the engine for a set naming a rank ``>= size`` or
+    naming every rank (that is the global set, as Horovod counts duplicates)."""
+    for i, ps in enumerate(sets):
+        ranks = ps.ranks
+        if ranks[-1] >= size:
+            raise ValueError(f"init(process_sets=...): entry number {i} ({ps!r}) names ranks "
+                             f">= size ({size})")
+        if len(ranks) == size:
+            raise ValueError(f"Horovod could not be initialized because process_sets entry "
+                             f"number {i} is a duplicate of the global process set: {ps!r}")
+
+
+def started(dynamic: bool) -> None:
+    """Called by ``init`` once the engine runs: whether sets may be added and removed
+    (``"dynamic"`` given, or ``HOROVOD_DYNAMIC_PROCESS_SETS`` a positive integer now)."""
+    with _lock:
+        _state["dynamic"] = dynamic or _dynamic_env()
+
+
+def adopt(sets: Sequence[ProcessSet]) -> None:
+    """``init`` while already running: give each set the id of the registered set with the
+    same ranks, as Horovod does; ``ValueError`` if there is none (register it with
+    :func:`add_process_set`)."""
+    known = {ranks: set_id for set_id, ranks in default_engine().sets.items()}
+    for ps in sets:
+        set_id = known.get(ps._ranks or ())
+        if set_id is None:
+            raise ValueError(f"hvdlite.torch is already initialized and {ps!r} is not "
+                             "registered; call hvd.shutdown() first or use add_process_set")
+        ps.process_set_id = set_id
+
+
+def _require_dynamic(what: str) -> None:
+    if not hvdlite.is_initialized():
+        raise NotInitializedValueError(f"{what}: Horovod has not been initialized; use "
+                                       "hvd.init().")
     if not _state["dynamic"]:
-        raise ValueError("add_process_set needs dynamic process sets: call "
-                         "init(process_sets='dynamic') or set HOROVOD_DYNAMIC_PROCESS_SETS=1")
+        raise ValueError(f"{what}: set HOROVOD_DYNAMIC_PROCESS_SETS=1 or call "
+                         "init(process_sets='dynamic') to allow adding and removing process "
+                         "sets after initialization")
+
+
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Register a process set after ``init`` and return it (a :class:`ProcessSet` is built from
+    a list of ranks). Collective: every rank calls it, in the same order; it returns once
+    every rank has created the set.
+
+    Needs dynamic process sets (``init(process_sets="dynamic")`` or
+    ``HOROVOD_DYNAMIC_PROCESS_SETS=1``), else ``ValueError``, as in Horovod. ``ValueError``
+    for a duplicate (a registered set with the same ranks, the global set included) or a
+    rank ``>= size()``.
+    """
+    _require_dynamic("add_process_set")
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
-    if ps.process_set_id is not None:
-        raise ValueError(f"{ps!r} is already registered")
-    return _register(ps)
+    try:
+        return _sets.add_process_set(ps)  # type: ignore[return-value]
+    except ValueError as exc:
+        raise ValueError(f"Attempted to add a duplicate or invalid process set: {exc}") from None
 
 
-def remove_process_set(process_set: ProcessSet) -> bool:
-    """Unregister ``process_set``; True if it was registered. The global set cannot be
-    removed (``ValueError``)."""
-    if not isinstance(process_set, ProcessSet):
+def remove_process_set(process_set: _sets.ProcessSet) -> bool:
+    """Unregister ``process_set`` (collective, like :func:`add_process_set`); its id becomes
+    ``None``. Returns ``False``, as Horovod does, for the global set and for a set that is not
+    registered. Needs dynamic process sets (``ValueError`` otherwise)."""
+    if not isinstance(process_set, _sets.ProcessSet):
         raise TypeError(f"remove_process_set expects a ProcessSet, got "
                         f"{type(process_set).__name__}")
-    if process_set is global_process_set:
-        raise ValueError("the global process set cannot be removed")
-    if not _state["dynamic"]:
-        raise ValueError("remove_process_set needs dynamic process sets: call "
-                         "init(process_sets='dynamic') or set HOROVOD_DYNAMIC_PROCESS_SETS=1")
-    with _lock:
-        pid = process_set.process_set_id
-        if pid is None or _registered.get(pid) is not process_set:
-            return False
-        del _registered[pid]
+    set_id = process_set.process_set_id
+    if set_id is None or set_id == 0:
+        return False
+    _require_dynamic("remove_process_set")
+    if default_engine().sets.get(set_id) != process_set._ranks:  # unknown here, or stale
         process_set.process_set_id = None
-    return True
+        return False
+    return _sets.remove_process_set(process_set)
 
 
-def check_process_set(process_set: Any, what: str) -> None:
-    """Accept ``process_set`` for a collective or raise.
+class Resolved(NamedTuple):
+    """A collective's process set, checked: what to pass to the core (``None`` for the global
+    set), its size, and this rank's rank in it."""
 
-    The single seam for engine-level process sets: today the global set, and any registered
-    set naming every rank, run on the global communicator; any other set raises
-    :class:`hvdlite.HvdliteError` (a ``RuntimeError``) saying so. ``TypeError`` if it is no
-    :class:`ProcessSet`.
+    core: Any
+    size: int
+    rank: int
+
+
+def resolve(process_set: Any, what: str) -> Resolved:
+    """Check ``process_set`` for a collective on this rank and map it onto the engine.
+
+    The global set (or ``None``) is every rank. ``TypeError`` for anything but a
+    :class:`hvdlite.ProcessSet`; :class:`~hvdlite.torch.InvalidArgumentError` (a
+    ``ValueError``, Horovod's error type here) if the set is not registered (never, removed,
+    or from before a restart) or this rank is not a member.
     """
+    try:
+        engine = default_engine()
+    except NotInitializedError as exc:
+        raise NotInitializedValueError(f"{what}: {exc}; call hvd.init() first") from None
     if process_set is None or process_set is global_process_set:
-        return
-    if not isinstance(process_set, ProcessSet):
+        return Resolved(None, engine.size, engine.rank)
+    if not isinstance(process_set, _sets.ProcessSet):
         raise TypeError(f"{what}: process_set must be a hvdlite.torch.ProcessSet, got "
                         f"{type(process_set).__name__}")
-    if process_set.ranks == list(range(hvdlite.size())):
-        return
-    raise HvdliteError(
-        f"{what}: process_set={process_set!r} is not supported yet: hvdlite runs collectives "
-        "on the global process set only; pass process_set=hvd.global_process_set (the default)"
-    )
+    set_id = process_set.process_set_id
+    if set_id == 0:
+        return Resolved(None, engine.size, engine.rank)
+    ranks = engine.sets.get(set_id) if set_id is not None else None
+    if ranks is None or (process_set._ranks is not None and process_set._ranks != ranks):
+        raise InvalidArgumentError(
+            f"{what}: {process_set!r} does not exist or has not been registered; pass it to "
+            "hvd.init(process_sets=[...]) or hvd.add_process_set first")
+    if engine.rank not in ranks:
+        raise InvalidArgumentError(
+            f"{what}: rank {engine.rank} is not a member of the provided process set "
+            f"{process_set!r}; call its collectives on its member ranks only")
+    return Resolved(process_set, len(ranks), ranks.index(engine.rank))
