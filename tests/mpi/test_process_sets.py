@@ -103,3 +103,28 @@ def test_sets_given_at_init(restart: Any) -> None:
                             process_set=low)
         assert int(got[0]) == sum(r + 1 for r in low.ranks)
     hvd.barrier()
+
+
+def test_grouped_allreduce_runs_on_its_set(hvd: Any) -> None:
+    """Every grouped_allreduce form reduces over the set it names (they used to accept
+    ``process_set=`` and run on the global set)."""
+    size, me = hvd.size(), hvd.rank()
+    if size < 2:
+        pytest.skip("needs 2 ranks")
+    solo = hvd.add_process_set(list(range(1, size, 2)))  # [1] or [1, 3]
+    try:
+        if not solo.included():
+            return
+        want = [np.full(2, sum(map(_value, solo.ranks)), np.int64)] * 2
+        for k, fn in enumerate((hvd.grouped_allreduce, hvd.grouped_allreduce_)):
+            xs = [np.full(2, _value(me), np.int64) for _ in range(2)]
+            got = fn(xs, name=f"ps.grp.{k}", op=hvd.Sum, process_set=solo)
+            for g, w in zip(got, want, strict=True):
+                np.testing.assert_array_equal(g, w)
+        for k, afn in enumerate((hvd.grouped_allreduce_async, hvd.grouped_allreduce_async_)):
+            xs = [np.full(2, _value(me), np.int64) for _ in range(2)]
+            got = afn(xs, name=f"ps.grpa.{k}", op=hvd.Sum, process_set=solo).wait()
+            for g, w in zip(got, want, strict=True):
+                np.testing.assert_array_equal(g, w)
+    finally:
+        assert hvd.remove_process_set(solo)

@@ -263,21 +263,21 @@ def test_compression(hvd: Any) -> None:
 
 
 def test_process_sets(hvd: Any) -> None:
-    import hvdlite
-
     n = hvd.size()
-    assert hvd.global_process_set.process_set_id == 0
-    assert hvd.global_process_set.size() == n and hvd.global_process_set.included()
+    gps = hvd.global_process_set
+    assert gps.process_set_id == 0 and gps.size() == n and gps.included()
+    assert gps.rank() == hvd.rank()
     t = torch.ones(2)
-    assert torch.equal(hvd.allreduce(t, op=hvd.Sum, process_set=hvd.global_process_set), t * n)
-    with pytest.raises(ValueError, match="dynamic"):
+    assert torch.equal(hvd.allreduce(t, op=hvd.Sum, process_set=gps), t * n)
+    with pytest.raises(ValueError, match="dynamic"):  # not enabled at this init
         hvd.add_process_set([0])
     with pytest.raises(TypeError):
         hvd.allreduce(t, process_set=[0])
-    if n > 1:
-        subset = hvd.ProcessSet([0])
-        with pytest.raises(hvdlite.HvdliteError, match="global process set"):
-            hvd.allreduce(t, process_set=subset)
+    subset = hvd.ProcessSet([0])
+    assert subset.process_set_id is None and subset.size() is None and subset.rank() is None
+    with pytest.raises(ValueError, match="not been registered"):
+        hvd.allreduce(t, process_set=subset)
+    assert hvd.remove_process_set(subset) is False and hvd.remove_process_set(gps) is False
 
 
 def test_dynamic_timeline_and_process_sets(hvd: Any, tmp_path: Any, monkeypatch: Any) -> None:
@@ -295,10 +295,13 @@ def test_dynamic_timeline_and_process_sets(hvd: Any, tmp_path: Any, monkeypatch:
         hvd.rank()
     try:
         hvd.init()
-        ps = hvd.add_process_set(list(range(hvd.size())))
-        assert ps.process_set_id == 1 and ps.size() == hvd.size()
-        assert torch.equal(hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=ps),
-                           torch.ones(1) * hvd.size())
+        with pytest.raises(ValueError, match="duplicate"):  # the global set's ranks
+            hvd.add_process_set(list(range(hvd.size())))
+        ps = hvd.add_process_set([0])
+        assert ps.process_set_id == 1 and ps.size() == 1
+        if hvd.rank() == 0:
+            assert torch.equal(hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=ps),
+                               torch.ones(1))
         assert hvd.remove_process_set(ps) and not hvd.remove_process_set(ps)
         with pytest.raises(ValueError):
             hvd.start_timeline("")
@@ -316,11 +319,15 @@ def test_dynamic_timeline_and_process_sets(hvd: Any, tmp_path: Any, monkeypatch:
         hvd.init(comm=list(range(MPI.COMM_WORLD.Get_size())), process_sets=[first])
         assert first.process_set_id == 1 and first.size() == 1
         assert first.included() == (hvd.rank() == 0)
-        if hvd.size() > 1:
-            with pytest.raises(RuntimeError, match="global process set"):
+        if hvd.rank() == 0:
+            assert torch.equal(hvd.allgather(torch.ones(1), process_set=first), torch.ones(1))
+        else:
+            with pytest.raises(ValueError, match="not a member"):
                 hvd.allgather(torch.ones(1), process_set=first)
-        with pytest.raises(ValueError, match="dynamic"):
+        with pytest.raises(ValueError, match="dynamic"):  # HOROVOD_DYNAMIC_PROCESS_SETS unset
             hvd.remove_process_set(first)
+        assert first.process_set_id == 1
+        hvd.barrier()  # rank 0's set collective is done before any rank shuts down
     finally:
         monkeypatch.delenv("HOROVOD_TIMELINE")
         monkeypatch.delenv("HOROVOD_DYNAMIC_PROCESS_SETS", raising=False)
