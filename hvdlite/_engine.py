@@ -386,6 +386,10 @@ class Engine:
     def _drain(self) -> list[Entry]:
         with self._lock:
             new, self._queue = self._queue, []
+            # Pending in their channels from here on, so that a stop found in an earlier
+            # channel's round of this cycle still fails them (they are in no queue any more).
+            for e in new:
+                e.channel.entries[e.request.name] = e
         if self.tracer.timeline is not None:
             self.tracer.negotiating(new)
         return new

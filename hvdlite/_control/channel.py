@@ -83,8 +83,6 @@ class Channel:
     # -- one round (under the engine's cycle lock) -------------------------------------------
     def negotiate(self, new: list[Entry], stopping: bool, expecting_stall: bool,
                   caller: bool) -> CycleResult:
-        for e in new:
-            self.entries[e.request.name] = e
         negotiator = self.negotiator
         negotiator.in_caller = self.mpi.in_caller = caller
         return negotiator.cycle(new, self.entries, stopping, expecting_stall)
