@@ -308,10 +308,11 @@ def test_verbose_prints_command_and_settings(tmp_path: Path) -> None:
     lines = result.stdout.splitlines()
     command = [line for line in lines if line.startswith("hvdliterun: command: ")]
     assert len(command) == 1
-    assert "mpiexec" in command[0] and " -n 2 " in command[0]
+    openmpi = mpi_flavor(find_mpiexec(None) or "") == "openmpi"
+    # Open MPI's mpirun takes -np (and is launched with it); MPICH's mpiexec -n.
+    assert "mpiexec" in command[0] and (" -np 2 " if openmpi else " -n 2 ") in command[0]
     assert command[0].endswith(f"{script} 'a b'")
-    forwarded = ("-x HVDLITE_CYCLE_TIME_MS" if mpi_flavor(find_mpiexec(None) or "") == "openmpi"
-                 else "-genv HVDLITE_CYCLE_TIME_MS 3.0")
+    forwarded = "-x HVDLITE_CYCLE_TIME_MS" if openmpi else "-genv HVDLITE_CYCLE_TIME_MS 3.0"
     assert forwarded in command[0]
     assert "hvdliterun: cycle_time_ms = 3.0  [--cycle-time-ms]" in lines
     assert "hvdliterun: log_level = 'warning'  [default]" in lines
