@@ -339,7 +339,8 @@ class Engine:
             f"hvdlite background thread failed on rank {self.rank}: {exc!r}")
         if err is not exc:
             err.__cause__ = exc
-        log.error("%s", err, exc_info=exc)
+        log.error("%s", err)  # one line; the traceback only at debug level (not plumbing noise)
+        log.debug("hvdlite: where the failure came from", exc_info=exc)
         self._finish(err)
         self._tell_peers(err)
 

@@ -23,6 +23,7 @@ from hvdlite._gpu.kernels import batched_copy
 from hvdlite._gpu.runtime import DeviceContext, GpuRuntime
 from hvdlite._observe.tracer import Tracer
 from hvdlite._ops import DTYPES, DType, ReduceOp, finish_reduce, nccl_wire, scale_into
+from hvdlite.errors import BackendUnavailableError
 
 __all__ = ["NcclBackend"]
 
@@ -63,12 +64,35 @@ class NcclBackend:
         """The NCCL communicator of ``device_id``, created once (collective over MPI)."""
         comm = self._comms.get(device_id)
         if comm is None:
+            self._check_one_gpu_per_rank(device_id)
             uid = self.nccl.get_unique_id() if self.rank == 0 else None
             uid = self.mpi.bcast(uid, root=0)
             with self.cupy.cuda.Device(device_id):
                 comm = self._comms[device_id] = self.nccl.NcclCommunicator(self.size, uid,
                                                                            self.rank)
         return comm
+
+    def _check_one_gpu_per_rank(self, device_id: int) -> None:
+        """Collective (every rank of the set creates the communicator at the same bucket):
+        refuse, on every rank alike, ranks that share a GPU, which NCCL rejects with a bare
+        'invalid usage'."""
+        import socket
+
+        try:
+            bus = str(self.cupy.cuda.Device(device_id).pci_bus_id)
+        except Exception:  # an old driver without the attribute: the ordinal will do
+            bus = f"device {device_id}"
+        where = self.mpi.allgather((socket.gethostname(), bus))
+        by_gpu: dict[tuple[str, str], list[int]] = {}
+        for rank, key in enumerate(where):
+            by_gpu.setdefault(tuple(key), []).append(rank)
+        shared = [(key, ranks) for key, ranks in by_gpu.items() if len(ranks) > 1]
+        if shared:
+            (host, gpu), ranks = shared[0]
+            raise BackendUnavailableError(
+                f"ranks {ranks} on host {host} share one GPU ({gpu}); NCCL needs one GPU per "
+                "rank: launch at most as many ranks per host as it has GPUs, or give each rank "
+                "its own GPU (CUDA_VISIBLE_DEVICES)")
 
     def run(self, bucket: list[Response], entries: list[Entry | None]) -> None:
         """Enqueue one bucket on the device and hand its completion to the runtime."""

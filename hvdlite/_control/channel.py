@@ -20,7 +20,7 @@ from hvdlite._control.fusion import FusionBuffers, nbytes, plan_buckets
 from hvdlite._control.negotiation import SPECS, Request, Response
 from hvdlite._control.work import Entry
 from hvdlite.config import Config
-from hvdlite.errors import HvdliteError, MismatchError, StallError
+from hvdlite.errors import BackendUnavailableError, HvdliteError, MismatchError, StallError
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -107,7 +107,11 @@ class Channel:
                 for e in entries:
                     if e is not None:  # popped above, so the engine's stop would miss them
                         why = str(exc) if isinstance(exc, HvdliteError) else repr(exc)
-                        e.fail(HvdliteError(f"tensor {e.request.name!r}: {why}"))
+                        err = type(exc) if isinstance(exc, BackendUnavailableError) else (
+                            HvdliteError)
+                        e.fail(err(f"tensor {e.request.name!r}: {why}"))
+                if isinstance(exc, BackendUnavailableError):
+                    continue  # decided alike on every rank (collectively): the rest goes on
                 raise
 
     def plan(self, responses: list[Response],
