@@ -294,6 +294,10 @@ class CoordinatorTable:
     def joined(self) -> tuple[int, ...]:
         return tuple(self._joined)
 
+    def has_pending(self) -> bool:
+        """Whether some tensor waits for a rank (what the stall inspector looks at)."""
+        return bool(self._pending)
+
     def stalled(self, older_than_s: float, now: float | None = None) -> list[StallReport]:
         now = time.monotonic() if now is None else now
         reports = []

@@ -226,7 +226,10 @@ class Negotiator:
                 flags |= JOINED
             else:
                 self._join = None
-        if self.table is not None and self.stall.due(now):
+        # A stall check needs a full round, but only while the coordinator's table holds a
+        # tensor some rank is waiting on: an idle job's rounds stay one small allreduce (a
+        # full round's blocking gather spins until the napping peers arrive: ~2% of a core).
+        if self.table is not None and self.table.has_pending() and self.stall.due(now):
             flags |= ROUND
         return flags
 
