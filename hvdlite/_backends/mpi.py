@@ -151,10 +151,15 @@ class MPIBackend:
         counts = [math.prod(r.shape) for r in bucket]
         buf = self.fusion.get("cpu", wire, sum(counts))
         with self.tracer.phase(names, "MEMCPY_IN_FUSION_BUFFER"):
-            offset = 0
-            for resp, entry, n in zip(bucket, entries, counts, strict=True):
-                self._copy_in(buf[offset:offset + n], resp, entry, row, op)
-                offset += n
+            if head.prescale == 1.0 and None not in entries:
+                # The common case in one C call: every member's input, flattened, end to end.
+                np.concatenate([e.tensor.array.reshape(-1) for e in entries],  # type: ignore
+                               out=buf, casting="unsafe")
+            else:
+                offset = 0
+                for resp, entry, n in zip(bucket, entries, counts, strict=True):
+                    self._copy_in(buf[offset:offset + n], resp, entry, row, op)
+                    offset += n
         with self.tracer.phase(names, "MPI_ALLREDUCE", {"bytes": buf.nbytes}):
             self._wait(self.comm.Iallreduce(MPI.IN_PLACE, [buf, mtype], op=mop))
         with self.tracer.phase(names, "MEMCPY_OUT_FUSION_BUFFER"):

@@ -78,6 +78,10 @@ def finish_all(entries: list[Entry | None], values: list[Any], events: tuple[Any
         first.handle.set_parts(((first.index, first.user_value(live[0][1])),), events,
                                was_enqueued)
         return
+    if all(e.handle._as_list is False for e, _ in live):  # one handle per tensor
+        for e, v in live:
+            e.handle.set_parts(((e.index, e.user_value(v)),), events, was_enqueued)
+        return
     by_handle: dict[int, tuple[Handle, list[tuple[int, Any]]]] = {}
     for e, v in live:
         by_handle.setdefault(id(e.handle), (e.handle, []))[1].append((e.index, e.user_value(v)))
