@@ -6,6 +6,21 @@ torch are imported only when a call needs them. See ``docs/architecture.md`` for
 
 from __future__ import annotations
 
+from hvdlite._api import (
+    cross_rank,
+    cross_size,
+    expect_stall,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    rank,
+    shutdown,
+    size,
+    start_timeline,
+    stats,
+    stop_timeline,
+)
 from hvdlite._collectives import (
     allgather,
     allgather_async,
@@ -30,21 +45,6 @@ from hvdlite._collectives import (
     reducescatter,
     reducescatter_async,
     synchronize,
-)
-from hvdlite._engine import (
-    cross_rank,
-    cross_size,
-    expect_stall,
-    init,
-    is_initialized,
-    local_rank,
-    local_size,
-    rank,
-    shutdown,
-    size,
-    start_timeline,
-    stats,
-    stop_timeline,
 )
 from hvdlite._handles import Handle
 from hvdlite._ops import Average, Max, Min, Product, ReduceOp, Sum

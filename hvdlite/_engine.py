@@ -1,14 +1,12 @@
 """The Engine: lifecycle, the request queue and the background loop.
 
 All of hvdlite's run-time state lives in one :class:`Engine`; the module-level functions
-(``init``, ``rank``, ...) are thin wrappers over the process's default engine, so tests can
-build engines of their own on any communicator.
+(``init``, ``rank``, ... in ``_api.py``) are thin wrappers over the process's default engine,
+kept here (``default_engine``), so tests can build engines of their own on any communicator.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import itertools
 import logging
 import os
@@ -16,7 +14,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from hvdlite import _exit
@@ -32,9 +30,7 @@ from hvdlite.errors import (
     ShutdownError,
 )
 
-__all__ = ["Engine", "init", "shutdown", "is_initialized", "rank", "size", "local_rank",
-           "local_size", "cross_rank", "cross_size", "default_engine", "start_timeline",
-           "stop_timeline", "stats", "expect_stall"]
+__all__ = ["Engine", "default_engine", "is_initialized"]
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -563,96 +559,9 @@ def _configure_logging(level: str) -> None:
         logger.addHandler(handler)
 
 
-# -- the process's default engine -----------------------------------------------------------
+# -- the process's default engine (set by hvdlite._api.init / shutdown) ----------------------
 _default: Engine | None = None
 _default_lock = threading.Lock()
-_atexit_registered = False
-
-
-def init(comm: MPI.Intracomm | None = None, *, config: str | None = None,
-         process_sets: Sequence[Any] | None = None, **overrides: Any) -> None:
-    """Start hvdlite on every rank of ``comm`` (default ``MPI.COMM_WORLD``).
-
-    Collective: every rank of ``comm`` must call it. Idempotent while running (later calls
-    return at once and ignore their arguments). After :func:`shutdown` it starts a fresh
-    engine. ``config`` is a YAML file; ``process_sets`` lists :class:`hvdlite.ProcessSet`
-    objects (or rank lists) registered now, numbered 1, 2, ... in order (the same list on
-    every rank); ``overrides`` are knob names from :mod:`hvdlite.config` and win over the
-    environment and the file. Raises
-    :class:`hvdlite.ConfigError` for unknown knobs or bad values.
-    """
-    global _default, _atexit_registered
-    with _default_lock:
-        if _default is not None and not _default._stopped and _default._error is None:
-            return
-        cfg = load_config(config, overrides)
-        from hvdlite._sets import ProcessSet
-
-        sets = [ps if isinstance(ps, ProcessSet) else ProcessSet(ps) for ps in process_sets or ()]
-        _default = Engine(comm, cfg, [ps.ranks for ps in sets])
-        for set_id, ps in enumerate(sets, start=1):  # as Engine numbered them
-            ps.process_set_id = set_id
-        if not _atexit_registered:
-            # Registered after mpi4py's own exit hook, so it runs before MPI is finalised.
-            atexit.register(_shutdown_at_exit)
-            _atexit_registered = True
-
-
-def _shutdown_at_exit() -> None:
-    global _default
-    with _default_lock:
-        engine, _default = _default, None
-    if engine is not None:
-        engine.shutdown(at_exit=True)
-
-
-def shutdown() -> None:
-    """Stop hvdlite on this rank and, through it, on every rank.
-
-    Blocks until the background thread agreed the stop with the other ranks. Pending handles
-    (here and on the other ranks) fail with :class:`hvdlite.ShutdownError`. Idempotent; also
-    runs at interpreter exit. Afterwards :func:`init` may be called again.
-    """
-    global _default
-    with _default_lock:
-        engine, _default = _default, None
-    if engine is not None:
-        engine.shutdown()
-
-
-def start_timeline(path: str, mark_cycles: bool = False) -> None:
-    """Start writing a Chrome-trace timeline to ``path`` (rank 0; every rank if ``path``
-    contains ``{rank}``), replacing one already running. Thread-safe; not collective.
-    With device tensors, inputs and completions are then waited on the CPU (see README)."""
-    engine = default_engine()
-    old = engine.tracer.swap_timeline(engine.open_timeline(path, mark_cycles))
-    if old is not None:
-        old.close()
-
-
-def stop_timeline() -> None:
-    """Stop the running timeline (if any) and leave its file complete and valid JSON."""
-    default_engine().tracer.close()
-
-
-def stats() -> dict[str, Any]:
-    """This rank's counters: per op count, bytes, latency p50/p99; negotiation time; fusion
-    efficiency; response-cache hit rate. Cheap; always collected. Not collective."""
-    return default_engine().tracer.stats.snapshot()
-
-
-@contextlib.contextmanager
-def expect_stall() -> Iterator[None]:
-    """Within this block, this rank announces that a long stall is expected (say, rank 0
-    alone runs an evaluation), so the stall inspector neither warns nor shuts down."""
-    engine = default_engine()
-    with engine._lock:
-        engine._expecting_stall += 1
-    try:
-        yield
-    finally:
-        with engine._lock:
-            engine._expecting_stall -= 1
 
 
 def default_engine() -> Engine:
@@ -666,33 +575,3 @@ def default_engine() -> Engine:
 def is_initialized() -> bool:
     """True between :func:`init` and :func:`shutdown` (even if a peer has stopped hvdlite)."""
     return _default is not None
-
-
-def rank() -> int:
-    """This process's rank in hvdlite's communicator. Raises NotInitializedError before init."""
-    return default_engine().rank
-
-
-def size() -> int:
-    """Number of ranks. Raises NotInitializedError before init."""
-    return default_engine().size
-
-
-def local_rank() -> int:
-    """Rank among the processes on this host (the GPU index hvdlite uses)."""
-    return default_engine().local_rank
-
-
-def local_size() -> int:
-    """Number of ranks on this host."""
-    return default_engine().local_size
-
-
-def cross_rank() -> int:
-    """Index of this host among the hosts (rank among processes with the same local rank)."""
-    return default_engine().cross_rank
-
-
-def cross_size() -> int:
-    """Number of processes with this process's local rank (hosts, in a regular layout)."""
-    return default_engine().cross_size

@@ -108,8 +108,8 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     everywhere). Returns the registered set. Raises ValueError for bad or already
     registered ranks, MismatchError if the ranks disagree about it.
     """
-    from hvdlite._collectives import _submit_set_change
     from hvdlite._engine import default_engine
+    from hvdlite._submit import _submit_set_change
 
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     engine = default_engine()
@@ -129,8 +129,8 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister ``process_set`` (collective, like :func:`add_process_set`); its pending
     collectives fail. Returns False if it was not registered; the global set stays."""
-    from hvdlite._collectives import _submit_set_change
     from hvdlite._engine import default_engine
+    from hvdlite._submit import _submit_set_change
 
     set_id = process_set.process_set_id
     engine = default_engine()
