@@ -16,6 +16,21 @@ TIMEOUT_S = 60.0
 DOCTOR = [sys.executable, "-m", "hvdlite.doctor"]
 
 
+def _gpus() -> int:
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+GPUS = _gpus()
+# Two ranks on one host need two GPUs for the device test; with fewer, the 2-rank checks run
+# with the GPUs hidden (the failure itself is checked by test_doctor_names_ranks_sharing_a_gpu).
+TWO_RANKS = {"CUDA_VISIBLE_DEVICES": ""} if 0 < GPUS < 2 else {}
+
+
 def _check_report(out: str, ranks: int) -> None:
     assert f"hvdlite doctor: all checks passed on {ranks} rank(s)" in out, out
     for r in range(ranks):
@@ -39,7 +54,7 @@ def test_doctor_alone() -> None:
 
 
 def test_doctor_under_mpiexec_with_sources() -> None:
-    env = clean_env(HVDLITE_FUSION_THRESHOLD="1MiB")
+    env = clean_env(HVDLITE_FUSION_THRESHOLD="1MiB", **TWO_RANKS)
     code, out = run_group([mpiexec(), "-n", "2", *DOCTOR], env, TIMEOUT_S)
     assert code == 0, out
     _check_report(out, 2)
@@ -50,7 +65,7 @@ def test_doctor_under_mpiexec_with_sources() -> None:
 def test_hvdliterun_check() -> None:
     cmd = [sys.executable, "-m", "hvdlite.run", "-np", "2", "--fusion-threshold", "2MiB",
            "--check"]
-    code, out = run_group(cmd, clean_env(), TIMEOUT_S)
+    code, out = run_group(cmd, clean_env(**TWO_RANKS), TIMEOUT_S)
     assert code == 0, out
     _check_report(out, 2)
     assert out.count("fusion_threshold = 2097152  [--fusion-threshold, via hvdliterun]") == 2
@@ -68,3 +83,12 @@ def test_doctor_fails_with_the_fix() -> None:
     assert code not in (0, None), out
     assert "FAIL: HVDLITE_CYCLE_TIME_MS: bad value for 'cycle_time_ms'" in out, out
     assert "fix: correct or unset the setting named above" in out
+
+
+@pytest.mark.skipif(not 0 < GPUS < 2, reason="needs a host with exactly one GPU")
+def test_doctor_names_ranks_sharing_a_gpu() -> None:
+    """Two ranks on one GPU: NCCL refuses, and the doctor says which ranks and what to do."""
+    code, out = run_group([mpiexec(), "-n", "2", *DOCTOR], clean_env(), TIMEOUT_S)
+    assert code not in (0, None), out
+    assert "ranks [0, 1] on host" in out and "share one GPU" in out, out
+    assert "Traceback" not in out, out
