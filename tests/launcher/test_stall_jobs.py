@@ -160,3 +160,40 @@ def test_exit_with_a_collective_in_flight_and_a_peer_absent_is_bounded(tmp_path:
     assert done.returncode != 0, out
     assert elapsed < 20, f"job took {elapsed:.1f} s to end (exit bound 10 s): {out}"
     assert out.count("collectives pending") == 1, out  # the reason, printed once
+
+
+# Rank 1's data plane breaks in the middle of a collective: its loop fails, tells rank 0, and
+# the job ends on its own (the exit guard), with the cause named.
+_BROKEN = """
+import sys, numpy as np, hvdlite as hvd
+from hvdlite._engine import default_engine
+hvd.init()
+if hvd.rank() == 1:
+    def broken(bucket, entries):
+        raise OSError("injected transport failure")
+    default_engine().mpi.run = broken
+try:
+    hvd.allreduce(np.ones(4, np.float32), name="doomed", op=hvd.Sum)
+except hvd.HvdliteError as exc:
+    print(f"rank {hvd.rank()} HvdliteError: {exc}", flush=True)
+try:
+    hvd.allreduce(np.ones(1), name="never")  # the same sticky error, on every rank
+except hvd.HvdliteError as exc:
+    print(f"rank {hvd.rank()} again: {type(exc).__name__}", flush=True)
+    sys.exit(1)
+"""
+
+
+def test_a_failed_background_loop_ends_the_job_with_its_cause(tmp_path: Path) -> None:
+    script = _script(tmp_path, "broken.py", _BROKEN)
+    start = time.monotonic()
+    done = subprocess.run([mpiexec(), "-n", "2", sys.executable, script], env=clean_env(),
+                          capture_output=True, text=True, timeout=60, check=False)
+    elapsed = time.monotonic() - start
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out
+    assert elapsed < 15, f"job took {elapsed:.1f} s to end: {out}"
+    assert "rank 1 HvdliteError" in out and "injected transport failure" in out, out
+    assert "rank 0 HvdliteError" in out and "rank 1 failed" in out, out
+    assert "rank 0 again: HvdliteError" in out and "rank 1 again: HvdliteError" in out, out
+    assert "Traceback" not in out, out  # no traceback from hvdlite's own plumbing
