@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One command for the GPU machine (2 GPUs, system Open MPI): the GPU test suite, the CuPy
-# training example, then benchmarks G1-G5 (and G6: bench_g3.py --set bert_large), each under
+# One command for the GPU machine (2 GPUs, system Open MPI; NP=1 on a one-GPU host): the GPU
+# test suite, the CuPy training example, then benchmarks G1-G5 (G6: bench_g3.py --set
+# bert_large; G7: head-of-line), each under
 # `timeout`, all output tee'd to $OUT/run_all.log, each benchmark's JSON to $OUT/gN.json, and a
 # summary of every table printed last.
 #
@@ -35,7 +36,9 @@ export HVDLITE_BENCH_COMMIT="${HVDLITE_BENCH_COMMIT:-}"
 PY="${PYTHON:-python3}"
 # --bind-to none: Open MPI binds each rank to ONE core when -n <= 2, so the training thread,
 # hvdlite's background thread and the finalizer would share it (hvdliterun passes this too).
-MPIRUN=(mpirun --allow-run-as-root --oversubscribe --bind-to none -n 2
+# Ranks: one per GPU, 2 by default (the benchmarks' reference setup); NP=1 on a one-GPU host.
+NP="${NP:-2}"
+MPIRUN=(mpirun --allow-run-as-root --oversubscribe --bind-to none -n "$NP"
         -x PATH -x LD_LIBRARY_PATH -x PYTHONPATH -x NCCL_NVLS_ENABLE
         -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS -x CUPY_TF32
         -x HVDLITE_ENABLE_ASYNC_COMPLETION -x PYTHONUNBUFFERED -x HVDLITE_BENCH_COMMIT)
@@ -82,19 +85,26 @@ fi
 run_step "example mlp_cupy" 45 "${MPIRUN[@]}" "$PY" examples/mlp_cupy.py
 run_step "example mlp_cupy --grouped" 45 "${MPIRUN[@]}" "$PY" examples/mlp_cupy.py --grouped \
   --steps 100
-run_step G1 60 "${MPIRUN[@]}" "$PY" scripts/gpu/bench_g1.py "${QUICK[@]}" --json "$OUT/g1.json"
-run_step G2 60 "${MPIRUN[@]}" "$PY" scripts/gpu/bench_g2.py "${QUICK[@]}" --json "$OUT/g2.json"
-run_step G3 60 "${MPIRUN[@]}" "$PY" scripts/gpu/bench_g3.py "${QUICK[@]}" --json "$OUT/g3.json"
-run_step G4 90 "${MPIRUN[@]}" "$PY" scripts/gpu/bench_g4.py "${QUICK[@]}" --json "$OUT/g4.json"
-run_step G5 45 "${MPIRUN[@]}" "$PY" scripts/gpu/bench_g5.py "${QUICK[@]}" --json "$OUT/g5.json"
-run_step G6 60 "${MPIRUN[@]}" "$PY" scripts/gpu/bench_g3.py --set bert_large "${QUICK[@]}" \
-  --json "$OUT/g6.json"
+run_step G1 60 "${MPIRUN[@]}" "$PY" scripts/gpu/bench_g1.py --np "$NP" "${QUICK[@]}" \
+  --json "$OUT/g1.json"
+run_step G2 60 "${MPIRUN[@]}" "$PY" scripts/gpu/bench_g2.py --np "$NP" "${QUICK[@]}" \
+  --json "$OUT/g2.json"
+run_step G3 60 "${MPIRUN[@]}" "$PY" scripts/gpu/bench_g3.py --np "$NP" "${QUICK[@]}" \
+  --json "$OUT/g3.json"
+run_step G4 90 "${MPIRUN[@]}" "$PY" scripts/gpu/bench_g4.py --np "$NP" "${QUICK[@]}" \
+  --json "$OUT/g4.json"
+run_step G5 45 "${MPIRUN[@]}" "$PY" scripts/gpu/bench_g5.py --np "$NP" "${QUICK[@]}" \
+  --json "$OUT/g5.json"
+run_step G6 60 "${MPIRUN[@]}" "$PY" scripts/gpu/bench_g3.py --np "$NP" --set bert_large \
+  "${QUICK[@]}" --json "$OUT/g6.json"
+run_step G7 60 "${MPIRUN[@]}" "$PY" scripts/gpu/bench_g7.py --np "$NP" "${QUICK[@]}" \
+  --json "$OUT/g7.json"
 set +x
 
 echo
 echo "=============================== summary (${SECONDS} s) ==============================="
 "$PY" scripts/gpu/summarize.py "$OUT"/g1.json "$OUT"/g2.json "$OUT"/g3.json "$OUT"/g4.json \
-  "$OUT"/g5.json "$OUT"/g6.json
+  "$OUT"/g5.json "$OUT"/g6.json "$OUT"/g7.json
 echo
 printf '%s\n' "${STATUS[@]}"
 echo "failed steps: $FAILED; log: $OUT/run_all.log"
