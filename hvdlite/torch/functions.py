@@ -53,8 +53,13 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
 
     ``obj`` may be anything picklable (tensors included); other ranks may pass ``None``.
     With ``process_set``: among its members, ``root_rank`` a global rank of the set.
+    Without ``name`` the broadcasts are named ``broadcast_object.*`` on every rank (Horovod
+    names them after ``type(obj)``, which differs where other ranks pass ``None``), so the
+    call still matches after a collective that failed on some ranks only.
     """
     resolve(process_set, "broadcast_object")
+    if name is None:
+        name = "broadcast_object"
     me = hvdlite.rank()
     if me == root_rank:
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
@@ -63,10 +68,10 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
         size = torch.tensor([buf.numel()], dtype=torch.int64)
     else:
         size = torch.zeros(1, dtype=torch.int64)
-    mpi_ops.broadcast_(size, root_rank, None if name is None else f"{name}.sz", process_set)
+    mpi_ops.broadcast_(size, root_rank, f"{name}.sz", process_set)
     if me != root_rank:
         buf = torch.zeros(int(size.item()), dtype=torch.uint8)
-    mpi_ops.broadcast_(buf, root_rank, None if name is None else f"{name}.t", process_set)
+    mpi_ops.broadcast_(buf, root_rank, f"{name}.t", process_set)
     if me == root_rank:
         return obj
     return pickle.loads(buf.numpy().tobytes())
@@ -75,14 +80,18 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
 def allgather_object(obj: Any, name: str | None = None,
                      process_set: Any = global_process_set) -> list[Any]:
     """Return the list of every rank's ``obj`` (picklable), in rank order (the members of
-    ``process_set`` only, in their order in the set, when one is given)."""
+    ``process_set`` only, in their order in the set, when one is given). Without ``name`` the
+    gathers are named ``allgather_object.*`` on every rank (as Horovod names them after
+    ``type(obj)``), so the call matches even after a collective that failed on some ranks only
+    (an allgather refused while a rank had joined, say)."""
     resolve(process_set, "allgather_object")
+    if name is None:
+        name = "allgather_object"
     data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     sizes = mpi_ops.allgather_async(torch.tensor([buf.numel()], dtype=torch.int64),
-                                    None if name is None else f"{name}.sz", process_set).wait()
-    gathered = mpi_ops.allgather_async(buf, None if name is None else f"{name}.t",
-                                       process_set).wait()
+                                    f"{name}.sz", process_set).wait()
+    gathered = mpi_ops.allgather_async(buf, f"{name}.t", process_set).wait()
     out, offset = [], 0
     raw = gathered.numpy().tobytes()
     for n in sizes.tolist():
@@ -104,13 +113,21 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
     type) and tensor state (broadcast in place, created where a rank has none yet, e.g. a
     fresh optimizer next to a restored checkpoint). Unlike Horovod no dummy ``step()`` is taken
     to create state: a rank with no state receives the root's, and when the root has none
-    only the options are copied. ``ValueError`` if the ranks' param groups differ in layout.
+    only the options are copied. As Horovod's preparation for that step, on a rank whose
+    optimizer has no state yet every parameter that requires a gradient and has none gets a
+    zero gradient (sparse for ``SparseAdam``); existing gradients are kept.
+    ``ValueError`` if the ranks' param groups differ in layout.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"broadcast_optimizer_state: expected a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__}")
     resolve(process_set, "broadcast_optimizer_state")
     params = _param_order(optimizer)
+    if not any(optimizer.state.get(p) for p in params):
+        sparse = isinstance(optimizer, torch.optim.SparseAdam)
+        for p in params:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p).to_sparse() if sparse else torch.zeros_like(p)
     layout = [len(g["params"]) for g in optimizer.param_groups]
     meta: dict[str, Any] | None = None
     if hvdlite.rank() == root_rank:

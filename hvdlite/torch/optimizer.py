@@ -183,7 +183,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             # Not computed here (a branch this rank did not take); the others may have it.
             p.grad = torch.zeros_like(p)
         if p.grad.is_sparse and self.sparse_as_dense:
-            p.grad = p.grad.to_dense()
+            # Reduce a dense copy; p.grad stays sparse (as in Horovod) so that optimizers
+            # that need sparse gradients (SparseAdam) still step; _write_back re-sparsifies.
+            return p.grad.to_dense()
         return p.grad
 
     def _allreduce_grad_async(self, p: torch.Tensor) -> tuple[Any, Any]:
@@ -211,11 +213,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _write_back(self, p: torch.Tensor, output: torch.Tensor, ctx: Any) -> None:
         self._allreduce_delay[p] = self.backward_passes_per_step
         assert p.grad is not None
-        if output.is_sparse or p.grad.is_sparse:
+        if output.is_sparse:
             p.grad = output
             return
         restored = self._compression.decompress(output, ctx)
-        if restored is not p.grad:
+        if p.grad.is_sparse:  # sparse_as_dense: reduced densely, handed back sparse
+            p.grad = restored.to_sparse()
+        elif restored is not p.grad:
             p.grad.copy_(restored)
 
     def synchronize(self) -> None:

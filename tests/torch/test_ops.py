@@ -224,6 +224,23 @@ def test_join_average_divides_by_every_rank(hvd: Any) -> None:
     assert 0 <= last < n
 
 
+def test_object_helpers_meet_after_a_collective_failed_on_some_ranks(hvd: Any) -> None:
+    """An allgather refused while a rank has joined fails on the other ranks only, so their
+    unnamed-collective counters run ahead; allgather_object and broadcast_object without a
+    name must still meet (Horovod names them, which is what its test suite relies on)."""
+    n, me = hvd.size(), hvd.rank()
+    if n < 2:
+        pytest.skip("needs 2 ranks")
+    for first in range(n):  # every rank once: the counters are even again at the end
+        if me != first:
+            with pytest.raises(hvd.HorovodInternalError):
+                hvd.allgather(torch.ones(2, 3))
+        last = hvd.join()
+        assert hvd.allgather_object(last) == [last] * n
+        got = hvd.broadcast_object({"from": first} if me == first else None, root_rank=first)
+        assert got == {"from": first}
+
+
 def test_barrier_objects_and_sparse(hvd: Any) -> None:
     n, me = hvd.size(), hvd.rank()
     hvd.barrier()

@@ -156,7 +156,10 @@ def test_synchronize_then_clip_recipe(hvd: Any) -> None:
     assert isinstance(opt, torch.optim.SGD)
 
 
-def test_sparse_embedding_with_sparse_adam(hvd: Any) -> None:
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_sparse_embedding_with_sparse_adam(hvd: Any, sparse_as_dense: bool) -> None:
+    """Sparse gradients are gathered, or (sparse_as_dense) reduced densely and handed back
+    sparse as in Horovod: either way SparseAdam steps and matches one process."""
     n, me = hvd.size(), hvd.rank()
 
     def run(ranks: list[int], distributed: bool) -> torch.Tensor:
@@ -164,12 +167,14 @@ def test_sparse_embedding_with_sparse_adam(hvd: Any) -> None:
         emb = nn.Embedding(10, 3, sparse=True)
         opt: Any = torch.optim.SparseAdam(emb.parameters(), lr=0.05)
         if distributed:
-            opt = hvd.DistributedOptimizer(opt, named_parameters=emb.named_parameters())
+            opt = hvd.DistributedOptimizer(opt, named_parameters=emb.named_parameters(),
+                                           sparse_as_dense=sparse_as_dense)
         for step in range(5):
             opt.zero_grad()
             idx = torch.cat([torch.tensor([(step + r) % 10, (3 * r + 1) % 10]) for r in ranks])
             (emb(idx).pow(2).sum() / (2 * len(ranks))).backward()
             opt.step()
+            assert emb.weight.grad is not None and emb.weight.grad.is_sparse
         return emb.weight.detach().clone()
 
     got = run([me], True)
@@ -235,3 +240,26 @@ def test_broadcast_optimizer_state_round_trip(hvd: Any, cls: str) -> None:
         fresh.load_state_dict(opt.state_dict())
     hvd.broadcast_optimizer_state(fresh, root_rank=0)
     assert len(_state(fresh)) == len(root_state)
+
+
+@pytest.mark.parametrize("cls", ["SGD", "SparseAdam"])
+def test_broadcast_optimizer_state_without_state_gives_zero_grads(hvd: Any, cls: str) -> None:
+    """As Horovod (which then takes a dummy step): a rank whose optimizer has no state gets a
+    zero gradient on every parameter that requires one and has none; frozen parameters keep
+    None, and nothing steps (the parameters do not move)."""
+    frozen = nn.Parameter(torch.ones(2), requires_grad=False)
+    live = nn.Parameter(torch.full((3, 2), 2.0))
+    kept = nn.Parameter(torch.ones(4))
+    kept.grad = torch.full((4,), 7.0)
+    if cls == "SGD":
+        opt: Any = torch.optim.SGD([frozen, live, kept], lr=0.1, momentum=0.9,
+                                   weight_decay=0.1)
+    else:
+        opt = torch.optim.SparseAdam([live], lr=0.1)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert frozen.grad is None
+    assert live.grad is not None and live.grad.is_sparse == (cls == "SparseAdam")
+    assert torch.equal(live.grad.to_dense(), torch.zeros(3, 2))
+    assert torch.equal(live.detach(), torch.full((3, 2), 2.0))
+    assert torch.equal(kept.grad, torch.full((4,), 7.0))
+    assert hvd.broadcast(live.grad.to_dense(), root_rank=0, name="bos.zero").abs().sum() == 0
