@@ -238,7 +238,7 @@ class Engine:
             if ready is not None and self._alone(handle) and not ready.done:
                 self._announce_now(handle)  # see below
             while not handle._resolved and not self._stopped:
-                self._cycle(caller=True)
+                self._caller_cycle()
                 if handle._resolved:
                     return
                 ready = handle._ready
@@ -263,14 +263,28 @@ class Engine:
                 if misses > 2:
                     time.sleep(min(self._nap_s * (1 << min(misses - 3, 10)), _MAX_NAP_S,
                                    self.negotiator.cycle_s))
-        except BaseException as exc:
-            self._die(exc)
-            if not isinstance(exc, Exception):
-                raise  # KeyboardInterrupt and friends: the engine is failed, the user sees it
         finally:
             if self.negotiator.announce_now is not None:
                 self._announce_now(None)
             lock.release()
+
+    def _caller_cycle(self) -> None:
+        """One cycle on a waiting caller's thread. A failure inside it is the engine's sticky
+        failure; an exception a signal handler raised while the caller waited inside a round
+        (Ctrl-C, an alarm) is held until the round is complete and then raised to the caller
+        alone, as an abandoned wait: the engine and the peers go on, the collective stays
+        pending (its handle completes later)."""
+        try:
+            self._cycle(caller=True)
+        except BaseException as exc:
+            self._die(exc)
+            if not isinstance(exc, Exception):
+                raise  # a signal's exception outside any wait: the engine had to stop
+            return
+        for channel in self._channels.values():
+            interrupt = channel.negotiator.failures.take_deferred()
+            if interrupt is not None:
+                raise interrupt
 
     def _announce_now(self, handle: Handle | None) -> None:
         for channel in self._channels.values():

@@ -20,6 +20,7 @@ from hvdlite._control.negotiation import Kind, Response
 from hvdlite._control.work import Entry, finish_all
 from hvdlite._observe.tracer import Tracer
 from hvdlite._ops import DTYPES, DType, ReduceOp, finish_reduce, scale_into
+from hvdlite.errors import HvdliteError
 
 __all__ = ["MPIBackend", "mpi_datatype", "mpi_op"]
 
@@ -111,9 +112,18 @@ class MPIBackend:
         if self.block_in_mpi and not self.in_caller:
             self.failures.wait(req)
             return
-        while not req.Test():
-            self.failures.check()
-            os.sched_yield()  # GIL and CPU; sleep(0) would cost ~50 us of timer slack
+        while True:
+            try:
+                while not req.Test():
+                    self.failures.check()
+                    os.sched_yield()  # GIL and CPU; sleep(0) would cost ~50 us of timer slack
+                return
+            except HvdliteError:
+                raise
+            except BaseException as exc:  # a signal handler's, in a waiting caller
+                if not self.in_caller:
+                    raise
+                self.failures.defer(exc)  # see FailureChannel.defer: finish the collective
 
     # -- allreduce --------------------------------------------------------------------
     def _allreduce(self, bucket: list[Response], entries: list[Entry | None]) -> None:

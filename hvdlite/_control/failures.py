@@ -37,6 +37,18 @@ class FailureChannel:
         self._status = MPI.Status()
         self._req = comm.Irecv([self._buf, MPI.BYTE], source=MPI.ANY_SOURCE, tag=_TAG)
         self._error: HvdliteError | None = None
+        # An exception a signal handler raised in a waiting caller while it waited inside a
+        # round (KeyboardInterrupt, a test timeout's alarm): kept until the round is complete,
+        # then raised to the caller, so the engine and the peers' rounds stay intact.
+        self._deferred: BaseException | None = None
+
+    def defer(self, exc: BaseException) -> None:
+        if self._deferred is None:
+            self._deferred = exc
+
+    def take_deferred(self) -> BaseException | None:
+        exc, self._deferred = self._deferred, None
+        return exc
 
     def check(self) -> None:
         """Raise the failure a peer announced, if any (cheap: one MPI_Test)."""

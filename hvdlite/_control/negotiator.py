@@ -265,12 +265,19 @@ class Negotiator:
             return
         busy = self._busy or self.in_caller  # a waiting caller never naps through its round
         while True:
-            if busy and self.block_in_mpi and not self.in_caller:
-                self.failures.wait(req)
-                return
-            if self._poll(req, busy):
-                return
-            busy = True  # work arrived during an idle nap: wait for this round as busy
+            try:
+                if busy and self.block_in_mpi and not self.in_caller:
+                    self.failures.wait(req)
+                    return
+                if self._poll(req, busy):
+                    return
+                busy = True  # work arrived during an idle nap: wait for this round as busy
+            except HvdliteError:
+                raise
+            except BaseException as exc:  # a signal handler's, in a waiting caller
+                if not self.in_caller:
+                    raise
+                self.failures.defer(exc)  # the peers are in this round too: finish it
 
     def _poll(self, req: MPI.Request, busy: bool) -> bool:
         """Poll ``req`` until done (True), or until local work cuts an idle nap short (False)."""

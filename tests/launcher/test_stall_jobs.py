@@ -197,3 +197,36 @@ def test_a_failed_background_loop_ends_the_job_with_its_cause(tmp_path: Path) ->
     assert "rank 0 HvdliteError" in out and "rank 1 failed" in out, out
     assert "rank 0 again: HvdliteError" in out and "rank 1 again: HvdliteError" in out, out
     assert "Traceback" not in out, out  # no traceback from hvdlite's own plumbing
+
+
+# A signal handler's exception (here an alarm) in a rank waiting on a collective no peer has
+# submitted: the wait is abandoned, and the engine and the job go on (as in Horovod).
+_ALARM = """
+import signal, time, numpy as np, hvdlite as hvd
+hvd.init()
+class Alarm(Exception):
+    pass
+def ring(*_):
+    raise Alarm()
+signal.signal(signal.SIGALRM, ring)
+if hvd.rank() == 1:
+    signal.alarm(1)
+    try:
+        hvd.allreduce(np.ones(2), name="only.rank1")
+    except Alarm:
+        print("rank 1: wait abandoned", flush=True)
+time.sleep(2)
+got = hvd.allreduce(np.ones(2), name="after", op=hvd.Sum)
+print(f"rank {hvd.rank()} after: {got.tolist()}", flush=True)
+hvd.barrier()
+"""
+
+
+def test_an_interrupted_wait_leaves_the_engine_working(tmp_path: Path) -> None:
+    script = _script(tmp_path, "alarm.py", _ALARM)
+    done = subprocess.run([mpiexec(), "-n", "2", sys.executable, script], env=clean_env(),
+                          capture_output=True, text=True, timeout=60, check=False)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert "rank 1: wait abandoned" in out, out
+    assert "rank 0 after: [2.0, 2.0]" in out and "rank 1 after: [2.0, 2.0]" in out, out
