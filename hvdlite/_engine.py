@@ -58,10 +58,13 @@ def _in_flight_message(name: str) -> str:
 
 
 class Engine:
-    """One hvdlite instance: communicators, the background thread and all pending work.
+    """One hvdlite instance: communicators, process-set channels, the background thread and
+    all pending work.
 
-    Thread-safety: ``submit`` may be called from any thread; everything that talks to MPI
-    runs on the engine's background thread.
+    Thread-safety: ``submit`` may be called from any thread. Everything that talks to MPI or
+    NCCL runs inside a cycle, under the cycle lock: on the background thread, or on a thread
+    waiting for its own result (:meth:`progress`), one at a time, in the same order on every
+    rank.
     """
 
     def __init__(self, comm: MPI.Intracomm | None = None, config: Config | None = None,
