@@ -121,8 +121,8 @@ class MPIBackend:
             except HvdliteError:
                 raise
             except BaseException as exc:  # a signal handler's, in a waiting caller
-                if not self.in_caller:
-                    raise
+                if not self.in_caller or exc is self.failures.last_raised:
+                    raise  # (or the grace ran out: FailureChannel.check)
                 self.failures.defer(exc)  # see FailureChannel.defer: finish the collective
 
     # -- allreduce --------------------------------------------------------------------

@@ -23,6 +23,7 @@ log = logging.getLogger("hvdlite")
 _TAG = 7_001  # only hvdlite's private communicator carries it
 _MAX_BYTES = 4096
 _SEND_WAIT_S = 5.0
+_GRACE_S = 2.0  # how long an interrupt waits for its round to complete
 
 
 class FailureChannel:
@@ -41,21 +42,30 @@ class FailureChannel:
         # round (KeyboardInterrupt, a test timeout's alarm): kept until the round is complete,
         # then raised to the caller, so the engine and the peers' rounds stay intact.
         self._deferred: BaseException | None = None
+        self._deferred_at = 0.0
+        self.last_raised: BaseException | None = None  # a deferred interrupt given up on
 
     def defer(self, exc: BaseException) -> None:
         if self._deferred is None:
             self._deferred = exc
+            self._deferred_at = time.monotonic()
 
     def take_deferred(self) -> BaseException | None:
         exc, self._deferred = self._deferred, None
         return exc
 
     def check(self) -> None:
-        """Raise the failure a peer announced, if any (cheap: one MPI_Test)."""
+        """Raise the failure a peer announced, if any (cheap: one MPI_Test); and a deferred
+        interrupt whose round has not completed within the grace (the peers are not coming:
+        the interrupt then ends the wait the hard way, as a failure of this rank's engine)."""
         while self._error is None and self._req.Test(self._status):
             self._received()
         if self._error is not None:
             raise self._error
+        if self._deferred is not None and time.monotonic() - self._deferred_at > _GRACE_S:
+            exc, self._deferred = self._deferred, None
+            self.last_raised = exc
+            raise exc
 
     def wait(self, req: MPI.Request) -> None:
         """Block (GIL released, inside MPI) until ``req`` completes or a peer's failure

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 from mpi4py import MPI
 
 from hvdlite._control.failures import FailureChannel
@@ -275,8 +278,8 @@ class Negotiator:
             except HvdliteError:
                 raise
             except BaseException as exc:  # a signal handler's, in a waiting caller
-                if not self.in_caller:
-                    raise
+                if not self.in_caller or exc is self.failures.last_raised:
+                    raise  # (or the grace ran out: FailureChannel.check)
                 self.failures.defer(exc)  # the peers are in this round too: finish it
 
     def _poll(self, req: MPI.Request, busy: bool) -> bool:
@@ -318,10 +321,9 @@ class Negotiator:
                     quiet: bool) -> tuple[list[Response], str]:
         payload = [pack_request(r) for r in self._uncached]
         self._uncached = []
-        # The blocking gather below busy-waits inside MPI until every rank is there; ranks
-        # that nap between polls may still be asleep, so meet at a polled barrier first.
-        self._wait(self.comm.Ibarrier())
-        gathered = self.comm.gather(payload, root=0)
+        # Polled (see _wait): a blocking gather would busy-wait inside MPI until napping ranks
+        # arrive, and a waiting caller's interrupt could not be held until the round is done.
+        gathered = self._gather(payload)
         decided = None
         if self.table is not None:
             assert gathered is not None  # rank 0 is the gather root
@@ -332,7 +334,7 @@ class Negotiator:
                     self.tracer.ready_tick(rank, [r.name for r in requests])
             fatal = self.stall.check(self.table, now, quiet) if self.stall.due(now) else ""
             decided = ([pack_response(r) for r in self.table.pop_ready()], fatal)
-        packed, fatal = self.comm.bcast(decided, root=0)
+        packed, fatal = self._bcast(decided)
         responses = [unpack_response(t) for t in packed]
         for resp in responses:
             entry = entries.get(resp.name)
@@ -345,6 +347,33 @@ class Negotiator:
             if hit is not None:
                 self._uncached.append(entries[hit[0]].request)
         return responses, fatal
+
+    def _gather(self, obj: Any) -> list[Any] | None:
+        """``comm.gather(obj, root=0)`` through nonblocking byte collectives, polled."""
+        data = np.frombuffer(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL), np.uint8)
+        sizes = np.zeros(self.size, np.int64) if self.rank == 0 else None
+        mine = np.array([data.size], np.int64)
+        self._wait(self.comm.Igather([mine, MPI.INT64_T], [sizes, MPI.INT64_T], root=0))
+        if sizes is None:
+            self._wait(self.comm.Igatherv([data, MPI.BYTE], None, root=0))
+            return None
+        counts = [int(n) for n in sizes]
+        offsets = [sum(counts[:i]) for i in range(self.size)]
+        buf = np.empty(sum(counts), np.uint8)
+        self._wait(self.comm.Igatherv([data, MPI.BYTE], [buf, (counts, offsets), MPI.BYTE],
+                                      root=0))
+        return [pickle.loads(buf[o:o + n].tobytes()) for o, n in zip(offsets, counts,
+                                                                      strict=True)]
+
+    def _bcast(self, obj: Any) -> Any:
+        """``comm.bcast(obj, root=0)`` through nonblocking byte collectives, polled."""
+        data = (np.frombuffer(pickle.dumps(obj, pickle.HIGHEST_PROTOCOL), np.uint8)
+                if self.rank == 0 else None)
+        size = np.array([data.size if data is not None else 0], np.int64)
+        self._wait(self.comm.Ibcast([size, MPI.INT64_T], root=0))
+        buf = data.copy() if data is not None else np.empty(int(size[0]), np.uint8)
+        self._wait(self.comm.Ibcast([buf, MPI.BYTE], root=0))
+        return obj if self.rank == 0 else pickle.loads(buf.tobytes())
 
     def _shutdown_reason(self, stopping: bool) -> ShutdownError:
         first = self.comm.allreduce(self.rank if stopping else self.size, op=MPI.MIN)
