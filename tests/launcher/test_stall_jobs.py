@@ -7,13 +7,12 @@ process ends non-zero within the bound instead of waiting forever.
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
-from jobs_util import clean_env, mpiexec
+from jobs_util import clean_env, mpiexec, run_group
 from test_run import _script, hvdliterun
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
@@ -92,6 +91,13 @@ def test_expect_stall_silences_the_inspector(tmp_path: Path) -> None:
     assert "rank 0 done" in out and "rank 1 done" in out
 
 
+def _mpiexec_job(script: str, **env: str) -> tuple[int | None, str, float]:
+    """Run ``script`` on 2 ranks under plain mpiexec: (exit code or None, output, seconds)."""
+    start = time.monotonic()
+    rc, out = run_group([mpiexec(), "-n", "2", sys.executable, script], clean_env(**env), 60)
+    return rc, out, time.monotonic() - start
+
+
 # Rank 1 is busy in its own code (60 s) and never submits: rank 0 raises the stall error at
 # the shutdown time and the whole job must end soon after, rank 1 included (hvdlite aborts it).
 _SLEEPER = """
@@ -122,12 +128,9 @@ def test_stalled_job_ends_when_a_rank_is_busy_in_user_code(tmp_path: Path, launc
         out = proc.stdout + proc.stderr
         rc = proc.returncode
     else:
-        done = subprocess.run([mpiexec(), "-n", "2", sys.executable, script],
-                              env=clean_env(**knobs), capture_output=True, text=True,
-                              timeout=60, check=False)
-        out, rc = done.stdout + done.stderr, done.returncode
+        rc, out, _ = _mpiexec_job(script, **knobs)
     elapsed = time.monotonic() - start
-    assert rc != 0, out
+    assert rc not in (0, None), out  # None: the job timed out
     assert elapsed < 15, f"job took {elapsed:.1f} s to end (stall shutdown 5 s): {out}"
     assert "rank 1 woke up" not in out, out
     assert "rank 0 StallError" in out and "grad.w" in out, out
@@ -150,14 +153,10 @@ print("rank 0 exits with a collective in flight", flush=True)
 
 def test_exit_with_a_collective_in_flight_and_a_peer_absent_is_bounded(tmp_path: Path) -> None:
     script = _script(tmp_path, "leaver.py", _LEAVER)
-    start = time.monotonic()
-    done = subprocess.run([mpiexec(), "-n", "2", sys.executable, script], env=clean_env(),
-                          capture_output=True, text=True, timeout=60, check=False)
-    elapsed = time.monotonic() - start
-    out = done.stdout + done.stderr
+    rc, out, elapsed = _mpiexec_job(script)
     assert "rank 0 exits with a collective in flight" in out, out
     assert "rank 1 woke up" not in out, out
-    assert done.returncode != 0, out
+    assert rc not in (0, None), out  # None: the job timed out
     assert elapsed < 20, f"job took {elapsed:.1f} s to end (exit bound 10 s): {out}"
     assert out.count("collectives pending") == 1, out  # the reason, printed once
 
@@ -186,12 +185,8 @@ except hvd.HvdliteError as exc:
 
 def test_a_failed_background_loop_ends_the_job_with_its_cause(tmp_path: Path) -> None:
     script = _script(tmp_path, "broken.py", _BROKEN)
-    start = time.monotonic()
-    done = subprocess.run([mpiexec(), "-n", "2", sys.executable, script], env=clean_env(),
-                          capture_output=True, text=True, timeout=60, check=False)
-    elapsed = time.monotonic() - start
-    out = done.stdout + done.stderr
-    assert done.returncode != 0, out
+    rc, out, elapsed = _mpiexec_job(script)
+    assert rc not in (0, None), out  # None: the job timed out
     assert elapsed < 15, f"job took {elapsed:.1f} s to end: {out}"
     assert "rank 1 HvdliteError" in out and "injected transport failure" in out, out
     assert "rank 0 HvdliteError" in out and "rank 1 failed" in out, out
@@ -224,9 +219,7 @@ hvd.barrier()
 
 def test_an_interrupted_wait_leaves_the_engine_working(tmp_path: Path) -> None:
     script = _script(tmp_path, "alarm.py", _ALARM)
-    done = subprocess.run([mpiexec(), "-n", "2", sys.executable, script], env=clean_env(),
-                          capture_output=True, text=True, timeout=60, check=False)
-    out = done.stdout + done.stderr
-    assert done.returncode == 0, out
+    rc, out, _ = _mpiexec_job(script)
+    assert rc == 0, out
     assert "rank 1: wait abandoned" in out, out
     assert "rank 0 after: [2.0, 2.0]" in out and "rank 1 after: [2.0, 2.0]" in out, out
