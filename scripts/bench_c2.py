@@ -3,9 +3,10 @@
 hvdlite with the response cache on (steady state: every name seen before) and off
 (``cache_capacity=0``), against raw MPI doing the same agreement by hand: every rank's N request
 records gathered to rank 0, checked there, the response broadcast (control only), and the same
-plus one Allreduce of the N values from a pre-fused buffer (control + data). Per-tensor cost =
-step time / N. Targets: cached <= 15 us per tensor at N=1000; per-tensor cost flat (<= 1.5x)
-from N=10 to N=1000.
+plus one Allreduce of the N values from a pre-fused buffer (control + data); and raw mpi4py
+``Allreduce`` of each of the N tensors (per tensor, no agreement). Per-tensor cost = step time
+/ N. Targets (issue 10): cached <= 6 us per tensor at N=1000, or <= 4x the raw per-tensor
+Allreduce in the same run; per-tensor cost flat (<= 1.5x) from N=10 to N=1000.
 
     mpiexec -n 2 python scripts/bench_c2.py --np 2 --json c2.json
 """
@@ -26,6 +27,7 @@ HVD_CACHED = "hvdlite, cache on"
 HVD_NOCACHE = "hvdlite, cache off"
 CTRL = "MPI gather+bcast (control only)"
 CTRL_DATA = "MPI gather+bcast + fused Allreduce"
+RAW_EACH = "raw MPI Allreduce per tensor"
 SUBMIT = "[submit calls only]"
 
 # A request as a coordinator needs it: name, dtype, op, shape, scale factors, root.
@@ -58,6 +60,7 @@ class Case:
         vals = rank_values(seed, comm.Get_rank(), n)
         self.inputs = [vals[i : i + 1].copy() for i in range(n)]
         self.outs = [np.full(1, np.nan, np.float32) for _ in range(n)]
+        self.raw_outs = [np.full(1, np.nan, np.float32) for _ in range(n)]
         self.fused_in, self.fused_out = vals.copy(), np.full(n, np.nan, np.float32)
         size = comm.Get_size()
         self.ref = bl.sum_over_ranks(seed, size, n, salt=n)
@@ -92,6 +95,11 @@ class Case:
         self.ctrl_step()
         self.comm.Allreduce(self.fused_in, self.fused_out, op=MPI.SUM)
 
+    def raw_each_step(self) -> None:
+        allreduce = self.comm.Allreduce
+        for t, o in zip(self.inputs, self.raw_outs, strict=True):
+            allreduce(t, o, op=MPI.SUM)
+
     def _gather_buf(self) -> np.ndarray | None:
         return None if self.gathered is None else self.gathered.view(np.uint8)
 
@@ -101,11 +109,15 @@ class Case:
             o.fill(np.nan)
         self.fused_out.fill(np.nan)
         self.response[:] = np.zeros(1, REQUEST)
+        for o in self.raw_outs:
+            o.fill(np.nan)
         self.hvd_step()
         self.ctrl_data_step()
+        self.raw_each_step()
         got = np.concatenate(self.outs)
         ref = self.ref.astype(np.float32)
-        problem = bl.close(got, ref) or bl.close(self.fused_out, ref)
+        problem = (bl.close(got, ref) or bl.close(self.fused_out, ref)
+                   or bl.close(np.concatenate(self.raw_outs), ref))
         if not problem and not (self.agreed and bool(np.all(self.response == self.requests))):
             problem = "control-plane baseline response differs from the requests"
         bl.check_all(self.comm, not problem, f"N={self.n} {what}", problem)
@@ -122,6 +134,7 @@ class Case:
             cached_label: repeat(self.hvd_step),
             CTRL: repeat(self.ctrl_step),
             CTRL_DATA: repeat(self.ctrl_data_step),
+            RAW_EACH: repeat(self.raw_each_step),
         }
 
 
@@ -156,7 +169,7 @@ def summarise(
         merged = {**cached[n]}
         for k in (HVD_NOCACHE, f"{HVD_NOCACHE} {SUBMIT}"):
             merged[k] = nocache[n][k]
-        for k in (CTRL, CTRL_DATA):
+        for k in (CTRL, CTRL_DATA, RAW_EACH):
             merged[f"{k} [cache-off phase]"] = nocache[n][k]
         base = float(np.median(cached[n][CTRL_DATA]))
         for k, t in merged.items():
@@ -171,11 +184,13 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     ns = sorted(int(n) for n in res)
     lines = []
     big = res[str(ns[-1])][HVD_CACHED]["per_tensor_s"]
+    raw = res[str(ns[-1])][RAW_EACH]["per_tensor_s"]
     lines.append(
         {
-            "target": f"cached per tensor at N={ns[-1]} <= 15 us",
+            "target": f"cached per tensor at N={ns[-1]} <= 6 us, or <= 4x the raw per-tensor "
+            f"Allreduce ({bl.us(raw)} us)",
             "value": bl.us(big),
-            "met": big <= 15e-6,
+            "met": big <= 6e-6 or big <= 4 * raw,
         }
     )
     for label in (HVD_CACHED, HVD_NOCACHE):
@@ -221,7 +236,7 @@ def main() -> None:
     bl.write_json(comm, args.json, payload)
     rows = []
     for n, row in res.items():
-        for k in (HVD_CACHED, HVD_NOCACHE, CTRL, CTRL_DATA):
+        for k in (HVD_CACHED, HVD_NOCACHE, CTRL, CTRL_DATA, RAW_EACH):
             r, sub = row[k], row.get(f"{k} {SUBMIT}")
             submit = bl.us(sub["per_tensor_s"]) if sub else "-"
             rows.append(
