@@ -6,59 +6,24 @@ checks that hvdlite works without torch and that ``hvdlite.torch`` says how to g
 from __future__ import annotations
 
 import importlib.util
-import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from jobs_util import REPO, clean_env, mpiexec, run_group
+from jobs_util import REPO, clean_env, mpiexec, run_group, run_pytest_job
 
 TORCH_TESTS = REPO / "tests" / "torch"
 JOB_TIMEOUT_S = 240
 SETS_TIMEOUT_S = 150
-# A pytest -q summary ("12 passed, 1 skipped in 3.21s"). Not anchored: the ranks share
-# mpiexec's stdout, so two ranks' summaries can run together on one line.
-SUMMARY = re.compile(
-    r"(\d+ (?:passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?)"
-    r"(?:, \d+ \w+)* in [\d.]+s)"
-)
-
-
-def _run_torch_job(size: int, tests: Path, report_dir: Path, timeout_s: int) -> None:
-    """Run ``tests`` under ``mpiexec -n size``; every rank must pass with no failure."""
-    cmd = [
-        mpiexec(), "-n", str(size),
-        sys.executable, "-m", "mpi4py", "-m", "pytest", str(tests),
-        "-q", "-p", "no:cacheprovider", "-o", "faulthandler_timeout=120",
-        f"--rootdir={REPO}", "-c", str(REPO / "pyproject.toml"),
-    ]  # fmt: skip
-    env = clean_env(HVDLITE_MPI_REPORT_DIR=str(report_dir), PYTHONFAULTHANDLER="1",
-                    OMP_NUM_THREADS="1")
-    start = time.monotonic()
-    rc, out = run_group(cmd, env, timeout_s)
-    wall = time.monotonic() - start
-    print(f"mpiexec -n {size} {tests.relative_to(REPO)}: rc={rc} wall={wall:.1f}s")
-    where = f"(rc={rc}, {wall:.0f}s); output tail:\n{out[-12_000:]}"
-    assert rc is not None, f"job timed out after {timeout_s}s {where}"
-    assert rc == 0, f"job failed {where}"
-    tallies = [json.loads(p.read_text()) for p in sorted(report_dir.glob("rank*.json"))]
-    assert sorted(t["rank"] for t in tallies) == list(range(size)), f"missing tallies {where}"
-    for t in tallies:
-        assert t["exitstatus"] == 0 and t["passed"] > 0, f"rank {t} {where}"
-        assert t["failed"] == 0 and t["errors"] == 0, f"rank {t} {where}"
-    summaries = SUMMARY.findall(out)
-    assert summaries and not any(re.search(r"\d+ (failed|errors?)\b", s) for s in summaries)
-
 
 @pytest.mark.mpi
 @pytest.mark.timeout(JOB_TIMEOUT_S + 60)
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed")
 def test_torch_suite_on_two_ranks(tmp_path: Path) -> None:
     """``tests/torch`` passes on both ranks of an ``mpiexec -n 2`` job."""
-    _run_torch_job(2, TORCH_TESTS, tmp_path, JOB_TIMEOUT_S)
+    run_pytest_job(2, TORCH_TESTS, tmp_path, JOB_TIMEOUT_S, OMP_NUM_THREADS="1")
 
 
 @pytest.mark.mpi
@@ -67,7 +32,8 @@ def test_torch_suite_on_two_ranks(tmp_path: Path) -> None:
 def test_torch_process_sets_on_four_ranks(tmp_path: Path) -> None:
     """``tests/torch/test_process_sets.py`` alone at 4 ranks: sets of 2 of 4 ranks ([1, 3]
     and [0, 2]), DistributedOptimizer on a set that does not hold rank 0."""
-    _run_torch_job(4, TORCH_TESTS / "test_process_sets.py", tmp_path, SETS_TIMEOUT_S)
+    run_pytest_job(4, TORCH_TESTS / "test_process_sets.py", tmp_path, SETS_TIMEOUT_S,
+                   OMP_NUM_THREADS="1")
 
 
 @pytest.mark.timeout(60)
