@@ -44,9 +44,7 @@ log = logging.getLogger("hvdlite")
 _SHUTDOWN_JOIN_S = 60.0
 _ABORT_AFTER_S = 5.0  # from a job-level failure to the abort of the job
 _SHUTDOWN_GUARD_S = 10.0  # bound on a shutdown while a peer may be gone
-_MAX_REMEMBERED = 65536
 _MAX_NAP_S = 200e-6  # longest pause of a waiting caller between rounds without its result
-_MAX_PLANS = 256  # cached execution plans (see Engine._plan)
 
 
 _POKE = object()  # wake-up token of a waiting caller (see Engine.progress)
