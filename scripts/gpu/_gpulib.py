@@ -163,11 +163,43 @@ def _import_cupy(comm: MPI.Comm) -> ModuleType:
     return cupy
 
 
+# Words a knob that lets one rank skip the N-rank code path would be named with. None exists
+# in hvdlite.config today; if one appears, every benchmark turns it off and says so.
+_SHORTCUT_WORDS = ("shortcut", "single_rank", "size1", "size_one", "one_rank")
+
+
+def shortcut_knobs() -> list[str]:
+    """hvdlite boolean knobs named like a size-1 shortcut (turned off by :func:`hvd_start`)."""
+    from hvdlite import config
+
+    found = [k for k in config.KNOBS if any(w in k.name for w in _SHORTCUT_WORDS)]
+    bad = [k.name for k in found if k.kind != "bool"]
+    if bad:
+        raise RuntimeError(f"size-1 shortcut knob(s) {bad} are not booleans: cannot turn off")
+    return [k.name for k in found]
+
+
+def shortcut_note(size: int) -> str:
+    """What the benchmarks did about a size-1 shortcut, in words (empty above 1 rank)."""
+    if size != 1:
+        return ""
+    knobs = shortcut_knobs()
+    if knobs:
+        return f"1 rank: size-1 shortcut knob(s) {', '.join(knobs)} turned off in every run"
+    return (
+        "1 rank: hvdlite.config has no size-1 shortcut knob, so what ran is the N-rank code "
+        "path (the benchmarks would turn such a knob off)"
+    )
+
+
 def hvd_start(hvd: ModuleType, gpu: Gpu, **knobs: Any) -> None:
-    """(Re)start hvdlite with ``knobs`` (after a shutdown if it runs) and check its size."""
+    """(Re)start hvdlite with ``knobs`` (after a shutdown if it runs) and check its size.
+
+    Any size-1 shortcut knob is turned off unless ``knobs`` names it.
+    """
     if hvd.is_initialized():
         hvd.shutdown()
-    hvd.init(gpu.comm, **knobs)
+    hvd.init(gpu.comm, **{**dict.fromkeys(shortcut_knobs(), False), **knobs})
     check_all(
         gpu.comm,
         hvd.size() == gpu.size,
@@ -554,6 +586,7 @@ def metadata(gpu: Gpu) -> dict[str, Any]:
                           else "git"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "args": vars(gpu.args),
+        "size1_shortcut_knobs_turned_off": shortcut_knobs(),
         "env": {
             k: v
             for k, v in os.environ.items()
@@ -581,6 +614,7 @@ def finish(
     """Rank 0: write the JSON (``--json``), then print notes, targets and the table last."""
     if gpu.rank != 0:
         return
+    notes = [*notes, *filter(None, [shortcut_note(gpu.size)])]
     text = "\n".join([*(f"note: {n}" for n in notes), format_targets(targets), table])
     meta = metadata(gpu)
     payload = {
