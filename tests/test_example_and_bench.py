@@ -75,3 +75,36 @@ def test_bench_refuses_a_launch_of_the_wrong_size(tmp_path: Path) -> None:
     assert rc == 2, out[-6000:]
     assert "REFUSED: launched with 2 ranks but --np 4 was asked" in out
     assert not path.exists()
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 30)
+def test_bench_c6_quick_checks_the_floor_and_reports_its_targets(tmp_path: Path) -> None:
+    path = tmp_path / "c6.json"
+    rc, out = _run_job(2, "scripts/bench_c6.py", "--np", "2", "--quick", "--json", str(path))
+    assert rc == 0, out[-6000:]
+    assert "REFUSED" not in out
+    res = json.loads(path.read_text())
+    assert res["benchmark"] == "C6"
+    assert set(res["worst_rank"]) == {
+        "hvdlite allreduce (sync)",
+        "mpi4py Allreduce",
+        "two-hop floor: SimpleQueue + Lock gate",
+        "two-hop floor: Lock hand-off both ways",
+    }
+    assert res["floor"].startswith("two-hop floor")
+    assert [t["target"].split(" <= ")[1].split(" ")[0] for t in res["targets"]] == [
+        "0.7x", "6.0x", "200",
+    ]
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 30)
+def test_bench_c2_quick_states_the_raw_per_tensor_target(tmp_path: Path) -> None:
+    path = tmp_path / "c2.json"
+    rc, out = _run_job(2, "scripts/bench_c2.py", "--np", "2", "--quick", "--json", str(path))
+    assert rc == 0, out[-6000:]
+    res = json.loads(path.read_text())
+    first = res["targets"][0]
+    assert "<= 2.0x the raw per-tensor Allreduce" in first["target"]
+    big = res["results"]["16"]
+    cached, raw = big["hvdlite, cache on"], big["raw MPI Allreduce per tensor"]
+    assert first["value"] == round(cached["per_tensor_s"] / raw["per_tensor_s"], 3)
