@@ -170,10 +170,12 @@ def grouped_allreduce_async(
     stream: Any = None,
     process_set: Any = None,
 ) -> Handle:
-    """Allreduce a list of tensors as one unit: enqueued atomically, negotiated together and
-    fused together (up to the fusion threshold). The handle's result is the list of results,
-    in input order. Member ``i`` is named ``f"{name}.{i}"``. Same rules as
-    :func:`allreduce_async` for each member."""
+    """Allreduce a list of tensors as one unit under ``name``: one request, one cache entry,
+    one bucket, never split by the fusion threshold (its results are views of one new buffer,
+    reduced in place there; on the GPU members of ``fusion_direct_bytes`` or more are not
+    copied when the call is in place). The handle's result is the list of results, in input
+    order. Same rules as :func:`allreduce_async` for each member; the tensors may differ in
+    shape and dtype but must share one device."""
     return _submit(
         Kind.ALLREDUCE,
         _as_list(tensors, name),

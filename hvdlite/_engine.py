@@ -218,6 +218,28 @@ class Engine:
         if wake:
             self._wake.put(None)
 
+    def submit_one(self, entry: Entry, wake: bool, channel: Channel) -> None:
+        """:meth:`submit` of one entry with its own handle: the hot path of every call."""
+        handle = entry.handle
+        handle._driver = self.progress
+        name = entry.request.name
+        with self._lock:
+            if self._error is not None or self._stopped or self._stop_requested:
+                self.check_usable()
+            if channel.id not in self._channels:
+                raise HvdliteError(f"process set {channel.id} was removed; add it again or "
+                                   "use another process set")
+            in_flight = channel.in_flight
+            if name in in_flight:
+                raise ValueError(_in_flight_message(name))
+            in_flight.add(name)
+            entry.enqueued_at = time.perf_counter()
+            entry.stats = self.tracer.stats
+            entry.channel = channel
+            self._queue.append(entry)
+        if wake:  # see submit
+            self._wake.put(None)
+
     # -- cycles: run by the background thread, or by a thread waiting for its result --------
     def progress(self, handle: Handle) -> None:
         """Run cycles on this (waiting) thread until ``handle`` is resolved (progress on wait).

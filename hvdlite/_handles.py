@@ -12,9 +12,12 @@ synchronises on DONE itself (no hand-off through another thread), or a poll or t
 retirement of finished device work does.
 
 The hand-off from the thread that resolves to the thread that waits is one ``threading.Lock``
-used as a gate (held from creation, released once at resolve): a C-level acquire with the GIL
-released, several times cheaper than a ``Condition``. Before blocking there, ``wait`` lets the
-engine run the pending cycle on the waiting thread (progress on wait, see ``_engine.py``).
+used as a gate (made held by the first thread that must block, released once at resolve): a
+C-level acquire with the GIL released, several times cheaper than a ``Condition``. In the steady
+state no gate is ever made: ``wait`` lets the engine run the pending cycle on the waiting thread
+first (progress on wait, see ``_engine.py``), which resolves the handle itself. Bookkeeping of
+every handle shares one module lock: completions run inside cycles, one at a time, so it is
+never contended there, and a lock per handle would cost an allocation per call.
 """
 
 from __future__ import annotations
@@ -26,6 +29,11 @@ from typing import Any
 
 __all__ = ["Handle"]
 
+# The empty list every handle starts with for its events, completions and kept objects; they
+# are replaced, never appended to, so one shared empty list saves three allocations per call.
+_NONE: list[Any] = []
+
+_BOOK = threading.Lock()  # every handle's completion bookkeeping (see the module docstring)
 _callback_queue: queue.SimpleQueue[tuple[Handle, Callable[[Any], Any], Handle]] | None = None
 _callback_lock = threading.Lock()
 
@@ -72,7 +80,6 @@ class Handle:
         "_exc",
         "_gate",
         "_keep",
-        "_lock",
         "_ready",
         "_remaining",
         "_resolved",
@@ -84,9 +91,7 @@ class Handle:
     def __init__(self, name: str, parts: int = 1, as_list: bool = False) -> None:
         self.name = name
         self._as_list = as_list
-        self._gate = threading.Lock()
-        self._gate.acquire()  # released once, at resolve
-        self._lock = threading.Lock()  # completion bookkeeping (parts may finish apart)
+        self._gate: threading.Lock | None = None  # made by the first thread that must block
         self._resolved = False
         self._done = False
         self._remaining = parts  # parts without a result
@@ -95,14 +100,14 @@ class Handle:
         self._exc: BaseException | None = None
         # Device work: DONE events, the callables that complete the parts once DONE finished
         # (sync completion; whoever runs one first wins), the device, and the stream waiter.
-        self._events: list[Any] = []
-        self._completions: list[Callable[[], None]] = []
+        self._events: list[Any] = _NONE
+        self._completions: list[Callable[[], None]] = _NONE
         self._async = False
         self._device = -1
         self._ready: Any = None  # the READY event of a device call (all its tensors share it)
         self._waiter: Callable[[Handle, Any], None] | None = None
         # Objects that must stay alive until the device finished with them (inputs, buffers).
-        self._keep: list[Any] = []
+        self._keep: list[Any] = _NONE
         # The engine's progress function: runs pending cycles on a thread that would block.
         self._driver: Callable[[Handle], None] | None = None
 
@@ -119,7 +124,7 @@ class Handle:
 
     def hold(self, objs: Sequence[Any]) -> None:
         """Keep ``objs`` alive as long as this handle (inputs the device may still read)."""
-        self._keep.extend(objs)
+        self._keep = [*self._keep, *objs]
 
     # -- completion, called by hvdlite's threads -----------------------------------------
     def set_parts(self, parts: Sequence[tuple[int, Any]], events: Sequence[Any] = (),
@@ -130,12 +135,13 @@ class Handle:
         no waiter sees the result before it can order its stream after them.
         ``was_enqueued``: these parts were resolved by :meth:`enqueued` before (sync device
         completion), so they count toward done only."""
-        with self._lock:
+        with _BOOK:
             if self._remaining <= 0:
                 return
             for index, value in parts:
                 self._results[index] = value
-            self._events.extend(events)
+            if events:
+                self._events = [*self._events, *events]
             self._remaining -= len(parts)
             if not was_enqueued:
                 self._unenqueued -= len(parts)
@@ -148,8 +154,9 @@ class Handle:
                 self._driver = None
                 resolve = not self._resolved
                 self._resolved = True
-        if resolve:
-            self._gate.release()
+            gate = self._gate if resolve else None
+        if gate is not None:
+            gate.release()
 
     def set_result(self, value: Any) -> None:
         """The result of a one-part handle (the hot path of host work)."""
@@ -158,32 +165,34 @@ class Handle:
     def enqueued(self, events: Sequence[Any], parts: int, completion: Callable[[], None]) -> None:
         """Sync device completion: ``parts`` parts' work is enqueued, ``events`` complete when
         it has run, and ``completion`` then sets their results (whoever runs it first)."""
-        with self._lock:
+        with _BOOK:
             if self._remaining <= 0:
                 return
-            self._events.extend(events)
-            self._completions.append(completion)
+            self._events = [*self._events, *events]
+            self._completions = [*self._completions, completion]
             self._unenqueued -= parts
             if self._unenqueued > 0 or self._resolved:
                 return
             self._resolved = True
             self._driver = None
-        self._gate.release()
+            gate = self._gate
+        if gate is not None:
+            gate.release()
 
     def fail(self, exc: BaseException) -> None:
         """The collective failed: every waiter raises ``exc``. Ignored once done."""
-        with self._lock:
+        with _BOOK:
             if self._remaining <= 0:
                 return
             self._exc = exc
             self._remaining = 0
             self._done = True
-            self._keep.clear()
+            self._keep = _NONE
             self._driver = None
-            resolve = not self._resolved
+            gate = None if self._resolved else self._gate
             self._resolved = True
-        if resolve:
-            self._gate.release()
+        if gate is not None:
+            gate.release()
 
     # -- public ---------------------------------------------------------------------------
     def poll(self) -> bool:
@@ -231,9 +240,16 @@ class Handle:
             driver(self)
             if self._resolved:
                 return
-        if not self._gate.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+        with _BOOK:
+            if self._resolved:
+                return
+            gate = self._gate
+            if gate is None:
+                gate = self._gate = threading.Lock()
+                gate.acquire()  # released once, at resolve
+        if not gate.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
             raise TimeoutError(f"collective {self.name!r} did not complete in {timeout} s")
-        self._gate.release()  # let every other waiter through too
+        gate.release()  # let every other waiter through too
 
     def _finish(self) -> None:
         """Sync completion of device work, on this thread: wait for DONE (CuPy releases the

@@ -12,6 +12,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from hvdlite._control.negotiation import Kind, Request
+from hvdlite._control.work import Entry
+from hvdlite._engine import default_engine
+from hvdlite._handles import Handle
+
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
            "set_id_of"]
 
@@ -36,8 +41,6 @@ class ProcessSet:
     def ranks(self) -> list[int]:
         """The member ranks (every rank for the global set, once initialised)."""
         if self._ranks is None:
-            from hvdlite._engine import default_engine
-
             return list(range(default_engine().size))
         return list(self._ranks)
 
@@ -47,8 +50,6 @@ class ProcessSet:
 
     def rank(self) -> int:
         """This process's rank within the set; ValueError if it is not a member."""
-        from hvdlite._engine import default_engine
-
         me = default_engine().rank
         ranks = self.ranks
         if me not in ranks:
@@ -58,8 +59,6 @@ class ProcessSet:
 
     def included(self) -> bool:
         """Whether this process is a member of the set."""
-        from hvdlite._engine import default_engine
-
         return default_engine().rank in self.ranks
 
     def __eq__(self, other: object) -> bool:
@@ -108,9 +107,6 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     everywhere). Returns the registered set. Raises ValueError for bad or already
     registered ranks, MismatchError if the ranks disagree about it.
     """
-    from hvdlite._engine import default_engine
-    from hvdlite._submit import _submit_set_change
-
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     engine = default_engine()
     ranks = tuple(ps.ranks)
@@ -122,20 +118,28 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         known = next(k for k, v in engine.sets.items() if v == ranks)
         raise ValueError(f"a process set with ranks {list(ranks)} is already registered (id "
                          f"{known}); use it or remove it first")
-    ps.process_set_id = _submit_set_change(0, engine.next_set_id(), ranks)
+    ps.process_set_id = _agree_set_change(0, engine.next_set_id(), ranks)
     return ps
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister ``process_set`` (collective, like :func:`add_process_set`); its pending
     collectives fail. Returns False if it was not registered; the global set stays."""
-    from hvdlite._engine import default_engine
-    from hvdlite._submit import _submit_set_change
-
     set_id = process_set.process_set_id
     engine = default_engine()
     if set_id is None or set_id == 0 or set_id not in engine.sets:
         return False
-    _submit_set_change(1, set_id, engine.sets[set_id])
+    _agree_set_change(1, set_id, engine.sets[set_id])
     process_set.process_set_id = None
     return True
+
+
+def _agree_set_change(action: int, set_id: int, ranks: tuple[int, ...]) -> int:
+    """Agree a process-set change on the global set and wait until every rank applied it."""
+    engine = default_engine()
+    engine.check_usable()
+    name = f"process_set.{'add' if action == 0 else 'remove'}.{set_id}"
+    handle = Handle(name)
+    req = Request(name, Kind.PROCESS_SET, shape=ranks, op=action, root=set_id)
+    engine.submit([Entry(req, None, None, handle)], handle, False)
+    return int(handle.wait())

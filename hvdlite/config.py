@@ -243,6 +243,11 @@ class Config:
         aliases=("HOROVOD_FUSION_THRESHOLD",),
         help="Largest fusion bucket; units accepted ('64MiB', '1GB'); 0 disables fusion.",
     )  # fmt: skip
+    fusion_direct_bytes: int = _knob(
+        kind="size", parse=parse_size, default=4 * _MIB, unit="bytes",
+        help="GPU: a fused tensor at least this large is reduced where it lies, not copied "
+             "into the fusion buffer (copying it costs more than its own launch saves).",
+    )  # fmt: skip
     cycle_time_ms: float = _knob(
         kind="float", parse=_parse_positive, default=1.0, unit="ms",
         aliases=("HOROVOD_CYCLE_TIME",),

@@ -16,7 +16,8 @@ from mpi4py import MPI
 
 from hvdlite._control.failures import FailureChannel
 from hvdlite._control.fusion import FusionBuffers
-from hvdlite._control.negotiation import Kind, Response
+from hvdlite._control.negotiation import Kind, Response, is_unit
+from hvdlite._control.replay import unit_groups
 from hvdlite._control.work import Entry, finish_all
 from hvdlite._observe.tracer import Tracer
 from hvdlite._ops import DTYPES, DType, ReduceOp, finish_reduce, scale_into
@@ -128,69 +129,87 @@ class MPIBackend:
     # -- allreduce --------------------------------------------------------------------
     def _allreduce(self, bucket: list[Response], entries: list[Entry | None]) -> None:
         head = bucket[0]
+        names = [r.name for r in bucket] if self.tracer.on else []
+        if is_unit(head):
+            entry = entries[0]
+            for dtype, srcs, dsts, span in unit_groups(head, entry, np):
+                self._reduce(head, dtype, srcs, dsts, span, names)
+            finish_all(entries, [None if entry is None else entry.outputs])
+            return
         spec = _SPECS.get((head.dtype, head.op))
         if spec is None:
             spec = _SPECS[(head.dtype, head.op)] = _spec(head.dtype, head.op)
-        row, op, mtype, wire, mop, native = spec
-        contributors = self.size  # Horovod: joined ranks count (they add zeros)
-        tracing = self.tracer.on
-        names = [r.name for r in bucket] if tracing else []
-        if len(bucket) == 1 and native:
-            entry = entries[0]
-            if entry is None:
-                out = np.full(head.shape, row.identity(op), dtype=row.np_dtype)
-                send: Any = MPI.IN_PLACE
-            else:
-                out = entry.output
-                src = entry.tensor.array  # type: ignore[union-attr]
-                if head.prescale != 1.0:
-                    scale_into(np, out, src, head.prescale)
-                    send = MPI.IN_PLACE
-                else:  # reduce straight from the input: no copy into the output first
-                    send = MPI.IN_PLACE if src is out else [src, mtype]
-            if tracing:
-                with self.tracer.phase(names, "MPI_ALLREDUCE", {"bytes": out.nbytes}):
-                    self._wait(self.comm.Iallreduce(send, [out, mtype], op=mop))
-            else:
-                self._wait(self.comm.Iallreduce(send, [out, mtype], op=mop))
-            if op is ReduceOp.AVERAGE or head.postscale != 1.0:
-                finish_reduce(np, out, op, contributors, head.postscale, row)
-            if entry is not None:
-                entry.finish(out)
+        if len(bucket) == 1 and spec[5]:
+            self._one(head, entries[0], spec, names)
             return
-        counts = [math.prod(r.shape) for r in bucket]
-        buf = self.fusion.get("cpu", wire, sum(counts))
-        with self.tracer.phase(names, "MEMCPY_IN_FUSION_BUFFER"):
-            if head.prescale == 1.0 and None not in entries:
-                # The common case in one C call: every member's input, flattened, end to end.
-                np.concatenate([e.tensor.array.reshape(-1) for e in entries],  # type: ignore
-                               out=buf, casting="unsafe")
+        row, op = spec[0], spec[1]
+        srcs, dsts = [], []
+        for resp, e in zip(bucket, entries, strict=True):
+            if e is None:  # joined: contribute the identity
+                scratch = np.full(resp.shape, row.identity(op), dtype=row.np_dtype)
+                srcs.append(scratch)
+                dsts.append(scratch)
             else:
-                offset = 0
-                for resp, entry, n in zip(bucket, entries, counts, strict=True):
-                    self._copy_in(buf[offset:offset + n], resp, entry, row, op)
-                    offset += n
-        with self.tracer.phase(names, "MPI_ALLREDUCE", {"bytes": buf.nbytes}):
-            self._wait(self.comm.Iallreduce(MPI.IN_PLACE, [buf, mtype], op=mop))
-        with self.tracer.phase(names, "MEMCPY_OUT_FUSION_BUFFER"):
-            # Scale once over the whole bucket, in the wire precision, before unpacking.
-            finish_reduce(np, buf, op, contributors, head.postscale, row)
-            offset = 0
-            for entry, n in zip(entries, counts, strict=True):
-                if entry is not None:
-                    np.copyto(entry.output.reshape(-1), buf[offset:offset + n],
-                              casting="unsafe")
-                offset += n
+                srcs.append(e.array)
+                dsts.append(e.output)
+        self._reduce(head, head.dtype, srcs, dsts, None, names)
         finish_all(entries, [None if e is None else e.output for e in entries])
 
-    @staticmethod
-    def _copy_in(dst: np.ndarray, resp: Response, entry: Entry | None, row: DType,
-                 op: ReduceOp) -> None:
+    def _one(self, head: Response, entry: Entry | None, spec: _Spec, names: list[str]) -> None:
+        """One tensor in its native MPI type: reduced straight from the input."""
+        row, op, mtype, _, mop, _ = spec
         if entry is None:
-            dst.fill(row.identity(op))
-            return
-        assert entry.tensor is not None
-        scale_into(np, dst, entry.tensor.array.reshape(-1), resp.prescale)
+            out = np.full(head.shape, row.identity(op), dtype=row.np_dtype)
+            send: Any = MPI.IN_PLACE
+        else:
+            out = entry.output
+            src = entry.array
+            if head.prescale != 1.0:
+                scale_into(np, out, src, head.prescale)
+                send = MPI.IN_PLACE
+            else:  # reduce straight from the input: no copy into the output first
+                send = MPI.IN_PLACE if src is out else [src, mtype]
+        if names:
+            with self.tracer.phase(names, "MPI_ALLREDUCE", {"bytes": out.nbytes}):
+                self._wait(self.comm.Iallreduce(send, [out, mtype], op=mop))
+        else:
+            self._wait(self.comm.Iallreduce(send, [out, mtype], op=mop))
+        if op is ReduceOp.AVERAGE or head.postscale != 1.0:
+            finish_reduce(np, out, op, self.size, head.postscale, row)
+        if entry is not None:
+            entry.finish(out)
+
+    def _reduce(self, head: Response, dtype: str, srcs: Sequence[np.ndarray],
+                dsts: Sequence[np.ndarray], span: np.ndarray | None, names: list[str]) -> None:
+        """Allreduce ``srcs`` into ``dsts`` (one dtype): in ``span`` when the outputs lie end
+        to end in it (no copy out; no copy in either when in place), else through the fusion
+        buffer. Joined ranks count as contributors (Horovod: they add zeros)."""
+        row, op, mtype, wire, mop, native = _SPECS.get((dtype, head.op)) or _spec(dtype, head.op)
+        counts = [a.size for a in srcs]
+        total = sum(counts)
+        if span is not None and native:
+            region = span
+        else:
+            region = (self.fusion.get("cpu", wire, total) if total * wire.itemsize
+                      <= self.fusion.threshold else np.empty(total, dtype=wire))
+        copy_in = srcs is not dsts or region is not span  # else: in place, in the span
+        if copy_in or head.prescale != 1.0:
+            with self.tracer.phase(names, "MEMCPY_IN_FUSION_BUFFER"):
+                if copy_in:
+                    np.concatenate([a.reshape(-1) for a in srcs], out=region, casting="unsafe")
+                scale_into(np, region, region, head.prescale)
+        with self.tracer.phase(names, "MPI_ALLREDUCE", {"bytes": region.nbytes}):
+            self._wait(self.comm.Iallreduce(MPI.IN_PLACE, [region, mtype], op=mop))
+        if region is span and op is not ReduceOp.AVERAGE and head.postscale == 1.0:
+            return  # the results are in place: nothing to scale, nothing to copy out
+        with self.tracer.phase(names, "MEMCPY_OUT_FUSION_BUFFER"):
+            # Scale once over the whole bucket, in the wire precision, before unpacking.
+            finish_reduce(np, region, op, self.size, head.postscale, row)
+            if region is not span:
+                offset = 0
+                for dst, n in zip(dsts, counts, strict=True):
+                    np.copyto(dst.reshape(-1), region[offset:offset + n], casting="unsafe")
+                    offset += n
 
     # -- the other collectives (never fused) --------------------------------------------
     def _allgather(self, bucket: list[Response], entries: list[Entry | None]) -> Any:
@@ -200,7 +219,7 @@ class MPIBackend:
         trailing = resp.shape[1:]
         per_row = math.prod(trailing)
         out = np.empty((sum(resp.sizes), *trailing), dtype=row.np_dtype)
-        send = (entry.tensor.array if entry is not None and entry.tensor is not None
+        send = (entry.array if entry is not None and entry.array is not None
                 else np.empty((0, *trailing), dtype=row.np_dtype))
         counts = [s * per_row for s in resp.sizes]
         self._wait(self.comm.Iallgatherv([send, mtype], [out, (counts, _displs(counts)), mtype]))
@@ -213,18 +232,18 @@ class MPIBackend:
             scratch = np.empty(resp.shape, dtype=DTYPES[resp.dtype].np_dtype)
             self._wait(self.comm.Ibcast([scratch, mtype], root=resp.root))
             return None
-        assert entry.tensor is not None
-        if self.rank == resp.root and entry.output is not entry.tensor.array:
-            np.copyto(entry.output, entry.tensor.array)
+        assert entry.array is not None
+        if self.rank == resp.root and entry.output is not entry.array:
+            np.copyto(entry.output, entry.array)
         self._wait(self.comm.Ibcast([entry.output, mtype], root=resp.root))
         return entry.output
 
     def _alltoall(self, bucket: list[Response], entries: list[Entry | None]) -> Any:
         resp, entry = bucket[0], entries[0]
-        assert entry is not None and entry.tensor is not None  # no alltoall with joined ranks
+        assert entry is not None and entry.array is not None  # no alltoall with joined ranks
         row = DTYPES[resp.dtype]
         mtype, _ = mpi_datatype(row)
-        trailing = entry.tensor.array.shape[1:]
+        trailing = entry.array.shape[1:]
         per_row = math.prod(trailing)
         splits = np.asarray(resp.sizes, dtype=np.int64).reshape(self.size, self.size)
         send_counts = [int(s) * per_row for s in splits[self.rank]]
@@ -232,7 +251,7 @@ class MPIBackend:
         recv_counts = [r * per_row for r in recv_rows]
         out = np.empty((sum(recv_rows), *trailing), dtype=row.np_dtype)
         self._wait(self.comm.Ialltoallv(
-            [entry.tensor.array, (send_counts, _displs(send_counts)), mtype],
+            [entry.array, (send_counts, _displs(send_counts)), mtype],
             [out, (recv_counts, _displs(recv_counts)), mtype]))
         return out
 
@@ -244,10 +263,10 @@ class MPIBackend:
         trailing = resp.shape[1:]
         per_row = math.prod(trailing)
         rows = _rows_split(resp.shape[0] if resp.shape else 0, self.size)
-        if entry is None or entry.tensor is None:
+        if entry is None or entry.array is None:
             send = np.full(resp.shape, row.identity(op), dtype=wire)
         else:
-            send = entry.tensor.array.astype(wire, copy=False)
+            send = entry.array.astype(wire, copy=False)
         out = np.empty((rows[self.rank], *trailing), dtype=wire)
         self._wait(self.comm.Ireduce_scatter([send, mtype], [out, mtype],
                                              recvcounts=[r * per_row for r in rows],
@@ -256,15 +275,17 @@ class MPIBackend:
         return out.astype(row.np_dtype, copy=False)
 
 
-_SPECS: dict[tuple[str, int], tuple[DType, ReduceOp, MPI.Datatype, np.dtype, MPI.Op, bool]] = {}
+_Spec = tuple[DType, ReduceOp, MPI.Datatype, np.dtype, MPI.Op, bool]
+_SPECS: dict[tuple[str, int], _Spec] = {}
 
 
-def _spec(dtype: str, opv: int) -> tuple[DType, ReduceOp, MPI.Datatype, np.dtype, MPI.Op, bool]:
+def _spec(dtype: str, opv: int) -> _Spec:
     """Everything an allreduce of (dtype, op) needs, looked up once per pair."""
     row = DTYPES[dtype]
     op = ReduceOp(opv)
     mtype, wire = mpi_datatype(row)
-    return row, op, mtype, wire, mpi_op(row, op), wire == row.np_dtype
+    spec = _SPECS[(dtype, opv)] = (row, op, mtype, wire, mpi_op(row, op), wire == row.np_dtype)
+    return spec
 
 
 def _displs(counts: Sequence[int]) -> list[int]:

@@ -17,12 +17,13 @@ import numpy as np
 from mpi4py import MPI
 
 from hvdlite._control.fusion import FusionBuffers
-from hvdlite._control.negotiation import Kind, Response
+from hvdlite._control.negotiation import Kind, Response, is_unit
+from hvdlite._control.replay import unit_groups
 from hvdlite._control.work import Entry
-from hvdlite._gpu.kernels import batched_copy
+from hvdlite._gpu.fused import FusedAllreduce, Phase, Reduction
 from hvdlite._gpu.runtime import DeviceContext, GpuRuntime
 from hvdlite._observe.tracer import Tracer
-from hvdlite._ops import DTYPES, DType, ReduceOp, finish_reduce, nccl_wire, scale_into
+from hvdlite._ops import DTYPES, DType, ReduceOp, finish_reduce, nccl_wire
 from hvdlite.errors import BackendUnavailableError
 
 __all__ = ["NcclBackend"]
@@ -32,7 +33,7 @@ class NcclBackend:
     """Executes agreed device responses; one cached NCCL communicator per device."""
 
     def __init__(self, comm: MPI.Intracomm, runtime: GpuRuntime, threshold: int,
-                 tracer: Tracer) -> None:
+                 tracer: Tracer, direct_bytes: int) -> None:
         from cupy.cuda import nccl
 
         self.tracer = tracer
@@ -42,6 +43,8 @@ class NcclBackend:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.runtime = runtime
         self.fusion = FusionBuffers(threshold, self._alloc)
+        self.fused = FusedAllreduce(self.cupy, nccl, self.fusion, direct_bytes)
+        self._reductions: dict[tuple[Any, ...], Reduction] = {}
         self._comms: dict[int, Any] = {}
         # ncclAvg divides inside the collective (no extra kernel) where NCCL has it.
         self._avg = getattr(nccl, "NCCL_AVG", None)
@@ -96,14 +99,14 @@ class NcclBackend:
 
     def run(self, bucket: list[Response], entries: list[Entry | None]) -> None:
         """Enqueue one bucket on the device and hand its completion to the runtime."""
-        if len(bucket) == 1 and entries[0] is not None and not self.tracer.on:
+        if len(bucket) == 1 and entries[0] is not None and not self.tracer.on \
+                and not is_unit(bucket[0]):
             direct = self._direct_op(bucket[0])
             if direct is not None:
                 self._run_direct(bucket[0], entries, direct)
                 return
         live = [e for e in entries if e is not None]
-        device_id = live[0].tensor.device_id if live and live[0].tensor else \
-            self.runtime.default_device
+        device_id = live[0].device_id if live else self.runtime.default_device
         ctx = self.runtime.context(device_id)
         comm = self._comms.get(device_id) or self.communicator(device_id)
         self._timed: list[Any] = []
@@ -149,15 +152,15 @@ class NcclBackend:
         # record; no CuPy stream context and no kernel (NCCL computes the op, Average
         # included), so nothing here depends on this thread's current device or stream.
         entry = entries[0]
-        assert entry is not None and entry.tensor is not None
-        device_id = entry.tensor.device_id
+        assert entry is not None
+        device_id = entry.device_id
         ctx = self.runtime.context(device_id)
         comm = self._comms.get(device_id) or self.communicator(device_id)
         stream = ctx.stream
         if entry.ready is not None:
             stream.wait_event(entry.ready)
-            ctx.release(entry.ready, 1)
-        src, out = entry.tensor.array, entry.output
+            ctx.release(entry.ready)
+        src, out = entry.array, entry.output
         dtype, per, op = direct
         comm.allReduce(src.data.ptr, out.data.ptr, src.size * per, dtype, op, stream.ptr)
         self.runtime.complete(ctx, entries, [out])
@@ -173,8 +176,8 @@ class NcclBackend:
                 self.runtime.wait_ready(ctx, readies)
         else:
             self.runtime.wait_ready(ctx, readies)
-        if (kind is Kind.ALLREDUCE and len(bucket) > 1) or not tracing:
-            # (a fused allreduce traces its copy phases itself)
+        if kind is Kind.ALLREDUCE or not tracing:
+            # (an allreduce traces its copy and reduce phases itself)
             self._outputs = self._run[kind](ctx, comm, bucket, entries)
         else:
             with self._phase(ctx, names, f"NCCL_{kind.name}"):
@@ -214,65 +217,49 @@ class NcclBackend:
     def _allreduce(self, ctx: DeviceContext, comm: Any, bucket: list[Response],
                    entries: list[Entry | None]) -> list[Any]:
         head = bucket[0]
-        row = DTYPES[head.dtype]
-        op = ReduceOp(head.op)
-        dtype, per = self._wire(row)
-        contributors = self.size  # Horovod: joined ranks count (they add zeros)
-        if len(bucket) == 1:
+        phase = self._phases(ctx, bucket)
+        if is_unit(head):
             entry = entries[0]
-            out = self._identity(head, row) if entry is None else entry.output
-            src = out if entry is None else entry.tensor.array  # type: ignore[union-attr]
-            if head.prescale != 1.0:
-                scale_into(self.cupy, out, src, head.prescale)
-                src = out
-            if op is ReduceOp.AVERAGE and self._avg is not None and row.kind == "float":
-                comm.allReduce(src.data.ptr, out.data.ptr, out.size * per, dtype, self._avg,
-                               ctx.stream.ptr)
-                scale_into(self.cupy, out, out, head.postscale)
-                return [out]
-            comm.allReduce(src.data.ptr, out.data.ptr, out.size * per, dtype,
-                           self._op(row, op), ctx.stream.ptr)
-            finish_reduce(self.cupy, out, op, contributors, head.postscale, row)
-            return [out]
-        return self._fused_allreduce(ctx, comm, bucket, entries, row, op, contributors)
-
-    def _fused_allreduce(self, ctx: DeviceContext, comm: Any, bucket: list[Response],
-                         entries: list[Entry | None], row: DType, op: ReduceOp,
-                         contributors: int) -> list[Any]:
-        head = bucket[0]
-        dtype, per = self._wire(row)
-        wire_name = nccl_wire(row)[0]
-        wire_np = np.dtype(wire_name)
-        srcs, outs = [], []
-        for resp, entry in zip(bucket, entries, strict=True):
-            if entry is None:
-                scratch = self._identity(resp, row)
+            for part, (dtype, srcs, dsts, span) in enumerate(
+                    unit_groups(head, entry, self.cupy)):
+                red = self._reduction(dtype, head)
+                self.fused.run(ctx, comm, head, part, red, srcs, dsts, span, phase)
+            return [None if entry is None else entry.outputs]
+        red = self._reduction(head.dtype, head)
+        srcs, dsts = [], []
+        for resp, e in zip(bucket, entries, strict=True):
+            if e is None:  # joined: contribute the identity
+                scratch = self.cupy.full(resp.shape, red.row.identity(red.op),
+                                         dtype=red.row.np_dtype)
                 srcs.append(scratch)
-                outs.append(scratch)
+                dsts.append(scratch)
             else:
-                srcs.append(entry.tensor.array)  # type: ignore[union-attr]
-                outs.append(entry.output)
-        counts = [a.size * per for a in srcs]
-        offs = np.zeros(len(counts) + 1, dtype=np.int64)
-        np.cumsum(counts, out=offs[1:])
-        total = int(offs[-1])
-        buf = self.fusion.get(f"cuda:{ctx.device_id}", wire_np, total)
-        n = len(srcs)
-        meta = ctx.upload_meta(np.concatenate([
-            offs, np.fromiter((a.data.ptr for a in srcs), np.int64, n),
-            offs, np.fromiter((a.data.ptr for a in outs), np.int64, n)]))
-        divisor = contributors if op is ReduceOp.AVERAGE else 1
+                srcs.append(e.array)
+                dsts.append(e.output)
+        # A lone response is its own stable key; a fused bucket's list is cached upstream.
+        owner = head if len(bucket) == 1 else bucket
+        self.fused.run(ctx, comm, owner, 0, red, srcs, dsts, None, phase)
+        return [None if e is None else e.output for e in entries]
+
+    def _phases(self, ctx: DeviceContext, bucket: list[Response]) -> Phase | None:
+        if not self.tracer.on:
+            return None
         names = [r.name for r in bucket]
-        with self._phase(ctx, names, "MEMCPY_IN_FUSION_BUFFER"):
-            batched_copy(wire_name, meta[:2 * n + 1], n, buf, total, mode=0,
-                         scale=head.prescale, divisor=1)
-        with self._phase(ctx, names, "NCCL_ALLREDUCE", {"bytes": total * wire_np.itemsize}):
-            comm.allReduce(buf.data.ptr, buf.data.ptr, total, dtype, self._op(row, op),
-                           ctx.stream.ptr)
-        with self._phase(ctx, names, "MEMCPY_OUT_FUSION_BUFFER"):
-            batched_copy(wire_name, meta[2 * n + 1:], n, buf, total, mode=1,
-                         scale=head.postscale, divisor=divisor)
-        return [None if e is None else o for e, o in zip(entries, outs, strict=True)]
+        return lambda phase, args: self._phase(ctx, names, phase, args)
+
+    def _reduction(self, dtype: str, head: Response) -> Reduction:
+        key = (dtype, head.op, head.prescale, head.postscale)
+        red = self._reductions.get(key)
+        if red is None:
+            row = DTYPES[dtype]
+            op = ReduceOp(head.op)
+            wire, per = nccl_wire(row)
+            avg = self._avg if op is ReduceOp.AVERAGE and row.kind == "float" else None
+            red = self._reductions[key] = Reduction(
+                row, wire, getattr(self.nccl, f"NCCL_{wire.upper()}"), per, op,
+                avg if avg is not None else self._op(row, op), avg is not None,
+                head.prescale, head.postscale, self.size)
+        return red
 
     # -- the other collectives -------------------------------------------------------------
     def _allgather(self, ctx: DeviceContext, comm: Any, bucket: list[Response],
@@ -283,7 +270,7 @@ class NcclBackend:
         trailing = resp.shape[1:]
         per_row = math.prod(trailing) * per
         out = self.cupy.empty((sum(resp.sizes), *trailing), dtype=row.np_dtype)
-        send = entry.tensor.array if entry is not None and entry.tensor is not None else out
+        send = entry.array if entry is not None and entry.array is not None else out
         if len(set(resp.sizes)) == 1:
             comm.allGather(send.data.ptr, out.data.ptr, resp.sizes[0] * per_row, dtype,
                            ctx.stream.ptr)
@@ -307,7 +294,7 @@ class NcclBackend:
         dtype, per = self._wire(row)
         out = (self.cupy.empty(resp.shape, dtype=row.np_dtype) if entry is None
                else entry.output)
-        src = entry.tensor.array if entry is not None and entry.tensor is not None else out
+        src = entry.array if entry is not None and entry.array is not None else out
         comm.broadcast(src.data.ptr, out.data.ptr, out.size * per, dtype, resp.root,
                        ctx.stream.ptr)
         return [out]
@@ -315,10 +302,10 @@ class NcclBackend:
     def _alltoall(self, ctx: DeviceContext, comm: Any, bucket: list[Response],
                   entries: list[Entry | None]) -> list[Any]:
         resp, entry = bucket[0], entries[0]
-        assert entry is not None and entry.tensor is not None  # no alltoall with joined ranks
+        assert entry is not None and entry.array is not None  # no alltoall with joined ranks
         row = DTYPES[resp.dtype]
         dtype, per = self._wire(row)
-        src = entry.tensor.array
+        src = entry.array
         trailing = src.shape[1:]
         row_bytes = math.prod(trailing) * row.np_dtype.itemsize
         splits = np.asarray(resp.sizes, dtype=np.int64).reshape(self.size, self.size)
@@ -344,8 +331,8 @@ class NcclBackend:
         row = DTYPES[resp.dtype]
         op = ReduceOp(resp.op)
         dtype, per = self._wire(row)
-        src = (self._identity(resp, row) if entry is None or entry.tensor is None
-               else entry.tensor.array)
+        src = (self._identity(resp, row) if entry is None or entry.array is None
+               else entry.array)
         trailing = resp.shape[1:]
         base, extra = divmod(resp.shape[0], self.size)
         rows = [base + (1 if r < extra else 0) for r in range(self.size)]
@@ -373,3 +360,4 @@ class NcclBackend:
             comm.destroy()
         self._comms.clear()
         self.fusion.release()
+        self.fused.release()

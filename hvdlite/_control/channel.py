@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from hvdlite._control.fusion import FusionBuffers, nbytes, plan_buckets
 from hvdlite._control.negotiation import SPECS, Request, Response
+from hvdlite._control.replay import Lanes
 from hvdlite._control.work import Entry
 from hvdlite.config import Config
 from hvdlite.errors import BackendUnavailableError, HvdliteError, MismatchError, StallError
@@ -62,6 +63,7 @@ class Channel:
         # The last request per tensor name: a call whose parameters did not change reuses it,
         # so the response cache matches it by identity (see ResponseCache.lookup).
         self.requests: dict[str, Request] = {}
+        self.lanes = Lanes()  # the steady state of each name's calls (see _control/replay.py)
         self._plans: dict[tuple[int, ...], tuple[tuple[Response, ...],
                                                  list[tuple[list[Response], int]]]] = {}
         self._gpu = gpu
@@ -165,7 +167,8 @@ class Channel:
             from hvdlite._backends.nccl import NcclBackend
 
             backend = self.backends[device] = NcclBackend(
-                self.data, self._gpu(), self.config.fusion_threshold, self.tracer)
+                self.data, self._gpu(), self.config.fusion_threshold, self.tracer,
+                self.config.fusion_direct_bytes)
         return backend
 
     # -- the end --------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from hvdlite._control.negotiation import SPECS, Response
+from hvdlite._control.negotiation import SPECS, Response, is_unit
 
 __all__ = ["nbytes", "plan_buckets", "FusionBuffers"]
 
@@ -17,11 +17,21 @@ __all__ = ["nbytes", "plan_buckets", "FusionBuffers"]
 _ITEMSIZE: dict[str, int] = {}
 
 
-def nbytes(resp: Response) -> int:
-    size = _ITEMSIZE.get(resp.dtype)
+def itemsize(dtype: str) -> int:
+    size = _ITEMSIZE.get(dtype)
     if size is None:
-        size = _ITEMSIZE[resp.dtype] = np.dtype(resp.dtype).itemsize
-    return math.prod(resp.shape) * size
+        size = _ITEMSIZE[dtype] = np.dtype(dtype).itemsize
+    return size
+
+
+def nbytes(resp: Response) -> int:
+    """Payload bytes of one response (a grouped call's unit: all its members)."""
+    if is_unit(resp):
+        dtypes = resp.dtype
+        if type(dtypes) is str:
+            return sum(map(math.prod, resp.shape)) * itemsize(dtypes)
+        return sum(math.prod(s) * itemsize(d) for s, d in zip(resp.shape, dtypes, strict=True))
+    return math.prod(resp.shape) * itemsize(resp.dtype)
 
 
 def plan_buckets(responses: Sequence[Response], threshold: int) -> list[list[Response]]:
@@ -30,13 +40,15 @@ def plan_buckets(responses: Sequence[Response], threshold: int) -> list[list[Res
     Every rank calls it on the same agreed list, so every rank gets the same buckets. Only
     compatible allreduces (same :meth:`Response.fusion_key`) share a bucket, whose payload stays
     within ``threshold`` bytes; a response larger than the threshold, an error response and any
-    other collective is a bucket of its own. Buckets come out in the order of their first member.
+    other collective is a bucket of its own, and so is a grouped call's unit (fused already).
+    Buckets come out in the order of their first member.
     """
     buckets: list[list[Response]] = []
     open_by_key: dict[tuple[object, ...], tuple[list[Response], int]] = {}
     for resp in responses:
         size = nbytes(resp)
-        if not SPECS[resp.kind].fusable or resp.error or size > threshold or threshold <= 0:
+        if (not SPECS[resp.kind].fusable or resp.error or size > threshold or threshold <= 0
+                or is_unit(resp)):
             buckets.append([resp])
             continue
         key = resp.fusion_key()

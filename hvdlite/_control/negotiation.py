@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 __all__ = ["Kind", "Spec", "SPECS", "Request", "Response", "CoordinatorTable", "ResponseCache",
-           "StallReport", "pack_request", "unpack_request", "pack_response", "unpack_response"]
+           "StallReport", "is_unit", "pack_request", "unpack_request", "pack_response",
+           "unpack_response"]
 
 
 class Kind(enum.IntEnum):
@@ -31,12 +32,17 @@ class Kind(enum.IntEnum):
 
 class Request(NamedTuple):
     """What one rank says about one tensor it submitted. Small and hashable; a tuple, so it
-    is cheap to build per call, compares in C and travels as itself on the uncached path."""
+    is cheap to build per call, compares in C and travels as itself on the uncached path.
+
+    A grouped allreduce is one request (one *unit*: one cache slot, one bit, one bucket):
+    ``shape`` is the tuple of its members' shapes, ``dtype`` their dtype (or the tuple of
+    their dtypes when they differ), ``group`` its name and ``group_size`` its member count.
+    """
 
     name: str
     kind: Kind
-    dtype: str = "uint8"
-    shape: tuple[int, ...] = ()
+    dtype: Any = "uint8"  # str; a tuple of str for a grouped call of mixed dtypes
+    shape: tuple[Any, ...] = ()  # a grouped call's: the tuple of its members' shapes
     device: str = "cpu"
     op: int = 0
     root: int = -1
@@ -58,8 +64,8 @@ class Response:
 
     name: str
     kind: Kind
-    dtype: str
-    shape: tuple[int, ...]
+    dtype: Any  # as in Request
+    shape: tuple[Any, ...]
     device: str
     op: int
     root: int
@@ -137,6 +143,12 @@ _FIXES = {
 }
 
 
+def is_unit(r: Request | Response) -> bool:
+    """Whether ``r`` is a grouped call's unit (its shape is the tuple of its members')."""
+    shape = r.shape
+    return bool(shape) and type(shape[0]) is tuple
+
+
 def _field(req: Request, name: str) -> object:
     if name == "trailing":
         return req.shape[1:] if req.shape else ()
@@ -153,14 +165,6 @@ def _field(req: Request, name: str) -> object:
 def mismatch_message(name: str, by_rank: dict[int, Request]) -> str:
     """'' if the ranks agree on ``name``; else one line naming the field and each rank's value."""
     first = by_rank[min(by_rank)]
-    for fld, label in SPECS[first.kind].checks:
-        values: dict[object, list[int]] = {}
-        for rank in sorted(by_rank):
-            values.setdefault(_field(by_rank[rank], fld), []).append(rank)
-        if len(values) > 1:
-            shown = "; ".join(f"{_ranks(r)} sent {v}" for v, r in values.items())
-            fix = _FIXES.get(label, f"pass the same {label} on every rank")
-            return f"tensor {name!r}: {label} differs across ranks: {shown}; {fix}"
     if first.group and len({r.group_size for r in by_rank.values()}) > 1:
         sizes: dict[int, list[int]] = {}
         for rank in sorted(by_rank):
@@ -168,7 +172,36 @@ def mismatch_message(name: str, by_rank: dict[int, Request]) -> str:
         shown = "; ".join(f"{_ranks(r)} grouped {n} tensors" for n, r in sizes.items())
         return (f"tensor {name!r}: grouped call sizes differ across ranks: {shown}; pass the "
                 "same number of tensors on every rank")
+    for fld, label in SPECS[first.kind].checks:
+        values: dict[object, list[int]] = {}
+        for rank in sorted(by_rank):
+            values.setdefault(_field(by_rank[rank], fld), []).append(rank)
+        if len(values) > 1:
+            fix = _FIXES.get(label, f"pass the same {label} on every rank")
+            if is_unit(first) and fld in ("shape", "dtype"):
+                return _member_message(name, by_rank, fld, label, fix)
+            shown = "; ".join(f"{_ranks(r)} sent {v}" for v, r in values.items())
+            return f"tensor {name!r}: {label} differs across ranks: {shown}; {fix}"
     return ""
+
+
+def _member_message(name: str, by_rank: dict[int, Request], fld: str, label: str,
+                    fix: str) -> str:
+    """The first member of a grouped call whose ``fld`` differs across ranks, named."""
+    def member(req: Request, i: int) -> object:
+        value = getattr(req, fld)
+        return value[i] if isinstance(value, tuple) else value
+
+    count = by_rank[min(by_rank)].group_size
+    for i in range(count):
+        values: dict[object, list[int]] = {}
+        for rank in sorted(by_rank):
+            values.setdefault(member(by_rank[rank], i), []).append(rank)
+        if len(values) > 1:
+            shown = "; ".join(f"{_ranks(r)} sent {v}" for v, r in values.items())
+            return (f"tensor {name!r} (member {i} of the grouped call): {label} differs "
+                    f"across ranks: {shown}; {fix}")
+    return f"tensor {name!r}: {label} differs across ranks; {fix}"
 
 
 def _ranks(ranks: Sequence[int]) -> str:

@@ -88,7 +88,6 @@ class DeviceContext:
         self._slot_events: list[Any] = [None] * _META_SLOTS
         self._slot = 0
         self._events: collections.deque[Any] = collections.deque()
-        self._uses: dict[int, int] = {}
 
     def event(self) -> Any:
         """A READY event from the pool (no timing: cheaper to record and wait on)."""
@@ -106,18 +105,11 @@ class DeviceContext:
         with cuda.Device(self.device_id):
             return cuda.Event(block=False, disable_timing=True)
 
-    def share(self, event: Any, uses: int) -> None:
-        """``event`` is the READY event of ``uses`` entries (one grouped call)."""
-        self._uses[id(event)] = uses
-
-    def release(self, event: Any, uses: int = 1) -> None:
-        # Back to the pool once every entry that shares it has been waited on: a stream wait
-        # captures the work recorded so far, so re-recording it later is then harmless.
-        left = self._uses.pop(id(event), 1) - uses
-        if left > 0:
-            self._uses[id(event)] = left
-        else:
-            self._events.append(event)
+    def release(self, event: Any) -> None:
+        # Back to the pool once its entry has been waited on: a stream wait captures the work
+        # recorded so far, so re-recording the event later is harmless. (A grouped call is
+        # one entry, so every READY event has exactly one user.)
+        self._events.append(event)
 
     def upload_meta(self, values: np.ndarray) -> Any:
         """Copy int64 ``values`` to device memory in stream order; returns the device view.
@@ -253,15 +245,14 @@ class GpuRuntime:
     def wait_ready(self, ctx: DeviceContext, events: Sequence[Any]) -> None:
         """Order hvdlite's stream after every input's producer (background thread).
 
-        Members of one grouped call share one READY event; each distinct event is waited once.
+        Each event is one entry's (a grouped call is one entry).
         """
-        counts = collections.Counter(id(e) for e in events)
-        for event in {id(e): e for e in events}.values():
+        for event in events:
             if self.cpu_sync:
                 event.synchronize()
             else:
                 ctx.stream.wait_event(event)
-            ctx.release(event, counts[id(event)])
+            ctx.release(event)
 
     def complete(self, ctx: DeviceContext, entries: list[Any], outputs: list[Any],
                  timed: Sequence[Any] = ()) -> None:

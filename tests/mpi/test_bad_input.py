@@ -380,16 +380,16 @@ DUPLICATES: dict[str, tuple[Callable[[Any, str, int], Any], Callable[[Any, str],
         lambda h, n: h.allreduce_async(np.ones(2), name=n),
         "{n}",
     ),
-    "grouped_then_member": (
+    "grouped_then_allreduce": (
         lambda h, n, r: h.grouped_allreduce_async(
             [np.full(2, r, np.int32) for _ in range(2)], name=n, op=h.Sum),
-        lambda h, n: h.allreduce_async(np.ones(2), name=f"{n}.1"),
-        "{n}.1",
+        lambda h, n: h.allreduce_async(np.ones(2), name=n),
+        "{n}",
     ),
-    "member_then_grouped": (
-        lambda h, n, r: h.allreduce_async(np.full(2, r, np.int32), name=f"{n}.0", op=h.Sum),
+    "allreduce_then_grouped": (
+        lambda h, n, r: h.allreduce_async(np.full(2, r, np.int32), name=n, op=h.Sum),
         lambda h, n: h.grouped_allreduce_async([np.ones(1), np.ones(1)], name=n),
-        "{n}.0",
+        "{n}",
     ),
     "broadcast_async__then_broadcast_async_": (
         lambda h, n, r: h.broadcast_async_(np.full(3, r, np.int32), 0, name=n),
@@ -408,7 +408,7 @@ DUPLICATES: dict[str, tuple[Callable[[Any, str, int], Any], Callable[[Any, str],
 @needs_two
 @pytest.mark.parametrize("case", list(DUPLICATES))
 def test_duplicate_name_in_flight(hvd: Any, case: str) -> None:
-    """A second collective under a name (or a grouped member's name) still in flight fails at
+    """A second collective under a name (a grouped call's included) still in flight fails at
     the call, naming it and the fix; the first one completes correctly.
 
     The last rank holds its first submission back until the others tried the duplicate, so
@@ -441,10 +441,10 @@ def test_duplicate_name_in_flight(hvd: Any, case: str) -> None:
     if case == "allgather_then_allreduce":
         want = np.concatenate([np.full((r + 1, 2), r, np.int32) for r in range(size)])
         assert_equal_result(result, want)
-    elif case == "grouped_then_member":
+    elif case == "grouped_then_allreduce":
         for part in result:
             assert_equal_result(part, np.full(2, total, np.int32))
-    elif case == "member_then_grouped":
+    elif case == "allreduce_then_grouped":
         assert_equal_result(result, np.full(2, total, np.int32))
     elif case.startswith("broadcast"):
         assert_equal_result(result, np.zeros(3, np.int32))

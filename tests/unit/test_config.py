@@ -29,6 +29,7 @@ MIB = 1024 * 1024
 
 EXPECTED_DEFAULTS = {
     "fusion_threshold": 64 * MIB,
+    "fusion_direct_bytes": 4 * MIB,
     "cycle_time_ms": 1.0,
     "cache_capacity": 1024,
     "async_completion": False,
@@ -48,6 +49,7 @@ EXPECTED_DEFAULTS = {
 # knob -> (HVDLITE_ variable, Horovod alias or None, env text, parsed value)
 ENV_CASES = {
     "fusion_threshold": ("HVDLITE_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD", "8MiB", 8 * MIB),
+    "fusion_direct_bytes": ("HVDLITE_FUSION_DIRECT_BYTES", None, "1MiB", MIB),
     "cycle_time_ms": ("HVDLITE_CYCLE_TIME_MS", "HOROVOD_CYCLE_TIME", "2.5", 2.5),
     "cache_capacity": ("HVDLITE_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY", "0", 0),
     "async_completion": (
@@ -334,6 +336,7 @@ def test_docs_table_is_current() -> None:
 def _non_default_config() -> Config:
     return Config(
         fusion_threshold=12345,
+        fusion_direct_bytes=4321,
         cycle_time_ms=0.25,
         cache_capacity=0,
         async_completion=True,

@@ -1,0 +1,183 @@
+"""Allreduce of many device arrays in few launches, replayed while their addresses hold.
+
+Two shapes of work reach here, both on hvdlite's stream, in the agreed order:
+
+- a *span*: the outputs lie end to end in one buffer (a grouped call's own result buffer, or
+  the caller's bucket layout). One batched kernel copies the inputs into it (none when the
+  call is in place), one NCCL call reduces it in place: nothing is copied out.
+- scattered members (a bucket of separate calls, or a grouped call in place on scattered
+  tensors): members of ``fusion_direct_bytes`` or more are reduced straight from input to
+  output (no copy); the rest are copied into the fusion buffer by one kernel, reduced by one
+  NCCL call and copied out by one kernel. Every NCCL call of the bucket is one NCCL group.
+
+The kernels read their pointer tables from device memory. A table is built and uploaded once
+per bucket (its :class:`~hvdlite._control.replay.MemberPlan`) and re-uploaded only when an
+address changed, so a repeated step launches with no host-to-device copy at all::
+
+    hvdlite stream:  [copy-in kernel] -> [NCCL group: directs + fused region] -> [copy-out]
+                     (tables already on the device; the region is the span or the buffer)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from hvdlite._control.fusion import FusionBuffers
+from hvdlite._control.replay import MemberPlan
+from hvdlite._gpu.kernels import batched_copy
+from hvdlite._gpu.runtime import DeviceContext
+from hvdlite._ops import DType, ReduceOp, finish_reduce, scale_into
+
+__all__ = ["FusedAllreduce", "Reduction"]
+
+_MAX_PLANS = 256  # member plans kept (a training step has a few dozen buckets at most)
+
+Phase = Callable[[str, dict[str, Any] | None], contextlib.AbstractContextManager[Any]]
+
+
+class Reduction:
+    """What one allreduce computes, resolved once per (dtype, op, factors, size): the NCCL
+    element type and op, elements per value, and what is left to do after NCCL."""
+
+    __slots__ = ("row", "wire", "dtype", "per", "op", "nccl_op", "prescale", "postscale",
+                 "divisor", "finish")
+
+    def __init__(self, row: DType, wire: str, dtype: int, per: int, op: ReduceOp,
+                 nccl_op: int, averaged_by_nccl: bool, prescale: float, postscale: float,
+                 contributors: int) -> None:
+        self.row, self.wire, self.dtype, self.per = row, wire, dtype, per
+        self.op, self.nccl_op = op, nccl_op
+        self.prescale, self.postscale = prescale, postscale
+        self.divisor = contributors if op is ReduceOp.AVERAGE and not averaged_by_nccl else 1
+        self.finish = self.divisor > 1 or postscale != 1.0
+
+    def complete(self, cupy: Any, out: Any) -> None:
+        """Average (when NCCL did not) and postscale ``out`` in place."""
+        if self.finish:
+            finish_reduce(cupy, out, self.op, self.divisor, self.postscale, self.row)
+
+
+class FusedAllreduce:
+    """Runs fused allreduces on one NCCL data plane; keeps their member plans."""
+
+    def __init__(self, cupy: Any, nccl: Any, fusion: FusionBuffers, direct_bytes: int) -> None:
+        self.cupy, self.nccl = cupy, nccl
+        self.fusion = fusion
+        self.direct_bytes = direct_bytes
+        self._plans: dict[tuple[int, int], tuple[object, MemberPlan]] = {}
+
+    def _plan(self, owner: object, part: int, counts: list[int], itemsize: int) -> MemberPlan:
+        """The member plan of ``owner``'s ``part`` (an agreed response or bucket, the same
+        object every step while cached upstream; held here so its id is not reused)."""
+        key = (id(owner), part)
+        hit = self._plans.get(key)
+        if hit is not None and hit[0] is owner and hit[1].counts == counts:
+            return hit[1]
+        if len(self._plans) >= _MAX_PLANS:
+            self._plans.clear()
+        plan = MemberPlan(counts, itemsize, self.direct_bytes)
+        self._plans[key] = (owner, plan)
+        return plan
+
+    def run(self, ctx: DeviceContext, comm: Any, owner: object, part: int, red: Reduction,
+            srcs: Sequence[Any], dsts: Sequence[Any], span: Any, phase: Phase | None) -> None:
+        """Enqueue ``dsts[i] = allreduce(srcs[i])`` for every member (in place when ``srcs is
+        dsts``); ``span``: one flat array the outputs lie in, end to end, or None. ``owner``
+        and ``part`` name the plan to replay."""
+        per = red.per
+        counts = [a.size * per for a in srcs]
+        itemsize = np.dtype(red.wire).itemsize
+        plan = self._plan(owner, part, counts, itemsize)
+        if span is not None:
+            self._span(ctx, comm, plan, red, srcs, dsts, span, phase)
+        else:
+            self._scattered(ctx, comm, plan, red, srcs, dsts, phase)
+
+    def _span(self, ctx: DeviceContext, comm: Any, plan: MemberPlan, red: Reduction,
+              srcs: Sequence[Any], dsts: Sequence[Any], span: Any, phase: Phase | None) -> None:
+        total = span.size * red.per
+        with _maybe(phase, "MEMCPY_IN_FUSION_BUFFER", None):
+            if srcs is not dsts:
+                key = tuple([a.data.ptr for a in srcs])
+                if plan.key != key:
+                    offs = np.zeros(len(srcs) + 1, dtype=np.int64)
+                    np.cumsum(plan.counts, out=offs[1:])
+                    plan.tables = self._upload(ctx, plan.tables, [offs, np.array(key, np.int64)])
+                    plan.key = key
+                batched_copy(red.wire, plan.tables, len(srcs), span, total, mode=0,
+                             scale=red.prescale, divisor=1)
+            elif red.prescale != 1.0:
+                scale_into(self.cupy, span, span, red.prescale)
+        with _maybe(phase, "NCCL_ALLREDUCE", {"bytes": total * np.dtype(red.wire).itemsize}):
+            ptr = span.data.ptr
+            comm.allReduce(ptr, ptr, total, red.dtype, red.nccl_op, ctx.stream.ptr)
+        with _maybe(phase, "MEMCPY_OUT_FUSION_BUFFER", None):
+            red.complete(self.cupy, span)
+
+    def _scattered(self, ctx: DeviceContext, comm: Any, plan: MemberPlan, red: Reduction,
+                   srcs: Sequence[Any], dsts: Sequence[Any], phase: Phase | None) -> None:
+        fused = plan.fused
+        if fused:
+            key = (tuple([srcs[i].data.ptr for i in fused]),
+                   tuple([dsts[i].data.ptr for i in fused]))
+            if plan.key != key:
+                offs = np.array(plan.offsets, dtype=np.int64)
+                ins, outs = plan.tables if plan.tables is not None else (None, None)
+                plan.tables = (self._upload(ctx, ins, [offs, np.array(key[0], np.int64)]),
+                               self._upload(ctx, outs, [offs, np.array(key[1], np.int64)]))
+                plan.key = key
+            buf = self.fusion.get(f"cuda:{ctx.device_id}", np.dtype(red.wire), plan.total)
+        stream = ctx.stream.ptr
+        directs = [(srcs[i], dsts[i], plan.counts[i]) for i in plan.direct]
+        with _maybe(phase, "MEMCPY_IN_FUSION_BUFFER", None):
+            if red.prescale != 1.0:
+                for src, dst, _ in directs:
+                    scale_into(self.cupy, dst, src, red.prescale)
+                directs = [(dst, dst, n) for _, dst, n in directs]
+            if fused:
+                batched_copy(red.wire, plan.tables[0], len(fused), buf, plan.total, mode=0,
+                             scale=red.prescale, divisor=1)
+        nbytes = sum(plan.counts) * np.dtype(red.wire).itemsize
+        with _maybe(phase, "NCCL_ALLREDUCE", {"bytes": nbytes}):
+            grouped = len(directs) + bool(fused) > 1
+            if grouped:
+                self.nccl.groupStart()
+            for src, dst, n in directs:
+                comm.allReduce(src.data.ptr, dst.data.ptr, n, red.dtype, red.nccl_op, stream)
+            if fused:
+                ptr = buf.data.ptr
+                comm.allReduce(ptr, ptr, plan.total, red.dtype, red.nccl_op, stream)
+            if grouped:
+                self.nccl.groupEnd()
+        with _maybe(phase, "MEMCPY_OUT_FUSION_BUFFER", None):
+            if fused:
+                batched_copy(red.wire, plan.tables[1], len(fused), buf, plan.total, mode=1,
+                             scale=red.postscale, divisor=red.divisor)
+            for _, dst, _ in directs:
+                red.complete(self.cupy, dst)
+
+    def _upload(self, ctx: DeviceContext, table: Any, parts: list[np.ndarray]) -> Any:
+        """Copy the int64 ``parts`` into the persistent device ``table`` (a new one if its
+        size changed), in stream order: the kernels of earlier steps that read the old
+        table have run before the copy lands."""
+        values = np.concatenate(parts)
+        staged = ctx.upload_meta(values)
+        if table is None or table.size != values.size:
+            with self.cupy.cuda.Device(ctx.device_id):
+                table = self.cupy.empty(values.size, dtype=np.int64)
+        runtime = self.cupy.cuda.runtime
+        runtime.memcpyAsync(table.data.ptr, staged.data.ptr, values.size * 8,
+                            runtime.memcpyDeviceToDevice, ctx.stream.ptr)
+        return table
+
+    def release(self) -> None:
+        self._plans.clear()
+
+
+def _maybe(phase: Phase | None, name: str,
+           args: dict[str, Any] | None) -> contextlib.AbstractContextManager[Any]:
+    return phase(name, args) if phase is not None else contextlib.nullcontext()
