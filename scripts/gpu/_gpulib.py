@@ -472,6 +472,18 @@ def device_time(gpu: Gpu, fn: Callable[[], object], reps: int, warmup: int) -> n
     return max_over_ranks(gpu.comm, out)
 
 
+# Suffix of a baseline timed before hvdlite started: its background thread could not take the
+# GIL or a core from it. Targets take the faster of a baseline's two measurements.
+ALONE = " [hvdlite not started]"
+
+
+def fastest(results: Mapping[str, Mapping[str, Any]], *names: str) -> str | None:
+    """Of ``names`` (each also as ``name + ALONE``) those in ``results``, the lowest median's
+    key; None when none is there."""
+    found = [k for n in names for k in (n, n + ALONE) if k in results]
+    return min(found, key=lambda k: results[k]["median_s"]) if found else None
+
+
 def stats(seconds: np.ndarray) -> dict[str, float]:
     """Summary of a sample of durations (seconds): median, p99, min, max, mean, n."""
     if seconds.size == 0 or not bool(np.all(seconds > 0)):

@@ -47,7 +47,7 @@ def test_g2_one_rank_judges_against_raw_and_the_fastest_host_usable_torch_form()
     assert (p50["value"], p50["limit"], p50["met"]) == (0.75, 0.8, True)
     p99 = lines[f"G2 4 B sync p99 / torch fastest ({bench_g2.TORCH_PLAIN}) p99"]
     assert (p99["value"], p99["limit"], p99["met"]) == (0.833, 1.0, True)
-    raw = lines["G2 4 B sync p50 / raw NCCL + sync"]
+    raw = lines[f"G2 4 B sync p50 / {bench_g2.RAW_SYNC} p50"]
     assert (raw["value"], raw["limit"], raw["met"]) == (1.5, 2.0, True)
     assert lines[f"G2 4 B {bench_g2.HVD_WAIT} p50"]["limit"] == 30.0
 
@@ -56,6 +56,16 @@ def test_g2_takes_the_async_torch_form_when_it_is_faster() -> None:
     per = _g2_per(torch_plain_us=80, torch_sync_us=50)
     assert per["ratios"]["torch fastest host-usable form"] == bench_g2.TORCH_SYNC
     assert per["ratios"]["hvdlite sync / torch fastest (p50)"] == 0.6
+
+
+def test_g2_takes_a_baseline_timed_before_hvdlite_started_when_it_is_faster() -> None:
+    per = _g2_per(torch_plain_us=40, torch_sync_us=80)
+    per[bench_g2.TORCH_PLAIN + bench_g2.gl.ALONE] = _st(25, 40)
+    per[bench_g2.RAW_SYNC + bench_g2.gl.ALONE] = _st(10)
+    r = bench_g2.ratios(per)
+    assert r["torch fastest host-usable form"] == bench_g2.TORCH_PLAIN + bench_g2.gl.ALONE
+    assert r["hvdlite sync / torch fastest (p50)"] == 1.2
+    assert r["hvdlite sync / raw NCCL + sync (p50)"] == 3.0
 
 
 def test_g2_two_ranks_keep_the_absolute_targets() -> None:
@@ -131,6 +141,12 @@ def test_c6_floor_is_the_faster_two_hop_form() -> None:
     assert (floor["value"], floor["met"]) == (0.6, True)
     assert (raw["value"], raw["met"]) == (3.0, True)
     assert (p99["value"], p99["met"]) == (90.0, True)
+    worst[bench_c6.FLOOR_QUEUE + bench_c6.ALONE] = _st(7.5)
+    worst[bench_c6.RAW + bench_c6.ALONE] = _st(1.5)
+    assert bench_c6.fastest_floor(worst) == bench_c6.FLOOR_QUEUE + bench_c6.ALONE
+    floor, raw, _ = bench_c6.targets(worst)
+    assert (floor["value"], floor["met"]) == (0.8, False)
+    assert (raw["value"], raw["met"]) == (4.0, True)
 
 
 def test_summarize_ends_with_every_target_and_counts_missing_files(
