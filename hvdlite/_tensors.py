@@ -69,7 +69,7 @@ def wrap(obj: Any, what: Any, name: str | None = None) -> TensorRef:
         return TensorRef(obj, _CUDA_NAMES[device_id] if device_id < len(_CUDA_NAMES)
                          else f"cuda:{device_id}", "cupy", _identity, device_id)
     if module == "torch":
-        return _wrap_torch(obj, label(what, name))
+        return _wrap_torch(obj, what, name)
     if isinstance(obj, np.ndarray):  # a subclass
         return wrap(np.asarray(obj), what, name)
     what = label(what, name)
@@ -84,18 +84,15 @@ def _require_contiguous(ok: bool, what: str, fix: str) -> None:
         raise ValueError(f"{what}: tensor is not C-contiguous; pass {fix} instead")
 
 
-def _wrap_torch(t: Any, what: str) -> TensorRef:
-    import torch
+def _load_torch_wrapper(t: Any, what: Any, name: str | None) -> TensorRef:
+    from hvdlite import _torchref  # rebinds _wrap_torch to its cached ref_of on import
 
-    _require_contiguous(t.is_contiguous(), what, "x.contiguous()")
-    if t.device.type == "cpu":
-        return TensorRef(t.detach().numpy(), "cpu", "torch", torch.from_numpy)
-    if t.device.type == "cuda":
-        import cupy
+    return _torchref.ref_of(t, what, name)
 
-        return TensorRef(cupy.from_dlpack(t.detach()), f"cuda:{t.device.index}", "torch",
-                         torch.from_dlpack, int(t.device.index))
-    raise TypeError(f"{what}: torch tensors on device {t.device} are not supported (cpu, cuda)")
+
+# The torch adapter (hvdlite/_torchref.py) caches each tensor's view: no torch operator per
+# call. It is imported by the first torch tensor, never by ``import hvdlite``.
+_wrap_torch: Callable[[Any, Any, str | None], TensorRef] = _load_torch_wrapper
 
 
 def empty_like_ref(ref: TensorRef, shape: tuple[int, ...] | None = None) -> Any:

@@ -12,14 +12,19 @@ import importlib.util
 import os
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import hvdlite
 from hvdlite._ops import ReduceOp
-from hvdlite.errors import HvdliteError, NotInitializedError
-
-if TYPE_CHECKING:
-    from hvdlite.torch.process_sets import ProcessSet
+from hvdlite.errors import NotInitializedError
+from hvdlite.torch import process_sets as _ps
+from hvdlite.torch.errors import (
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
+    InvalidArgumentError,
+    NotInitializedValueError,
+)
+from hvdlite.torch.process_sets import ProcessSet
 
 __all__ = [
     "init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
@@ -31,19 +36,6 @@ __all__ = [
     "Min", "Max", "Product", "Adasum", "resolve_op",
 ]
 
-#: What Horovod users catch: hvdlite's run-time error (an alias, so every hvdlite failure is
-#: caught by ``except hvd.HorovodInternalError``).
-HorovodInternalError = HvdliteError
-
-
-class HostsUpdatedInterrupt(RuntimeError):
-    """Horovod's elastic-mode interrupt. hvdlite has no elastic mode; never raised."""
-
-
-class NotInitializedValueError(NotInitializedError, ValueError):
-    """hvdlite is not initialized: hvdlite's ``NotInitializedError`` that is also the
-    ``ValueError`` Horovod raises for a query before ``init()``."""
-
 
 def _query(fn: Any) -> int:
     try:
@@ -51,11 +43,6 @@ def _query(fn: Any) -> int:
     except NotInitializedError as exc:
         raise NotInitializedValueError(
             f"{exc}; with hvdlite.torch, call hvd.init() first") from None
-
-
-class InvalidArgumentError(HvdliteError, ValueError):
-    """A bad argument to a collective: a ``ValueError`` (hvdlite's rule) that is also a
-    ``RuntimeError`` (what Horovod's engine raises for the same mistakes)."""
 
 
 Average = ReduceOp.AVERAGE
@@ -113,8 +100,6 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
     starts no timeline at init: call :func:`start_timeline` later.
     """
     from mpi4py import MPI
-
-    from hvdlite.torch import process_sets as _ps
 
     sets, dynamic = _ps.init_sets(process_sets)
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 import hvdlite
-from hvdlite.torch import mpi_ops
+from hvdlite.torch import _reduce, mpi_ops
 from hvdlite.torch.basics import Average, Sum, resolve_op
 from hvdlite.torch.compression import Compression, Compressor
 from hvdlite.torch.process_sets import global_process_set, resolve
@@ -44,14 +44,14 @@ class _Allreduce(_DIFF):
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: Any, pre: float,
                 post: float, process_set: Any) -> torch.Tensor:
         ctx.args = (op, pre, post, process_set)
-        return mpi_ops._allreduce([tensor], name, op, pre, post, False, False, "allreduce",
-                                  process_set).wait()
+        return _reduce.allreduce_now([tensor], name, op, pre, post, False, False, "allreduce",
+                                     process_set)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         op, pre, post, ps = ctx.args
-        out = mpi_ops._allreduce([grad.contiguous()], None, op, pre, post, False, False,
-                                 "allreduce (backward)", ps).wait()
+        out = _reduce.allreduce_now([grad.contiguous()], None, op, pre, post, False, False,
+                                    "allreduce (backward)", ps)
         return out, None, None, None, None, None
 
 
@@ -70,6 +70,11 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     """
     op = resolve_op(op, average, "allreduce")
     mpi_ops._check_tensor(tensor, "allreduce")
+    if compression is Compression.none and not (tensor.requires_grad
+                                                and torch.is_grad_enabled()):
+        # Nothing to differentiate: skip autograd's Function machinery (a few torch calls).
+        return _reduce.allreduce_now([tensor], name, op, prescale_factor, postscale_factor,
+                                     False, False, "allreduce", process_set)
     compressed, cctx = compression.compress(tensor)
     out = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
     return compression.decompress(out, cctx)
@@ -81,15 +86,15 @@ class _GroupedAllreduce(_DIFF):
                 process_set: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.args = (op, pre, post, process_set)
         ctx.like = [torch.empty_like(t) for t in tensors]
-        outs = mpi_ops._allreduce(list(tensors), name, op, pre, post, False, True,
-                                  "grouped_allreduce", process_set).wait()
+        outs = _reduce.allreduce_now(list(tensors), name, op, pre, post, False, True,
+                                     "grouped_allreduce", process_set)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         op, pre, post, ps = ctx.args
-        outs = mpi_ops._allreduce(_zeros_for_none(grads, ctx.like), None, op, pre, post, False,
-                                  True, "grouped_allreduce (backward)", ps).wait()
+        outs = _reduce.allreduce_now(_zeros_for_none(grads, ctx.like), None, op, pre, post,
+                                     False, True, "grouped_allreduce (backward)", ps)
         return (None, None, None, None, None, *outs)
 
 

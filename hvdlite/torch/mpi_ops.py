@@ -21,14 +21,17 @@ global ranks, as in Horovod), and a rank outside the set gets
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 import hvdlite
 from hvdlite._ops import ReduceOp
+from hvdlite.torch import _reduce
+from hvdlite.torch._handles import Handle, SparseHandle
+from hvdlite.torch._reduce import check_tensor as _check_tensor
+from hvdlite.torch._reduce import scale
 from hvdlite.torch.basics import Average, InvalidArgumentError, Sum, resolve_op
 from hvdlite.torch.process_sets import Resolved, global_process_set, resolve
 
@@ -37,10 +40,9 @@ __all__ = [
     "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_allreduce_",
     "allgather_async", "grouped_allgather_async", "broadcast_async", "broadcast_async_",
     "broadcast_", "alltoall_async", "reducescatter_async", "grouped_reducescatter_async",
-    "sparse_allreduce_async", "join", "barrier", "poll", "synchronize",
+    "sparse_allreduce_async", "join", "barrier", "poll", "synchronize", "scale",
 ]
 
-_LOW = (torch.float16, torch.bfloat16)
 # dtypes NumPy cannot view: moved bit for bit as integers of the same width.
 _RAW_VIEW = {torch.bfloat16: torch.int16, torch.complex32: torch.int32}
 for _name, _view in (("float8_e4m3fn", torch.uint8), ("float8_e5m2", torch.uint8)):
@@ -48,80 +50,13 @@ for _name, _view in (("float8_e4m3fn", torch.uint8), ("float8_e5m2", torch.uint8
         _RAW_VIEW[getattr(torch, _name)] = _view
 
 
-class Handle:
-    """The pending result of a ``hvdlite.torch`` asynchronous collective.
-
-    Pass it to :func:`poll` / :func:`synchronize` (or call ``handle.poll()`` /
-    ``handle.wait()``). The result is computed once; later waits return it again.
-    """
-
-    __slots__ = ("_parts", "_finish", "_done", "_result", "_lock")
-
-    def __init__(self, parts: Sequence[Any], finish: Callable[[list[Any]], Any]) -> None:
-        self._parts = list(parts)
-        self._finish = finish
-        self._done = False
-        self._result: Any = None
-        self._lock = threading.Lock()
-
-    def poll(self) -> bool:
-        """True once every underlying collective has completed. Never blocks."""
-        return self._done or all(p.poll() for p in self._parts)
-
-    def wait(self) -> Any:
-        """Block until done and return the result (raises the collective's error)."""
-        with self._lock:
-            if not self._done:
-                results = [p.wait() for p in self._parts]
-                self._result = self._finish(results)
-                self._done = True
-                self._parts = []
-            return self._result
-
-    synchronize = wait
-
-
-class SparseHandle:
-    """The result of :func:`sparse_allreduce_async`: call it (``handle()``) to wait and get the
-    reduced sparse tensor, as with Horovod; :func:`poll`/:func:`synchronize` work too."""
-
-    __slots__ = ("_handle",)
-
-    def __init__(self, handle: Handle) -> None:
-        self._handle = handle
-
-    def __call__(self) -> torch.Tensor:
-        return self._handle.wait()
-
-    def poll(self) -> bool:
-        """True once the gathers completed."""
-        return self._handle.poll()
-
-    def wait(self) -> torch.Tensor:
-        """Same as calling the handle."""
-        return self._handle.wait()
-
-    synchronize = wait
-
-
-def _core(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def _core(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Call a hvdlite collective; its argument ``ValueError`` becomes Horovod's flavour
     (:class:`InvalidArgumentError`, both a ``ValueError`` and a ``RuntimeError``)."""
     try:
         return fn(*args, **kwargs)
     except ValueError as exc:
-        if isinstance(exc, (InvalidArgumentError, hvdlite.HvdliteError)):
-            raise
-        raise InvalidArgumentError(str(exc)) from None
-
-
-def _check_tensor(t: Any, what: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.is_sparse:
-        raise TypeError(f"{what}: sparse tensors are not supported here; use "
-                        "sparse_allreduce_async or tensor.to_dense()")
-    return t
+        raise _reduce.invalid(exc) from None
 
 
 def _check_tensors(tensors: Any, what: str) -> list[torch.Tensor]:
@@ -129,26 +64,6 @@ def _check_tensors(tensors: Any, what: str) -> list[torch.Tensor]:
         raise TypeError(f"{what}: expected a non-empty list of torch.Tensor, got "
                         f"{type(tensors).__name__}")
     return [_check_tensor(t, what) for t in tensors]
-
-
-def _factor(value: Any, label: str, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{what}: {label} must be a real number, got {value!r}")
-    return float(value)
-
-
-def scale(t: torch.Tensor, factor: float) -> torch.Tensor:
-    """``t * factor`` by Horovod's rules (a new tensor; ``t`` itself for a factor of 1):
-    float16/bfloat16 multiply in float32, integers in float64 truncated toward zero."""
-    if factor == 1.0:
-        return t
-    if t.dtype in _LOW:
-        return (t.float() * factor).to(t.dtype)
-    if t.dtype == torch.bool:
-        raise TypeError("cannot scale a bool tensor; cast it first")
-    if t.is_floating_point() or t.is_complex():
-        return t * factor
-    return torch.trunc(t.double() * factor).to(t.dtype)
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -161,76 +76,10 @@ def _unraw(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.view(dtype)
 
 
-def _reduction_plan(tensors: list[torch.Tensor], op: ReduceOp, pre: float, post: float,
-                    what: str, ps: Resolved) -> tuple[ReduceOp, float, float, bool]:
-    """(core op, prescale, postscale, scale in torch) for a reduction of ``tensors`` over the
-    process set ``ps`` (``Average`` divides by its size)."""
-    pre = _factor(pre, "prescale_factor", what)
-    post = _factor(post, "postscale_factor", what)
-    if op is Average:
-        if any(t.dtype == torch.bool for t in tensors):
-            raise TypeError(f"{what}: op Average is not defined for bool tensors; use Sum "
-                            "(logical or), Min or Max")
-        op = Sum
-        post = post / ps.size
-    # float16: the core scales in float16 arithmetic (each product computed in float32 and
-    # rounded), which equals Horovod's float32 rule when the factor itself is a float16 value
-    # (1, 1/2, 1/4 ...: Average over a power-of-two size); otherwise scale here.
-    exact = _exact_half(pre) and _exact_half(post)
-    in_torch = any(t.dtype == torch.bfloat16 or (t.dtype == torch.float16 and not exact)
-                   for t in tensors)
-    return op, pre, post, in_torch
-
-
-def _exact_half(factor: float) -> bool:
-    return float(torch.tensor(factor, dtype=torch.float16)) == factor
-
-
 def _allreduce(tensors: list[torch.Tensor], name: str | None, op: ReduceOp, pre: float,
                post: float, inplace: bool, group: bool, what: str, process_set: Any) -> Handle:
-    ps = resolve(process_set, what)
-    core_op, pre, post, in_torch = _reduction_plan(tensors, op, pre, post, what, ps)
-    sends = tensors
-    if in_torch:
-        # Scale here (float32 for the 16-bit types); the core gets factors of 1 and reduces
-        # private copies in place. bfloat16 travels as float32 and is rounded once at the end.
-        sends = []
-        for t in tensors:
-            if t.dtype == torch.bfloat16:
-                s = t.float()
-                if pre != 1.0:
-                    s.mul_(pre)
-            else:
-                s = scale(t, pre)
-                if s is t and not inplace:
-                    s = t.clone()
-            sends.append(s)
-        core_pre, core_post = 1.0, 1.0
-    else:
-        core_pre, core_post = pre, post
-    core_inplace = inplace or in_torch
-    fn: Callable[..., Any]
-    if group:
-        fn = hvdlite.grouped_allreduce_async_ if core_inplace else hvdlite.grouped_allreduce_async
-        part = _core(fn, sends, name, core_op, core_pre, core_post, process_set=ps.core)
-    else:
-        fn = hvdlite.allreduce_async_ if core_inplace else hvdlite.allreduce_async
-        part = _core(fn, sends[0], name, core_op, core_pre, core_post, process_set=ps.core)
-
-    def finish(results: list[Any]) -> Any:
-        outs = results[0] if group else [results[0]]
-        final = []
-        for t, r in zip(tensors, outs, strict=True):
-            if in_torch:
-                r = (r * post if post != 1.0 else r).to(t.dtype) if t.dtype == torch.bfloat16 \
-                    else scale(r, post)
-                if inplace and r is not t:
-                    t.copy_(r)
-                    r = t
-            final.append(r)
-        return final if group else final[0]
-
-    return Handle([part], finish)
+    return _reduce.allreduce_async(tensors, name, op, pre, post, inplace, group, what,
+                                   process_set)
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -241,20 +90,24 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
     modified. ``average`` is Horovod's deprecated flag. Returns a
     :class:`Handle` for :func:`poll`/:func:`synchronize`. ``TypeError``/``ValueError`` for bad
     arguments, ``NotImplementedError`` for Adasum."""
-    what = "allreduce_async"
-    op = resolve_op(op, average, what)
-    return _allreduce([_check_tensor(tensor, what)], name, op, prescale_factor, postscale_factor,
-                      False, False, what, process_set)
+    if op is None and average is None:
+        op = Average
+    elif average is not None or type(op) is not ReduceOp:
+        op = resolve_op(op, average, "allreduce_async")
+    return _reduce.allreduce_one(tensor, name, op, prescale_factor, postscale_factor,
+                                 process_set, False, "allreduce_async")
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
                      op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: Any = global_process_set) -> Handle:
     """In-place :func:`allreduce_async`: the result is written into ``tensor``."""
-    what = "allreduce_async_"
-    op = resolve_op(op, average, what)
-    return _allreduce([_check_tensor(tensor, what)], name, op, prescale_factor, postscale_factor,
-                      True, False, what, process_set)
+    if op is None and average is None:
+        op = Average
+    elif average is not None or type(op) is not ReduceOp:
+        op = resolve_op(op, average, "allreduce_async_")
+    return _reduce.allreduce_one(tensor, name, op, prescale_factor, postscale_factor,
+                                 process_set, True, "allreduce_async_")
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -263,8 +116,8 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
     """Blocking in-place allreduce; returns ``tensor``."""
     what = "allreduce_"
     op = resolve_op(op, average, what)
-    return _allreduce([_check_tensor(tensor, what)], name, op, prescale_factor, postscale_factor,
-                      True, False, what, process_set).wait()
+    return _reduce.allreduce_now([tensor], name, op, prescale_factor, postscale_factor, True,
+                                 False, what, process_set)
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
@@ -275,8 +128,8 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
     result is the list of reduced tensors, in order."""
     what = "grouped_allreduce_async"
     op = resolve_op(op, average, what)
-    return _allreduce(_check_tensors(tensors, what), name, op, prescale_factor,
-                      postscale_factor, False, True, what, process_set)
+    return _reduce.allreduce_async(_check_tensors(tensors, what), name, op, prescale_factor,
+                                   postscale_factor, False, True, what, process_set)
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
@@ -286,8 +139,8 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
     """In-place :func:`grouped_allreduce_async`."""
     what = "grouped_allreduce_async_"
     op = resolve_op(op, average, what)
-    return _allreduce(_check_tensors(tensors, what), name, op, prescale_factor,
-                      postscale_factor, True, True, what, process_set)
+    return _reduce.allreduce_async(_check_tensors(tensors, what), name, op, prescale_factor,
+                                   postscale_factor, True, True, what, process_set)
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None,
@@ -295,8 +148,10 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
                        postscale_factor: float = 1.0,
                        process_set: Any = global_process_set) -> list[torch.Tensor]:
     """Blocking in-place grouped allreduce; returns the list of (updated) tensors."""
-    return grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
-                                    postscale_factor, process_set).wait()
+    what = "grouped_allreduce_"
+    op = resolve_op(op, average, what)
+    return _reduce.allreduce_now(_check_tensors(tensors, what), name, op, prescale_factor,
+                                 postscale_factor, True, True, what, process_set)
 
 
 def _member_name(name: str | None, i: int) -> str | None:
@@ -421,7 +276,10 @@ def _rs_one(t: torch.Tensor, name: str | None, core_op: ReduceOp, pre: float,
 def _reducescatter(tensors: list[torch.Tensor], name: str | None, op: Any, pre: float,
                    post: float, group: bool, what: str, process_set: Any) -> Handle:
     ps = resolve(process_set, what)
-    core_op, pre, post, _ = _reduction_plan(tensors, op, pre, post, what, ps)
+    plan = _reduce.plan_for(tensors[0].dtype, op, pre, post, process_set, what)
+    for t in tensors[1:]:
+        _reduce.plan_for(t.dtype, op, pre, post, process_set, what)
+    core_op, pre, post = plan.op, plan.pre, plan.post
     parts = [_rs_one(t, _member_name(name, i) if group else name, core_op, pre, ps)
              for i, t in enumerate(tensors)]
 
@@ -509,6 +367,9 @@ def poll(handle: Any) -> bool:
 def synchronize(handle: Any) -> Any:
     """Wait for ``handle`` and return its result (a tensor, a list of tensors for grouped
     calls, ``(output, received_splits)`` for alltoall)."""
-    if not hasattr(handle, "wait"):
-        raise TypeError(f"synchronize: expected a handle from a *_async call, got {handle!r}")
-    return handle.wait()
+    try:
+        wait = handle.wait
+    except AttributeError:
+        raise TypeError(f"synchronize: expected a handle from a *_async call, got "
+                        f"{handle!r}") from None
+    return wait()

@@ -28,7 +28,7 @@ import hvdlite
 from hvdlite import _sets
 from hvdlite._engine import default_engine
 from hvdlite.errors import NotInitializedError
-from hvdlite.torch.basics import InvalidArgumentError, NotInitializedValueError
+from hvdlite.torch.errors import InvalidArgumentError, NotInitializedValueError
 
 __all__ = [
     "ProcessSet",

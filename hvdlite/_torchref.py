@@ -1,0 +1,184 @@
+"""torch tensors seen as NumPy (host) or CuPy (device) arrays, with no torch operator per call.
+
+On a machine whose hvdlite thread is busy, every torch operator that makes or frees a tensor
+(``detach``, ``numpy``, ``from_numpy``, ``torch.tensor`` ...) drops the GIL and costs 6-15 us
+(the other thread runs in between); attribute reads (``data_ptr``, ``shape``, ``dtype``) do
+not. So the array view of a tensor is built from its data pointer (NumPy's array interface,
+CuPy's unowned memory) once, cached per tensor object, and re-used while a cheap check
+(pointer, shape, dtype, contiguity) says the tensor still holds the same memory.
+
+The cache holds a tensor's *storage* (which keeps the memory alive while hvdlite uses it), not
+the tensor, so it never keeps a tensor alive: an entry is dropped when its tensor dies.
+Imported only once a torch tensor is seen, so ``import hvdlite`` never imports torch.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from hvdlite import _tensors
+from hvdlite._tensors import TensorRef, label
+
+__all__ = ["array_of", "ref_of", "stream_of", "to_torch", "numpy_dtype"]
+
+# torch dtype -> NumPy type string; bfloat16 and the float8 types have no NumPy twin.
+_TYPESTR: dict[torch.dtype, str] = {
+    torch.bool: "|b1", torch.uint8: "|u1", torch.int8: "|i1", torch.int16: "<i2",
+    torch.int32: "<i4", torch.int64: "<i8", torch.float16: "<f2", torch.float32: "<f4",
+    torch.float64: "<f8", torch.complex64: "<c8", torch.complex128: "<c16",
+}
+_NP_DTYPE = {k: np.dtype(v) for k, v in _TYPESTR.items()}
+_CUDA_NAMES = tuple(f"cuda:{i}" for i in range(16))
+
+
+def numpy_dtype(dtype: torch.dtype) -> np.dtype[Any] | None:
+    """The NumPy dtype with the same bits as ``dtype`` (None if NumPy has none)."""
+    return _NP_DTYPE.get(dtype)
+
+
+class _Iface:
+    """An object NumPy reads as an array (``np.asarray``) without copying; it keeps the
+    tensor's storage alive for as long as the array lives."""
+
+    __slots__ = ("__array_interface__", "storage")
+
+    def __init__(self, storage: Any, ptr: int, shape: tuple[int, ...], typestr: str) -> None:
+        self.storage = storage
+        self.__array_interface__ = {"data": (ptr, False), "shape": shape,
+                                    "typestr": typestr, "version": 3}
+
+
+class _Entry:
+    __slots__ = ("alive", "ptr", "shape", "dtype", "array", "ref", "device", "memo")
+
+    def __init__(self, alive: Any, ptr: int, shape: Any, dtype: torch.dtype, array: Any,
+                 ref: TensorRef) -> None:
+        self.alive = alive  # weakref to the tensor (its death drops the entry)
+        self.ptr = ptr
+        self.shape = shape
+        self.dtype = dtype
+        self.array = array
+        self.ref = ref
+        self.device = ref.device_id  # CUDA ordinal, -1 on the host
+        self.memo: Any = None  # the last call's checked facts, kept by hvdlite.torch
+
+
+_views: dict[int, _Entry] = {}
+
+
+def _forget(key: int, alive: Any) -> None:
+    entry = _views.get(key)
+    if entry is not None and entry.alive is alive:
+        del _views[key]
+
+
+def _lookup(t: torch.Tensor) -> _Entry | None:
+    """``t``'s cache entry if it still describes ``t``'s memory, else None."""
+    entry = _views.get(id(t))
+    if (entry is not None and entry.ptr == t.data_ptr() and entry.shape == t.shape
+            and entry.dtype is t.dtype and t.is_contiguous() and entry.alive() is t):
+        return entry
+    return None
+
+
+def array_of(t: torch.Tensor, what: Any, name: str | None = None) -> Any:
+    """The NumPy (CPU) or CuPy (CUDA) array over ``t``'s memory: no copy, cached per tensor.
+
+    ``t`` must be a dense, C-contiguous CPU or CUDA tensor of a dtype NumPy can hold;
+    otherwise ``ValueError`` (not contiguous) or ``TypeError`` naming the call (``what``, or
+    ``what`` a collective kind and ``name`` the tensor, as ``hvdlite._tensors.label``).
+    """
+    entry = _lookup(t)
+    if entry is None:
+        entry = _insert(t, label(what, name))
+    return entry.array
+
+
+def ref_of(t: torch.Tensor, what: Any, name: str | None = None) -> TensorRef:
+    """``t`` as the core's :class:`TensorRef` (framework ``"torch"``; results are handed back
+    as torch tensors), cached with its array; errors as :func:`array_of`."""
+    entry = _views.get(id(t))
+    if (entry is None or entry.ptr != t.data_ptr() or entry.shape != t.shape
+            or entry.dtype is not t.dtype or not t.is_contiguous() or entry.alive() is not t):
+        entry = _insert(t, label(what, name))
+    return entry.ref
+
+
+def _insert(t: torch.Tensor, what: str) -> _Entry:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.layout is not torch.strided:
+        raise TypeError(f"{what}: {t.layout} tensors are not supported; pass a dense tensor "
+                        "(x.to_dense()), or reduce a sparse one with "
+                        "hvdlite.torch.sparse_allreduce_async")
+    if not t.is_contiguous():
+        raise ValueError(f"{what}: tensor is not C-contiguous; pass x.contiguous() instead")
+    typestr = _TYPESTR.get(t.dtype)
+    if typestr is None:
+        raise TypeError(f"{what}: torch dtype {t.dtype} has no NumPy equivalent and cannot be "
+                        "moved as is; cast it (e.g. x.float())")
+    if t.is_conj() or t.is_neg():
+        raise ValueError(f"{what}: tensor has a lazy conjugate/negative bit; pass "
+                         "x.resolve_conj().resolve_neg() instead")
+    storage = t.untyped_storage()
+    shape = tuple(t.shape)
+    if t.is_cuda:
+        index = t.get_device()
+        array = _cupy_view(t, storage, shape)
+        device = _CUDA_NAMES[index] if index < len(_CUDA_NAMES) else f"cuda:{index}"
+        ref = TensorRef(array, device, "torch", torch.from_dlpack, index)
+    elif t.device.type == "cpu":
+        array = np.asarray(_Iface(storage, t.data_ptr(), shape, typestr))
+        ref = TensorRef(array, "cpu", "torch", torch.from_numpy)
+    else:
+        raise TypeError(f"{what}: torch tensors on device {t.device} are not supported "
+                        "(cpu, cuda)")
+    key = id(t)
+    alive = weakref.ref(t, lambda r, k=key: _forget(k, r))  # type: ignore[misc]
+    entry = _Entry(alive, t.data_ptr(), t.shape, t.dtype, array, ref)
+    _views[key] = entry
+    return entry
+
+
+def _cupy_view(t: torch.Tensor, storage: Any, shape: tuple[int, ...]) -> Any:
+    import cupy
+
+    nbytes = t.numel() * t.element_size()
+    mem = cupy.cuda.UnownedMemory(t.data_ptr(), nbytes, storage, t.get_device())
+    return cupy.ndarray(shape, dtype=_NP_DTYPE[t.dtype],
+                        memptr=cupy.cuda.MemoryPointer(mem, 0))
+
+
+_streams: dict[tuple[int, int], Any] = {}
+_raw_stream: Callable[[int], int] | None = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def stream_of(device_id: int) -> Any:
+    """torch's current stream on ``device_id`` as a CuPy stream object, made once per stream
+    (``torch.cuda.current_stream`` builds a new object every call)."""
+    if _raw_stream is not None:
+        handle = _raw_stream(device_id)
+    else:
+        handle = torch.cuda.current_stream(device_id).cuda_stream
+    key = (device_id, handle)
+    stream = _streams.get(key)
+    if stream is None:
+        import cupy
+
+        stream = _streams[key] = cupy.cuda.ExternalStream(handle, device_id)
+    return stream
+
+
+def to_torch(array: Any) -> torch.Tensor:
+    """A torch tensor over ``array``'s memory (NumPy or CuPy), no copy."""
+    if type(array) is np.ndarray:
+        return torch.from_numpy(array)
+    return torch.from_dlpack(array)
+
+
+_tensors._wrap_torch = ref_of

@@ -1,0 +1,209 @@
+"""T4 (CPU): the cost of hvdlite.torch's own layer, against hvdlite's NumPy API in the same launch.
+
+Three shapes, each run through ``hvdlite.torch`` on torch CPU tensors and through hvdlite's
+NumPy API on NumPy arrays over the *same memory* (``t.numpy()``), op Average, in alternating
+blocks so drift on a shared machine hits both alike; ranks meet at a barrier before every
+step, each step is timed on every rank and the slowest rank counts; medians are reported:
+
+- tiny: N (1000) one-element float32 tensors, every one ``allreduce_async`` then
+  ``synchronize`` each (new outputs), and the in-place form ``allreduce_async_``;
+- sync: one 4-byte tensor, ``hvd.allreduce`` (a new tensor) and ``hvd.allreduce_`` (in
+  place), one call per step;
+- resnet50: the ResNet-50 gradient set (161 float32 tensors, 102 MB), ``allreduce_async``
+  of every tensor then ``synchronize`` each.
+
+Every variant's results are checked exactly (values are multiples of 1/2, so the sums and the
+averages over a power-of-two rank count are exact; otherwise to 1e-6) against the average of
+every rank's inputs before and after timing. Targets (issue 17): tiny and sync <= 1.2x the
+NumPy API per tensor.
+
+    mpiexec -n 2 python scripts/bench_t4.py --np 2 --json t4.json
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from typing import Any
+
+import _benchlib as bl
+import numpy as np
+import torch
+from mpi4py import MPI
+
+import hvdlite
+import hvdlite.torch as hvd
+
+TARGET_X = 1.2
+Step = Callable[[], list[Any]]
+
+
+def inputs(seed: int, rank: int, shapes: list[tuple[int, ...]], salt: int) -> list[np.ndarray]:
+    """Rank ``rank``'s float32 inputs: halves in [-8, 8] (sums of a few are exact)."""
+    rng = bl.rank_rng(seed, rank, salt)
+    return [(rng.integers(-16, 17, size=s) / 2).astype(np.float32) for s in shapes]
+
+
+def averages(seed: int, size: int, shapes: list[tuple[int, ...]], salt: int) -> list[np.ndarray]:
+    """The expected Average of every rank's :func:`inputs` (float64, then float32)."""
+    acc = [np.zeros(s, np.float64) for s in shapes]
+    for r in range(size):
+        for a, x in zip(acc, inputs(seed, r, shapes, salt), strict=True):
+            a += x
+    return [(a / size).astype(np.float32) for a in acc]
+
+
+class Case:
+    """One shape: torch tensors, NumPy views of the same memory, the expected results and
+    the variants (name -> one step returning its results)."""
+
+    def __init__(self, label: str, shapes: list[tuple[int, ...]], args: Any, salt: int) -> None:
+        comm = MPI.COMM_WORLD
+        self.label = label
+        self.tensors = [torch.from_numpy(x) for x in inputs(args.seed, comm.Get_rank(), shapes,
+                                                             salt)]
+        self.arrays = [t.numpy() for t in self.tensors]
+        self.expected = averages(args.seed, comm.Get_size(), shapes, salt)
+        self.variants: dict[str, Step] = {}
+
+    def check(self, when: str) -> None:
+        """Run every variant once and refuse (collectively) unless all results match."""
+        for name, step in self.variants.items():
+            got = [np.asarray(r) for r in step()]
+            bad = [bl.close(g, e, rtol=1e-6, atol=0.0)
+                   for g, e in zip(got, self.expected, strict=True)]
+            miss = next((b for b in bad if b), "")
+            bl.check_all(MPI.COMM_WORLD, not miss, f"{self.label}: {name} ({when})", miss)
+
+
+def async_step(fn: Callable[..., Any], sync: Callable[[Any], Any], xs: list[Any],
+               names: list[str]) -> Step:
+    def step() -> list[Any]:
+        handles = [fn(x, name=n) for x, n in zip(xs, names, strict=True)]
+        return [sync(h) for h in handles]
+    return step
+
+
+def tiny_case(args: Any) -> Case:
+    n = 100 if args.quick else args.tensors
+    case = Case(f"tiny ({n} x 4 B)", [(1,)] * n, args, 1)
+    ts, arrs = case.tensors, case.arrays
+    names = [f"t4.tiny.{i}" for i in range(n)]
+    case.variants = {
+        "hvdlite.torch allreduce_async": async_step(
+            hvd.allreduce_async, hvd.synchronize, ts, [f"{k}.ta" for k in names]),
+        "NumPy API allreduce_async": async_step(
+            hvdlite.allreduce_async, hvdlite.synchronize, arrs, [f"{k}.na" for k in names]),
+        "hvdlite.torch allreduce_async_": async_step(
+            hvd.allreduce_async_, hvd.synchronize, ts, [f"{k}.ti" for k in names]),
+        "NumPy API allreduce_async_": async_step(
+            hvdlite.allreduce_async_, hvdlite.synchronize, arrs, [f"{k}.ni" for k in names]),
+    }
+    return case
+
+
+def sync_case(args: Any) -> Case:
+    case = Case("sync (1 x 4 B)", [(1,)], args, 2)
+    t, a = case.tensors[0], case.arrays[0]
+    case.variants = {
+        "hvdlite.torch allreduce": lambda: [hvd.allreduce(t, name="t4.sync.t")],
+        "NumPy API allreduce": lambda: [hvdlite.allreduce(a, name="t4.sync.n")],
+        "hvdlite.torch allreduce_": lambda: [hvd.allreduce_(t, name="t4.sync.ti")],
+        "NumPy API allreduce_": lambda: [hvdlite.allreduce_(a, name="t4.sync.ni")],
+    }
+    return case
+
+
+def resnet_case(args: Any) -> Case:
+    with open(bl.DATA_DIR / "resnet50_grads.json", encoding="utf-8") as f:
+        data = json.load(f)
+    shapes = [tuple(int(d) for d in entry["shape"]) for entry in data["tensors"]]
+    if args.quick:
+        shapes = shapes[:16]
+    case = Case(f"resnet50 ({len(shapes)} tensors)", shapes, args, 3)
+    names = [f"t4.r50.{i}" for i in range(len(shapes))]
+    case.variants = {
+        "hvdlite.torch allreduce_async": async_step(
+            hvd.allreduce_async, hvd.synchronize, case.tensors, [f"{k}.t" for k in names]),
+        "NumPy API allreduce_async": async_step(
+            hvdlite.allreduce_async, hvdlite.synchronize, case.arrays, [f"{k}.n" for k in names]),
+    }
+    return case
+
+
+def measure(case: Case, steps: int, block: int) -> dict[str, np.ndarray]:
+    """Per-step seconds of every variant (slowest rank per step), in alternating blocks."""
+    comm = MPI.COMM_WORLD
+    samples: dict[str, list[float]] = {k: [] for k in case.variants}
+    for step in case.variants.values():  # warm-up: lanes, caches, plans
+        for _ in range(2):
+            step()
+    while min(len(v) for v in samples.values()) < steps:
+        for name, step in case.variants.items():
+            times = np.empty(block)
+            for i in range(block):
+                comm.Barrier()
+                t0 = time.perf_counter()
+                step()
+                times[i] = time.perf_counter() - t0
+            samples[name].extend(bl.max_over_ranks(comm, times).tolist())
+    return {k: np.asarray(v) for k, v in samples.items()}
+
+
+def main() -> None:
+    bl.install_abort_hook()
+    p = bl.base_parser(__doc__.splitlines()[0])
+    p.add_argument("--tensors", type=int, default=1000, help="tiny tensors per step")
+    p.add_argument("--steps", type=int, default=40, help="timed steps per variant (tiny)")
+    p.add_argument("--sync-calls", type=int, default=3000, help="timed sync calls per variant")
+    p.add_argument("--resnet-steps", type=int, default=6, help="timed steps per variant")
+    args = p.parse_args()
+    if args.quick:
+        args.steps, args.sync_calls, args.resnet_steps = 6, 200, 2
+    comm = MPI.COMM_WORLD
+    bl.check_size(comm, args.np)
+    meta = bl.run_metadata(comm, args)
+    torch.set_num_threads(1)
+    hvd.init()
+    plan = [(tiny_case(args), args.steps, 5), (sync_case(args), args.sync_calls, 100),
+            (resnet_case(args), args.resnet_steps, 1)]
+    results: dict[str, Any] = {}
+    counts: dict[str, int] = {}
+    for case, steps, block in plan:
+        case.check("before timing")
+        samples = measure(case, steps, block)
+        case.check("after timing")
+        results[case.label] = {k: bl.stats(v) for k, v in samples.items()}
+        counts[case.label] = len(case.tensors)
+    hvd.shutdown()
+    report(comm, args, meta, results, counts, (plan[0][0].label, plan[1][0].label))
+
+
+def report(comm: MPI.Comm, args: Any, meta: dict[str, Any], results: dict[str, Any],
+           counts: dict[str, int], targeted: tuple[str, ...]) -> None:
+    """Rank 0: the JSON, the table (per step and per tensor) and the target verdicts."""
+    rows, verdicts = [], []
+    for label, variants in results.items():
+        for name, st in variants.items():
+            base = name.replace("hvdlite.torch", "NumPy API")
+            ratio = st["median_s"] / variants[base]["median_s"] if base != name else None
+            rows.append([label, name, bl.us(st["median_s"]), bl.us(st["p99_s"]),
+                         bl.us(st["median_s"] / counts[label]),
+                         "" if ratio is None else f"{ratio:.2f}x"])
+            if label in targeted and ratio is not None and not name.endswith("_"):
+                verdicts.append({"target": f"{label}: {name} <= {TARGET_X}x the NumPy API",
+                                 "ratio": ratio, "met": ratio <= TARGET_X})
+    payload = {"benchmark": "T4 (CPU)", "run": bl.run_metadata(comm, args),
+               "tensors_per_step": counts, "results": results, "targets": verdicts,
+               "started": meta["date_utc"]}
+    bl.write_json(comm, args.json, payload)
+    if comm.Get_rank() == 0:
+        print(bl.format_table(["shape", "variant", "median us per step", "p99 us per step",
+                               "median us per tensor", "vs NumPy API"], rows))
+        for v in verdicts:
+            print(f"{'MET   ' if v['met'] else 'MISSED'} {v['target']}: {v['ratio']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
