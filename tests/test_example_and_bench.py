@@ -85,12 +85,13 @@ def test_bench_c6_quick_checks_the_floor_and_reports_its_targets(tmp_path: Path)
     assert "REFUSED" not in out
     res = json.loads(path.read_text())
     assert res["benchmark"] == "C6"
-    assert set(res["worst_rank"]) == {
-        "hvdlite allreduce (sync)",
+    baselines = [
         "mpi4py Allreduce",
         "two-hop floor: SimpleQueue + Lock gate",
         "two-hop floor: Lock hand-off both ways",
-    }
+    ]
+    alone = [f"{b} [hvdlite not started]" for b in baselines]
+    assert set(res["worst_rank"]) == {"hvdlite allreduce (sync)", *baselines, *alone}
     assert res["floor"].startswith("two-hop floor")
     assert [t["target"].split(" <= ")[1].split(" ")[0] for t in res["targets"]] == [
         "0.7x", "6.0x", "200",
@@ -106,5 +107,6 @@ def test_bench_c2_quick_states_the_raw_per_tensor_target(tmp_path: Path) -> None
     first = res["targets"][0]
     assert "<= 2.0x the raw per-tensor Allreduce" in first["target"]
     big = res["results"]["16"]
-    cached, raw = big["hvdlite, cache on"], big["raw MPI Allreduce per tensor"]
-    assert first["value"] == round(cached["per_tensor_s"] / raw["per_tensor_s"], 3)
+    raw = min(big[k]["per_tensor_s"] for k in (
+        "raw MPI Allreduce per tensor", "raw MPI Allreduce per tensor [hvdlite not started]"))
+    assert first["value"] == round(big["hvdlite, cache on"]["per_tensor_s"] / raw, 3)
