@@ -17,7 +17,8 @@ import torch
 
 import hvdlite
 from hvdlite import _sets
-from hvdlite.torch import mpi_ops
+from hvdlite.torch import _reduce, mpi_ops
+from hvdlite.torch._buckets import Bucket, auto_buckets
 from hvdlite.torch.basics import Average, InvalidArgumentError, resolve_op
 from hvdlite.torch.compression import Compression, Compressor
 from hvdlite.torch.functions import broadcast_object
@@ -46,71 +47,73 @@ def _split(items: list[Any], n: int) -> list[list[Any]]:
     return out
 
 
+class _Flight:
+    """One bucket on the wire: the dense members' handle, their compression contexts, and
+    the sparse members' own handles (``sparse_allreduce_async``)."""
+
+    __slots__ = ("handle", "dense", "ctxs", "sparse")
+
+    def __init__(self, handle: Any, dense: list[torch.Tensor], ctxs: list[Any],
+                 sparse: list[tuple[torch.Tensor, Any]]) -> None:
+        self.handle = handle
+        self.dense = dense
+        self.ctxs = ctxs
+        self.sparse = sparse
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     # Its methods are copied into a subclass of the wrapped optimizer's class (see
     # DistributedOptimizer), so `super(self.__class__, self)` is that optimizer's class.
 
     def __init__(self, params: Any, named_parameters: Any, compression: type[Compressor],
                  backward_passes_per_step: int, op: Any, gradient_predivide_factor: float,
-                 groups: Any, sparse_as_dense: bool, process_set: Any) -> None:
+                 groups: Any, sparse_as_dense: bool, process_set: Any,
+                 gradient_as_bucket_view: bool, bucket_cap_mb: float) -> None:
         super(self.__class__, self).__init__(params)  # type: ignore[call-arg]
         self._compression = compression
         all_params = [p for g in self.param_groups for p in g["params"]]
-        if named_parameters is not None:
-            named = list(named_parameters)
-            if any(not isinstance(x, tuple) or len(x) != 2 for x in named):
-                raise ValueError("named_parameters must be a sequence of (name, parameter) "
-                                 "tuples, as model.named_parameters() yields")
-        else:
-            named = [(f"allreduce.noname.{i}.{j}", p) for i, g in enumerate(self.param_groups)
-                     for j, p in enumerate(g["params"])]
-        names = [k for k, _ in named]
-        dups = sorted({k for k in names if names.count(k) > 1})
-        if dups:
-            raise ValueError(f"parameter names in named_parameters must be unique; "
-                             f"duplicates: {', '.join(dups)}")
-        named_ids = {id(p) for _, p in named}
-        unnamed = [p for p in all_params if id(p) not in named_ids]
-        if unnamed:
-            raise ValueError(f"named_parameters was given but {len(unnamed)} of the "
-                             "optimizer's parameters are not in it; pass "
-                             "model.named_parameters() of the model the optimizer trains")
-        self._parameter_names = {p: f"DistributedOptimizer.{k}" for k, p in named}
+        self._parameter_names = _names(named_parameters, self.param_groups, all_params)
         self.backward_passes_per_step = backward_passes_per_step
         self._allreduce_delay = {p: backward_passes_per_step for p in all_params}
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
-        self._handles: dict[Any, tuple[Any, Any]] = {}
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self._handles: dict[Bucket, _Flight] = {}
         self._hook_handles: list[Any] = []
         self._requires_update: set[torch.Tensor] = set()
         self._synchronized = False
         self._should_synchronize = True
         self._groups = groups
-        self._p_to_group: dict[torch.Tensor, tuple[torch.Tensor, ...]] = {}
-        self._group_counts: dict[tuple[torch.Tensor, ...], int] = {}
+        self._buckets: list[Bucket] = []
+        self._bucket_of: dict[torch.Tensor, Bucket] = {}
         # As Horovod: on a rank outside process_set nothing is communicated (no hooks, and
         # synchronize() is a no-op), so step() applies this rank's own gradients.
         self._member = process_set is global_process_set or bool(process_set.included())
         if self._member and hvdlite.size() > 1:
+            self._form_buckets(int(bucket_cap_mb * 1024 * 1024))
             self._register_hooks()
 
-    # -- hooks ------------------------------------------------------------------------------
-    def _register_hooks(self) -> None:
-        if self._groups is not None:
-            self._form_groups()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if not p.requires_grad:
-                    continue
-                self._requires_update.add(p)
-                self._hook_handles.append(p.register_hook(self._make_guard(p)))
-                self._hook_handles.append(
-                    p.register_post_accumulate_grad_hook(self._make_hook(p)))
-
-    def _form_groups(self) -> None:
+    # -- buckets and hooks ------------------------------------------------------------------
+    def _form_buckets(self, cap_bytes: int) -> None:
         plist = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        if not plist:
+            return
+        if self._groups is None:
+            members = auto_buckets(plist, cap_bytes)
+        else:
+            members = self._user_groups(plist)
+        for i, ps in enumerate(members):
+            bucket = Bucket(ps, f"DistributedOptimizer.bucket.{i}")
+            self._buckets.append(bucket)
+            for p in ps:
+                self._bucket_of[p] = bucket
+            if (self.gradient_as_bucket_view and self._compression is Compression.none
+                    and bucket.viewable()):
+                bucket.make_views()
+
+    def _user_groups(self, plist: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         root = 0 if self.process_set is global_process_set else self.process_set.ranks[0]
         order = broadcast_object([self._parameter_names[p] for p in plist], root,
                                  "DistributedOptimizer.order", self.process_set)
@@ -120,48 +123,37 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             ids = {id(p) for p in plist}
             p_groups = [[p for p in g if id(p) in ids] for g in self._groups]
             grouped = {id(p) for g in p_groups for p in g}
-            p_groups = [g for g in p_groups if g] + [[p] for p in plist if id(p) not in grouped]
-        else:
-            p_groups = _split(plist, self._groups)
-        for g in p_groups:
-            gt = tuple(g)
-            for p in gt:
-                self._p_to_group[p] = gt
-            self._group_counts[gt] = 0
+            return [g for g in p_groups if g] + [[p] for p in plist if id(p) not in grouped]
+        return _split(plist, self._groups)
 
-    def _in_flight(self, p: torch.Tensor) -> bool:
-        if p in self._handles and self._handles[p][0] is not None:
-            return True
-        group = self._p_to_group.get(p)
-        return group is not None and group in self._handles
+    def _register_hooks(self) -> None:
+        for p in self._bucket_of:
+            self._requires_update.add(p)
+            self._hook_handles.append(p.register_hook(self._make_guard(p)))
+            self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
 
     def _make_guard(self, p: torch.Tensor) -> Any:
+        bucket, delay, handles = self._bucket_of[p], self._allreduce_delay, self._handles
+
         def guard(grad: torch.Tensor) -> None:
             # Runs before autograd accumulates into p.grad: refuse while p.grad is on the wire.
-            if self._allreduce_delay[p] <= 0 and self._in_flight(p):
+            if delay[p] <= 0 and bucket in handles:
                 raise AssertionError(_TOO_MANY)
         return guard
 
     def _make_hook(self, p: torch.Tensor) -> Any:
+        bucket, delay = self._bucket_of[p], self._allreduce_delay
+        size = len(bucket.params)
+
         def hook(_param: torch.Tensor) -> None:
-            if self._allreduce_delay[p] <= 0:
+            left = delay[p] - 1
+            if left < 0:
                 raise AssertionError(_TOO_MANY)
-            self._allreduce_delay[p] -= 1
-            handle: Any = None
-            ctx: Any = None
-            if self._allreduce_delay[p] == 0:
-                group = self._p_to_group.get(p) if self._groups is not None else None
-                if group is not None:
-                    self._group_counts[group] += 1
-                    if self._group_counts[group] == len(group):
-                        self._handles[group] = self._grouped_allreduce_grad_async(group)
-                        for gp in group:
-                            self._handles.pop(gp, None)
-                        self._group_counts[group] = 0
-                        return
-                else:
-                    handle, ctx = self._allreduce_grad_async(p)
-            self._handles[p] = (handle, ctx)
+            delay[p] = left
+            if left == 0:
+                bucket.ready += 1
+                if bucket.ready == size:
+                    self._handles[bucket] = self._start(bucket)
         return hook
 
     def set_backward_passes_per_step(self, passes: int) -> None:
@@ -178,49 +170,62 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
         return 1.0, 1.0
 
-    def _dense_grad(self, p: torch.Tensor) -> torch.Tensor:
-        if p.grad is None:
-            # Not computed here (a branch this rank did not take); the others may have it.
-            p.grad = torch.zeros_like(p)
-        if p.grad.is_sparse and self.sparse_as_dense:
-            # Reduce a dense copy; p.grad stays sparse (as in Horovod) so that optimizers
-            # that need sparse gradients (SparseAdam) still step; _write_back re-sparsifies.
-            return p.grad.to_dense()
-        return p.grad
-
-    def _allreduce_grad_async(self, p: torch.Tensor) -> tuple[Any, Any]:
-        grad = self._dense_grad(p)
-        name = self._parameter_names.get(p)
-        if grad.is_sparse:
-            return mpi_ops.sparse_allreduce_async(grad, name, self.op, self.process_set), None
-        compressed, ctx = self._compression.compress(grad)
+    def _start(self, bucket: Bucket) -> _Flight:
+        """Start reducing ``bucket`` (its members' gradients in place)."""
+        bucket.ready = 0
         pre, post = self._factors()
-        handle = mpi_ops.allreduce_async_(compressed, name=name, op=self.op,
-                                          prescale_factor=pre, postscale_factor=post,
-                                          process_set=self.process_set)
-        return handle, ctx
-
-    def _grouped_allreduce_grad_async(self, group: tuple[torch.Tensor, ...]) -> tuple[Any, Any]:
-        grads = [self._dense_grad(p) for p in group]
+        if bucket.views and bucket.realias():
+            handle = _reduce.bucket_async(bucket.arrays, bucket.views, bucket.name, self.op,
+                                          pre, post, self.process_set)
+            return _Flight(handle, list(bucket.params), [None] * len(bucket.params), [])
+        dense, sparse = [], []
+        for p in bucket.params:
+            if p.grad is None:
+                # Not computed here (a branch this rank did not take); the others may have it.
+                p.grad = torch.zeros_like(p)
+            if p.grad.is_sparse and not self.sparse_as_dense:
+                sparse.append((p, mpi_ops.sparse_allreduce_async(
+                    p.grad, self._parameter_names.get(p), self.op, self.process_set)))
+            else:
+                dense.append(p)
+        if not dense:
+            return _Flight(None, [], [], sparse)
+        # sparse_as_dense: reduce a dense copy; p.grad stays sparse (as in Horovod) so that
+        # optimizers that need sparse gradients (SparseAdam) still step.
+        grads = [_dense(p.grad) for p in dense]
         pairs = [self._compression.compress(g) for g in grads]
-        pre, post = self._factors()
-        name = self._parameter_names.get(group[0])
-        handle = mpi_ops.grouped_allreduce_async_([c for c, _ in pairs], name=name, op=self.op,
-                                                  prescale_factor=pre, postscale_factor=post,
-                                                  process_set=self.process_set)
-        return handle, [ctx for _, ctx in pairs]
+        sends = [c for c, _ in pairs]
+        if len(sends) == 1:
+            handle = mpi_ops.allreduce_async_(sends[0], name=bucket.name, op=self.op,
+                                              prescale_factor=pre, postscale_factor=post,
+                                              process_set=self.process_set)
+        else:
+            handle = mpi_ops.grouped_allreduce_async_(
+                sends, name=bucket.name, op=self.op, prescale_factor=pre,
+                postscale_factor=post, process_set=self.process_set)
+        return _Flight(handle, dense, [ctx for _, ctx in pairs], sparse)
+
+    def _finish(self, flight: _Flight) -> None:
+        """Wait for ``flight`` and hand every member its reduced gradient."""
+        if flight.handle is not None:
+            outs = flight.handle.wait()
+            if len(flight.dense) == 1 and not isinstance(outs, list):
+                outs = [outs]
+            for p, out, ctx in zip(flight.dense, outs, flight.ctxs, strict=True):
+                self._write_back(p, out, ctx)
+        for p, handle in flight.sparse:
+            p.grad = handle()
 
     def _write_back(self, p: torch.Tensor, output: torch.Tensor, ctx: Any) -> None:
-        self._allreduce_delay[p] = self.backward_passes_per_step
-        assert p.grad is not None
-        if output.is_sparse:
-            p.grad = output
+        grad = p.grad
+        assert grad is not None
+        if output is grad:
             return
         restored = self._compression.decompress(output, ctx)
-        if p.grad.is_sparse:  # sparse_as_dense: reduced densely, handed back sparse
+        if grad.is_sparse:  # sparse_as_dense: reduced densely, handed back sparse
             p.grad = restored.to_sparse()
-        elif restored is not p.grad:
-            p.grad.copy_(restored)
+        elif restored is not grad:
+            grad.copy_(restored)
 
     def synchronize(self) -> None:
         """Wait for every gradient's allreduce (starting those that no hook started, e.g.
@@ -230,33 +235,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if hvdlite.size() == 1 or not self._member or not self._requires_update:
             self._synchronized = True
             return
-        done: set[torch.Tensor] = set()
-        for key in self._handles:
-            done.update(key) if isinstance(key, tuple) else done.add(key)
-        for p in self._requires_update - done:
-            group = self._p_to_group.get(p)
-            if group is not None:
-                if group not in self._handles:
-                    self._handles[group] = self._grouped_allreduce_grad_async(group)
-                    for gp in group:
-                        self._handles.pop(gp, None)
-                    self._group_counts[group] = 0
-            else:
-                self._handles[p] = self._allreduce_grad_async(p)
-        for key, (handle, _ctx) in list(self._handles.items()):
-            if handle is None:
-                self._handles[key] = self._allreduce_grad_async(key)
+        for bucket in self._buckets:
+            if bucket not in self._handles:
+                self._handles[bucket] = self._start(bucket)
         try:
-            for key, (handle, ctx) in self._handles.items():
-                if isinstance(key, tuple):
-                    outputs = handle.wait()
-                    for gp, out, gctx in zip(key, outputs, ctx, strict=True):
-                        self._write_back(gp, out, gctx)
-                else:
-                    out = handle() if isinstance(handle, mpi_ops.SparseHandle) else handle.wait()
-                    self._write_back(key, out, ctx)
+            for flight in self._handles.values():
+                self._finish(flight)
         finally:
             self._handles.clear()
+            passes = self.backward_passes_per_step
+            for p in self._requires_update:
+                self._allreduce_delay[p] = passes
         self._synchronized = True
 
     @contextlib.contextmanager
@@ -282,10 +271,59 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradients; ``AssertionError`` if their allreduces are still in flight."""
+        """Zero the gradients; ``AssertionError`` if their allreduces are still in flight.
+        With ``gradient_as_bucket_view`` the bucketed gradients are zeroed in place (one
+        ``zero_()`` per bucket) and stay views of their buckets, whatever ``set_to_none``."""
         if self._handles:
             raise AssertionError(_ZERO_GRAD)
-        super(self.__class__, self).zero_grad(set_to_none)
+        viewed = [b for b in self._buckets if b.views]
+        if not viewed:
+            super(self.__class__, self).zero_grad(set_to_none)
+            return
+        for bucket in viewed:
+            assert bucket.buffer is not None
+            bucket.buffer.zero_()
+            for p, view in zip(bucket.params, bucket.views, strict=True):
+                if p.grad is not view:
+                    p.grad = view
+        in_buckets = {p for b in viewed for p in b.params}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p not in in_buckets and p.grad is not None:
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.detach_().zero_()
+
+
+def _dense(grad: torch.Tensor | None) -> torch.Tensor:
+    assert grad is not None
+    return grad.to_dense() if grad.is_sparse else grad
+
+
+def _names(named_parameters: Any, param_groups: list[dict[str, Any]],
+           all_params: list[torch.Tensor]) -> dict[torch.Tensor, str]:
+    """Every parameter's allreduce name, checked as Horovod checks them."""
+    if named_parameters is not None:
+        named = list(named_parameters)
+        if any(not isinstance(x, tuple) or len(x) != 2 for x in named):
+            raise ValueError("named_parameters must be a sequence of (name, parameter) "
+                             "tuples, as model.named_parameters() yields")
+    else:
+        named = [(f"allreduce.noname.{i}.{j}", p) for i, g in enumerate(param_groups)
+                 for j, p in enumerate(g["params"])]
+    names = [k for k, _ in named]
+    dups = sorted({k for k in names if names.count(k) > 1})
+    if dups:
+        raise ValueError(f"parameter names in named_parameters must be unique; "
+                         f"duplicates: {', '.join(dups)}")
+    named_ids = {id(p) for _, p in named}
+    unnamed = [p for p in all_params if id(p) not in named_ids]
+    if unnamed:
+        raise ValueError(f"named_parameters was given but {len(unnamed)} of the "
+                         "optimizer's parameters are not in it; pass "
+                         "model.named_parameters() of the model the optimizer trains")
+    return {p: f"DistributedOptimizer.{k}" for k, p in named}
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = None,  # noqa: N802
@@ -293,7 +331,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                          backward_passes_per_step: int = 1, op: Any = Average,
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                          groups: Any = None, sparse_as_dense: bool = False,
-                         process_set: Any = global_process_set) -> torch.optim.Optimizer:
+                         process_set: Any = global_process_set, *,
+                         gradient_as_bucket_view: bool = False,
+                         bucket_cap_mb: float = 25.0) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so each ``step()`` uses gradients averaged over all ranks (over the
     members of ``process_set`` when one is given).
 
@@ -307,6 +347,16 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     sparse gradients instead of gathering them. ``process_set``: a registered set whose
     members reduce among themselves (``Average`` divides by its size); on a rank outside it,
     as in Horovod, nothing is communicated and ``step()`` applies that rank's own gradients.
+
+    hvdlite's own keywords (Horovod has neither): without ``groups``, gradients are reduced
+    in buckets of at most ``bucket_cap_mb`` MiB (reverse parameter order, one device and dtype
+    each), each by one grouped allreduce once all its gradients are ready. With
+    ``gradient_as_bucket_view=True`` (off by default) every bucket owns one flat buffer and
+    each parameter's ``.grad`` is a view of it: backward accumulates into the buffer and the
+    bucket is reduced in place with no copy. ``zero_grad()`` then zeroes the buffers in place
+    (the gradients stay views, never None), a ``.grad`` you replace or set to None is copied
+    back into (or zeroed in) its view when its bucket is reduced, and ``p.grad.detach_()``
+    raises (a view). Needs ``Compression.none``; otherwise it is ignored.
     ``ValueError``/``TypeError`` for bad arguments; ``NotImplementedError`` for Adasum.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
@@ -321,6 +371,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     if not isinstance(gradient_predivide_factor, (int, float)) or gradient_predivide_factor <= 0:
         raise ValueError(f"gradient_predivide_factor must be a positive number, got "
                          f"{gradient_predivide_factor!r}")
+    if not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) \
+            or bucket_cap_mb <= 0:
+        raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
     if gradient_predivide_factor != 1.0 and op is not Average:
         raise ValueError("gradient_predivide_factor is only supported with op=Average")
     if num_groups:
@@ -354,4 +407,4 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression,
                backward_passes_per_step, op, gradient_predivide_factor, groups,
-               sparse_as_dense, process_set)
+               sparse_as_dense, process_set, bool(gradient_as_bucket_view), bucket_cap_mb)

@@ -1,0 +1,203 @@
+"""DistributedOptimizer's gradient buckets and ``gradient_as_bucket_view``, and the per-tensor
+view cache of the torch layer: exact results against NumPy references built from every rank's
+inputs, gradients that alias their bucket, and gradients a user replaces or sets to None.
+
+Every gradient here is exact: the loss is ``sum_k (p_k * c_k).sum()`` so ``p_k.grad`` is
+``c_k``, halves in [-8, 8] derived from (seed, rank); their average over a power-of-two rank
+count is exact in float32 (and compared to 1e-6 otherwise).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+SHAPES = [(3, 4), (5,), (2, 2, 2), (7,), (1,)]
+
+
+def _coeffs(seed: int, rank: int, dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    rng = np.random.default_rng([seed, rank])
+    return [torch.from_numpy(rng.integers(-16, 17, size=s) / 2).to(dtype) for s in SHAPES]
+
+
+def _mean(seed: int, size: int, extra: Any = None) -> list[np.ndarray]:
+    """NumPy reference: the average over ranks of each rank's gradient (``extra(rank, k)``
+    added to rank's gradient ``k`` when given)."""
+    acc = [np.zeros(s) for s in SHAPES]
+    for r in range(size):
+        for k, c in enumerate(_coeffs(seed, r)):
+            acc[k] += c.double().numpy() + (0.0 if extra is None else extra(r, k))
+    return [(a / size).astype(np.float32) for a in acc]
+
+
+def _params() -> list[torch.nn.Parameter]:
+    return [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES]
+
+
+def _backward(params: list[torch.nn.Parameter], coeffs: list[torch.Tensor]) -> None:
+    sum((p * c).sum() for p, c in zip(params, coeffs, strict=True)).backward()  # type: ignore[union-attr]
+
+
+def _check(params: list[torch.nn.Parameter], expected: list[np.ndarray], size: int) -> None:
+    tol = 0.0 if size & (size - 1) == 0 else 1e-6
+    for k, (p, e) in enumerate(zip(params, expected, strict=True)):
+        assert p.grad is not None, k
+        np.testing.assert_allclose(p.grad.numpy(), e, rtol=tol, atol=0, err_msg=f"param {k}")
+
+
+def _optimizer(hvd: Any, params: list[torch.nn.Parameter], **kwargs: Any) -> Any:
+    named = [(f"p{k}", p) for k, p in enumerate(params)]
+    return hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.0), named_parameters=named,
+                                    **kwargs)
+
+
+def _needs_ranks(hvd: Any) -> None:
+    if hvd.size() < 2:
+        pytest.skip("DistributedOptimizer registers no hooks at size 1 (Horovod's rule)")
+
+
+@pytest.mark.parametrize("cap_mb", [25.0, 40 / 2**20])
+def test_bucket_views_alias_their_buffer_and_reduce_exactly(hvd: Any, cap_mb: float) -> None:
+    _needs_ranks(hvd)
+    params = _params()
+    opt = _optimizer(hvd, params, gradient_as_bucket_view=True, bucket_cap_mb=cap_mb)
+    assert (len(opt._buckets) > 1) == (cap_mb < 1)
+    views = [p.grad for p in params]
+    for step in range(3):
+        opt.zero_grad()
+        _backward(params, _coeffs(100 + step, hvd.rank()))
+        opt.step()
+        _check(params, _mean(100 + step, hvd.size()), hvd.size())
+        for p, view in zip(params, views, strict=True):
+            assert p.grad is view  # autograd accumulated into the view; nothing replaced it
+    for bucket in opt._buckets:
+        assert bucket.buffer is not None
+        ptr, item = bucket.buffer.data_ptr(), bucket.buffer.element_size()
+        for p in bucket.params:  # consecutive views of the bucket, in order
+            assert p.grad.data_ptr() == ptr
+            ptr += p.numel() * item
+
+
+def test_bucket_views_take_back_a_replaced_or_missing_grad(hvd: Any) -> None:
+    _needs_ranks(hvd)
+    params = _params()
+    opt = _optimizer(hvd, params, gradient_as_bucket_view=True)
+    views = [p.grad for p in params]
+    opt.zero_grad()
+    params[0].grad = None  # autograd makes a new gradient tensor
+    mine = torch.full(SHAPES[1], float(hvd.rank() + 1))
+    params[1].grad = mine  # autograd accumulates into the user's tensor
+    _backward(params, _coeffs(7, hvd.rank()))
+    opt.step()
+
+    def extra(rank: int, k: int) -> float:
+        return float(rank + 1) if k == 1 else 0.0
+
+    _check(params, _mean(7, hvd.size(), extra), hvd.size())
+    assert all(p.grad is v for p, v in zip(params, views, strict=True))
+    assert mine.data_ptr() != views[1].data_ptr()
+    # The next step, zero_grad (set_to_none by default) keeps the views, zeroed.
+    opt.zero_grad()
+    assert all(p.grad is v and not bool(v.any()) for p, v in zip(params, views, strict=True))
+    _backward(params, _coeffs(8, hvd.rank()))
+    opt.step()
+    _check(params, _mean(8, hvd.size()), hvd.size())
+
+
+def test_bucket_views_accumulate_over_backward_passes(hvd: Any) -> None:
+    _needs_ranks(hvd)
+    params = _params()
+    opt = _optimizer(hvd, params, gradient_as_bucket_view=True, backward_passes_per_step=2)
+    opt.zero_grad()
+    _backward(params, _coeffs(11, hvd.rank()))
+    _backward(params, _coeffs(12, hvd.rank()))
+    opt.step()
+    second = _mean(12, hvd.size())
+    _check(params, [a + b for a, b in zip(_mean(11, hvd.size()), second, strict=True)],
+           hvd.size())
+
+
+def test_bucket_views_parameter_without_grad_on_some_ranks(hvd: Any) -> None:
+    _needs_ranks(hvd)
+    params = _params()
+    opt = _optimizer(hvd, params, gradient_as_bucket_view=True)
+    opt.zero_grad()
+    coeffs = _coeffs(13, hvd.rank())
+    used = params if hvd.rank() == 0 else params[1:]  # p0 gets no gradient on ranks > 0
+    _backward(used, coeffs if hvd.rank() == 0 else coeffs[1:])
+    opt.step()
+
+    def extra(rank: int, k: int) -> Any:
+        return -_coeffs(13, rank)[0].double().numpy() if k == 0 and rank > 0 else 0.0
+
+    _check(params, _mean(13, hvd.size(), extra), hvd.size())
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_buckets_of_mixed_dtypes_and_a_small_cap(hvd: Any, view: bool) -> None:
+    _needs_ranks(hvd)
+    params = _params()
+    params[2] = torch.nn.Parameter(torch.zeros(SHAPES[2], dtype=torch.float64))
+    opt = _optimizer(hvd, params, gradient_as_bucket_view=view, bucket_cap_mb=30 / 2**20)
+    assert all(len({p.dtype for p in b.params}) == 1 for b in opt._buckets)
+    assert len(opt._buckets) >= 3
+    for step in range(2):
+        opt.zero_grad()
+        coeffs = _coeffs(20 + step, hvd.rank())
+        coeffs[2] = coeffs[2].double()
+        _backward(params, coeffs)
+        opt.step()
+        expected = _mean(20 + step, hvd.size())
+        got = [p.grad.float().numpy() for p in params]  # type: ignore[union-attr]
+        for g, e in zip(got, expected, strict=True):
+            np.testing.assert_array_equal(g, e)
+
+
+def test_bucket_view_with_compression_is_reduced_correctly(hvd: Any) -> None:
+    _needs_ranks(hvd)
+    params = _params()
+    opt = _optimizer(hvd, params, gradient_as_bucket_view=True,
+                     compression=hvd.Compression.fp16)
+    assert not any(b.views for b in opt._buckets)  # compression: no views, plain buckets
+    opt.zero_grad()
+    _backward(params, _coeffs(30, hvd.rank()))
+    opt.step()
+    _check(params, _mean(30, hvd.size()), hvd.size())
+
+
+def test_cached_view_follows_the_tensors_memory(hvd: Any) -> None:
+    n, me = hvd.size(), hvd.rank()
+    t = torch.full((4,), float(me + 1))
+    assert torch.equal(hvd.allreduce_(t, op=hvd.Sum, name="cache.a"),
+                       torch.full((4,), float(n * (n + 1) // 2)))
+    t.data = torch.full((4,), float(me))  # new memory behind the same tensor object
+    assert torch.equal(hvd.allreduce_(t, op=hvd.Sum, name="cache.a"),
+                       torch.full((4,), float(n * (n - 1) // 2)))
+    t.resize_(2, 2)  # same memory, new shape
+    t.fill_(1.0)
+    assert torch.equal(hvd.allreduce_(t, op=hvd.Sum, name="cache.b"), torch.full((2, 2), n * 1.0))
+    t.t_()  # square: same pointer and shape, strides swapped
+    assert t.is_contiguous() is False
+    with pytest.raises(ValueError, match="contiguous"):
+        hvd.allreduce_(t, name="cache.c")
+    u = torch.full((3,), float(me + 2))
+    h1 = hvd.allreduce_async(u, op=hvd.Sum, name="cache.d")
+    out = hvd.synchronize(h1)
+    assert out is not u and torch.equal(u, torch.full((3,), float(me + 2)))
+    assert torch.equal(out, torch.full((3,), float(sum(r + 2 for r in range(n)))))
+    assert hvd.synchronize(h1) is out  # the result is computed once
+
+
+def test_fp16_factors_and_bf16_take_the_general_path_exactly(hvd: Any) -> None:
+    n, me = hvd.size(), hvd.rank()
+    half = torch.full((5,), float(me + 1), dtype=torch.float16)
+    got = hvd.allreduce(half, op=hvd.Sum, prescale_factor=1 / 3, name="gp.h")
+    expect = sum((torch.full((5,), float(r + 1), dtype=torch.float16).float() / 3).half()
+                 .float() for r in range(n)).half()
+    assert torch.equal(got, expect)
+    bf = torch.full((5,), float(me + 1), dtype=torch.bfloat16)
+    assert torch.equal(hvd.allreduce(bf, op=hvd.Sum, name="gp.b"),
+                       torch.full((5,), float(n * (n + 1) // 2), dtype=torch.bfloat16))
