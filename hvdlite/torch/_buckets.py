@@ -27,7 +27,8 @@ class Bucket:
     counts members whose gradient is ready this step. With a buffer: ``views[i]`` is
     member ``i``'s gradient view and ``arrays[i]`` the core's array over the same memory."""
 
-    __slots__ = ("params", "name", "ready", "buffer", "views", "arrays")
+    __slots__ = ("params", "name", "ready", "buffer", "views", "arrays", "fused", "direct",
+                 "staging", "staged")
 
     def __init__(self, params: Sequence[torch.Tensor], name: str) -> None:
         self.params = tuple(params)
@@ -36,6 +37,12 @@ class Bucket:
         self.buffer: torch.Tensor | None = None
         self.views: list[torch.Tensor] = []
         self.arrays: list[Any] = []
+        # Without views: small members are copied (one torch call) into ``staging``, reduced
+        # there by one call whose array the core sees every step (its lane), and copied back.
+        self.fused: list[torch.Tensor] = []
+        self.direct: list[torch.Tensor] = []
+        self.staging: torch.Tensor | None = None
+        self.staged: list[torch.Tensor] = []
 
     def viewable(self) -> bool:
         """Whether the members can share one flat buffer (one dtype NumPy can hold, one
@@ -61,6 +68,23 @@ class Bucket:
             if p.grad is not None and not p.grad.is_sparse:
                 view.copy_(p.grad)
             p.grad = view
+
+    def make_staging(self, direct_bytes: int) -> None:
+        """Split the members: those under ``direct_bytes`` share one persistent staging
+        buffer (``staged`` are their views of it); larger ones are reduced where they are."""
+        self.fused = [p for p in self.params if p.numel() * p.element_size() < direct_bytes]
+        self.direct = [p for p in self.params if p.numel() * p.element_size() >= direct_bytes]
+        if len(self.fused) < 2:
+            self.direct, self.fused = list(self.params), []
+            return
+        first = self.fused[0]
+        total = sum(p.numel() for p in self.fused)
+        self.staging = torch.zeros(total, dtype=first.dtype, device=first.device)
+        self.staged, offset = [], 0
+        for p in self.fused:
+            n = p.numel()
+            self.staged.append(self.staging[offset:offset + n].view(p.shape))
+            offset += n
 
     def realias(self) -> bool:
         """Make every member's ``.grad`` its view again (a user may have replaced it or set

@@ -31,6 +31,9 @@ _TOO_MANY = ("gradients were computed more than backward_passes_per_step times b
              "allreduce is in flight. Call optimizer.step() (or optimizer.synchronize()) "
              "between backward passes, or raise backward_passes_per_step to accumulate "
              "gradients locally.")
+# Without bucket views, members at least this large are reduced where they are; smaller ones
+# are staged (copied) into one buffer per bucket so the step costs one call, not one each.
+_DIRECT_BYTES = 64 * 1024
 _ZERO_GRAD = ("optimizer.zero_grad() was called after loss.backward() but before "
               "optimizer.step() or optimizer.synchronize(): the gradients' allreduces are still "
               "in flight and would race with the zeroing. Call step() or synchronize() first.")
@@ -48,17 +51,21 @@ def _split(items: list[Any], n: int) -> list[list[Any]]:
 
 
 class _Flight:
-    """One bucket on the wire: the dense members' handle, their compression contexts, and
-    the sparse members' own handles (``sparse_allreduce_async``)."""
+    """One bucket on the wire: the dense members' handle, their compression contexts, the
+    sparse members' own handles (``sparse_allreduce_async``), and the staged members' handle
+    with the gradients their staging views are copied back into."""
 
-    __slots__ = ("handle", "dense", "ctxs", "sparse")
+    __slots__ = ("handle", "dense", "ctxs", "sparse", "staged", "targets")
 
     def __init__(self, handle: Any, dense: list[torch.Tensor], ctxs: list[Any],
-                 sparse: list[tuple[torch.Tensor, Any]]) -> None:
+                 sparse: list[tuple[torch.Tensor, Any]], staged: Any = None,
+                 targets: list[torch.Tensor] | None = None) -> None:
         self.handle = handle
         self.dense = dense
         self.ctxs = ctxs
         self.sparse = sparse
+        self.staged = staged
+        self.targets = targets or []
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -109,9 +116,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._buckets.append(bucket)
             for p in ps:
                 self._bucket_of[p] = bucket
-            if (self.gradient_as_bucket_view and self._compression is Compression.none
-                    and bucket.viewable()):
+            if self._compression is not Compression.none or not bucket.viewable():
+                continue
+            if self.gradient_as_bucket_view:
                 bucket.make_views()
+            else:
+                bucket.make_staging(_DIRECT_BYTES)
 
     def _user_groups(self, plist: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         root = 0 if self.process_set is global_process_set else self.process_set.ranks[0]
@@ -178,6 +188,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             handle = _reduce.bucket_async(bucket.arrays, bucket.views, bucket.name, self.op,
                                           pre, post, self.process_set)
             return _Flight(handle, list(bucket.params), [None] * len(bucket.params), [])
+        if bucket.staging is not None:
+            flight = self._start_staged(bucket, pre, post)
+            if flight is not None:
+                return flight
         dense, sparse = [], []
         for p in bucket.params:
             if p.grad is None:
@@ -205,8 +219,33 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 postscale_factor=post, process_set=self.process_set)
         return _Flight(handle, dense, [ctx for _, ctx in pairs], sparse)
 
+    def _start_staged(self, bucket: Bucket, pre: float, post: float) -> _Flight | None:
+        """Reduce the small members in the bucket's staging buffer (one copy in, one call,
+        one copy out) and the large ones where they are; None if a gradient is sparse."""
+        for p in bucket.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            elif p.grad.is_sparse:
+                return None
+        grads = [_dense(p.grad) for p in bucket.fused]
+        torch._foreach_copy_(bucket.staged, grads)
+        staged = _reduce.allreduce_one(bucket.staging, f"{bucket.name}.staged", self.op, pre,
+                                       post, self.process_set, True, "DistributedOptimizer")
+        handle = None
+        direct = [_dense(p.grad) for p in bucket.direct]
+        if direct:
+            handle = mpi_ops.grouped_allreduce_async_(
+                direct, name=bucket.name, op=self.op, prescale_factor=pre,
+                postscale_factor=post, process_set=self.process_set)
+        return _Flight(handle, list(bucket.direct), [None] * len(direct), [], staged,
+                       grads + list(bucket.staged))
+
     def _finish(self, flight: _Flight) -> None:
         """Wait for ``flight`` and hand every member its reduced gradient."""
+        if flight.staged is not None:
+            flight.staged.wait()
+            half = len(flight.targets) // 2
+            torch._foreach_copy_(flight.targets[:half], flight.targets[half:])
         if flight.handle is not None:
             outs = flight.handle.wait()
             if len(flight.dense) == 1 and not isinstance(outs, list):
