@@ -28,7 +28,7 @@ import torch
 import hvdlite
 from hvdlite._engine import default_engine
 from hvdlite._ops import ReduceOp
-from hvdlite._torchref import _views, array_of, stream_of
+from hvdlite._torchref import _views, array_of, stream_of, to_torch
 from hvdlite.errors import HvdliteError, NotInitializedError
 from hvdlite.torch._handles import FreshHandle, Handle, InPlaceHandle
 from hvdlite.torch.errors import InvalidArgumentError, NotInitializedValueError
@@ -250,26 +250,33 @@ def allreduce_async(tensors: list[Any], name: str | None, op: ReduceOp, pre: Any
 
 def allreduce_now(tensors: list[Any], name: str | None, op: ReduceOp, pre: Any, post: Any,
                   inplace: bool, group: bool, what: str, process_set: Any) -> Any:
-    """Blocking :func:`allreduce_async`: the result (a tensor or list). On the host it calls
-    the core's blocking form, whose caller runs the negotiation itself (no thread hand-off);
-    CUDA tensors wait on a handle, which orders torch's current stream."""
+    """Blocking :func:`allreduce_async`: the result (a tensor or list). It calls the core's
+    blocking form, whose caller runs the negotiation itself (no thread hand-off); for CUDA
+    tensors torch's current stream is made CuPy's for the call, so the stream the core orders
+    after the collective (asynchronous completion) is torch's."""
     fast = _fast(tensors, op, pre, post, group, what, process_set)
-    if fast is None or fast[2] >= 0:
+    if fast is None:
         return allreduce_async(tensors, name, op, pre, post, inplace, group, what,
                                process_set).wait()
-    plan, arrays, _ = fast
+    plan, arrays, device = fast
     fn: Callable[..., Any]
     if group:
         fn = hvdlite.grouped_allreduce_ if inplace else hvdlite.grouped_allreduce
     else:
         fn = hvdlite.allreduce_ if inplace else hvdlite.allreduce
     try:
-        out = fn(arrays, name, plan.op, plan.pre, plan.post, process_set=plan.core_set)
+        if device < 0:
+            out = fn(arrays, name, plan.op, plan.pre, plan.post, process_set=plan.core_set)
+        else:
+            stream = stream_of(device)
+            with stream:
+                out = fn(arrays, name, plan.op, plan.pre, plan.post, stream=stream,
+                         process_set=plan.core_set)
     except ValueError as exc:
         raise invalid(exc) from None
     if inplace:
         return list(tensors) if group else tensors[0]
-    return [torch.from_numpy(a) for a in out] if group else torch.from_numpy(out)
+    return [to_torch(a) for a in out] if group else to_torch(out)
 
 
 def _general(tensors: list[Any], name: str | None, op: ReduceOp, pre: Any, post: Any,

@@ -1,0 +1,164 @@
+"""T4 (GPU): the cost of hvdlite.torch's own layer on torch CUDA tensors, in the same launch as
+hvdlite's CuPy API on CuPy arrays over the *same memory* and torch.distributed.
+
+Variants, op Average (torch.distributed: SUM in place on copies, its fastest form), one repeat
+of each in turn after a barrier, host clock until the results are usable (a stream synchronise
+ends every variant), slowest rank per repeat, median reported. torch's current stream and
+CuPy's are the same non-blocking stream:
+
+- ResNet-50 set (161 float32 tensors, 102 MB): every tensor ``hvdlite.torch.allreduce_async``
+  then ``synchronize`` each; the same through ``hvdlite.allreduce_async`` on CuPy arrays; and
+  ``torch.distributed.all_reduce`` per tensor (``async_op=True`` then wait all, and a plain
+  loop then one synchronise: the faster counts);
+- 4 B sync call: ``hvdlite.torch.allreduce`` against ``hvdlite.allreduce`` on CuPy.
+
+Results are checked exactly (integer-valued floats) before and after timing. Targets (issue
+17), at any rank count: ResNet-50 set <= 1.2x the CuPy API and <= 0.5x torch per tensor; 4 B
+sync <= 1.2x the CuPy API.
+
+    mpirun -n 1 python3 scripts/gpu/bench_t4.py --np 1 --json t4g.json
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import _gpulib as gl
+import numpy as np
+
+X_CUPY, X_TORCH = 1.2, 0.5
+TORCH_T = "hvdlite.torch allreduce_async"
+CUPY_A = "CuPy API allreduce_async"
+DIST_ASYNC = "torch.distributed all_reduce (async_op, wait all)"
+DIST_LOOP = "torch.distributed all_reduce (loop, one synchronize)"
+SYNC_T = "hvdlite.torch allreduce (4 B)"
+SYNC_C = "CuPy API allreduce (4 B)"
+
+
+def main() -> None:
+    p = gl.base_parser(__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=30, help="timed repeats of the set per variant")
+    p.add_argument("--sync-reps", type=int, default=2000, help="timed 4 B calls per variant")
+    args = p.parse_args()
+    if args.quick:
+        args.reps, args.sync_reps = 3, 50
+    gpu = gl.Gpu(args)
+    import torch
+
+    import hvdlite
+    import hvdlite.torch as hvd
+
+    torch.cuda.set_device(gpu.device_id)
+    torch.cuda.set_stream(torch.cuda.ExternalStream(gpu.stream.ptr, device=gpu.device_id))
+    dist, why = gl.torch_dist(gpu)
+    gl.hvd_start(hvdlite, gpu)
+    cp = gpu.cupy
+    with open(gl.DATA_DIR / "resnet50_grads.json", encoding="utf-8") as f:
+        shapes = [tuple(int(d) for d in e["shape"]) for e in json.load(f)["tensors"]]
+    if args.quick:
+        shapes = shapes[:20]
+    dev = torch.device("cuda", gpu.device_id)
+    ts = [torch.full(s, float(((k % 7) + 2 * gpu.rank) * 2), device=dev)
+          for k, s in enumerate(shapes)]
+    want = [float(sum(((k % 7) + 2 * r) * 2 for r in range(gpu.size))) / gpu.size
+            for k in range(len(shapes))]
+    arrays = [cp.asarray(t) for t in ts]  # the same memory, CuPy's view
+    copies = [t.clone() for t in ts]
+    names = [f"t4g.{k}" for k in range(len(shapes))]
+    fns: dict[str, Callable[[], list[Any]]] = {
+        TORCH_T: lambda: _async_all(hvd.allreduce_async, hvd.synchronize, ts, names, "t", gpu),
+        CUPY_A: lambda: _async_all(hvdlite.allreduce_async, hvdlite.synchronize, arrays, names,
+                                   "c", gpu),
+    }
+    if dist is not None:
+        fns[DIST_ASYNC] = lambda: _dist_async(dist, copies, gpu)
+        fns[DIST_LOOP] = lambda: _dist_loop(dist, copies, gpu)
+    _check(gpu, {k: fns[k] for k in (TORCH_T, CUPY_A)}, want, "before timing")
+    times = gl.time_round_robin(gpu, fns, args.reps, warmup=3)
+    _check(gpu, {k: fns[k] for k in (TORCH_T, CUPY_A)}, want, "after timing")
+    t4 = torch.full((1,), float(gpu.rank + 1), device=dev)
+    c4 = cp.asarray(t4.clone())
+    sync_fns = {SYNC_T: lambda: hvd.allreduce(t4, name="t4g.sync.t"),
+                SYNC_C: lambda: hvdlite.allreduce(c4, name="t4g.sync.c")}
+    want4 = float(sum(r + 1 for r in range(gpu.size))) / gpu.size
+    for name, fn in sync_fns.items():
+        got = float(np.asarray(fn().tolist() if name == SYNC_T else cp.asnumpy(fn()))[0])
+        gl.check_all(gpu.comm, got == want4, name, f"got {got}, expected {want4}")
+    times.update(gl.time_round_robin(gpu, sync_fns, args.sync_reps, warmup=50, after=gpu.sync))
+    gl.torch_close(dist)
+    hvdlite.shutdown()
+    _report(gpu, args, {k: gl.stats(v) for k, v in times.items()}, len(shapes), why)
+
+
+def _async_all(start: Any, sync: Any, xs: list[Any], names: list[str], tag: str,
+               gpu: gl.Gpu) -> list[Any]:
+    handles = [start(x, name=f"{n}.{tag}") for x, n in zip(xs, names, strict=True)]
+    outs = [sync(h) for h in handles]
+    gpu.sync()
+    return outs
+
+
+def _dist_async(torch: Any, xs: list[Any], gpu: gl.Gpu) -> list[Any]:
+    works = [torch.distributed.all_reduce(x, async_op=True) for x in xs]
+    for w in works:
+        w.wait()
+    gpu.sync()
+    return xs
+
+
+def _dist_loop(torch: Any, xs: list[Any], gpu: gl.Gpu) -> list[Any]:
+    for x in xs:
+        torch.distributed.all_reduce(x)
+    gpu.sync()
+    return xs
+
+
+def _check(gpu: gl.Gpu, fns: dict[str, Callable[[], list[Any]]], want: list[float],
+           when: str) -> None:
+    cp = gpu.cupy
+    for name, fn in fns.items():
+        outs = fn()
+        bad = ""
+        for k, (o, w) in enumerate(zip(outs, want, strict=True)):
+            arr = cp.asarray(o)
+            if not bool((arr == w).all()):
+                bad = f"tensor {k}: expected every element {w}, got e.g. {float(arr.ravel()[0])}"
+                break
+        gl.check_all(gpu.comm, not bad, f"{name} ({when})", bad)
+
+
+def _report(gpu: gl.Gpu, args: Any, st: dict[str, dict[str, float]], n: int, why: str) -> None:
+    med = {k: v["median_s"] for k, v in st.items()}
+    rows, verdicts = [], []
+    torch_best = min((k for k in (DIST_ASYNC, DIST_LOOP) if k in med), key=med.get,
+                     default=None)
+    for k, v in st.items():
+        rows.append([k, gl.ms(v["median_s"]), gl.ms(v["p99_s"])])
+    checks = [(f"ResNet-50 set: {TORCH_T} <= {X_CUPY}x {CUPY_A}", med[TORCH_T] / med[CUPY_A],
+               X_CUPY),
+              (f"4 B sync: {SYNC_T} <= {X_CUPY}x {SYNC_C}", med[SYNC_T] / med[SYNC_C], X_CUPY)]
+    if torch_best is not None:
+        checks.append((f"ResNet-50 set: {TORCH_T} <= {X_TORCH}x {torch_best}",
+                       med[TORCH_T] / med[torch_best], X_TORCH))
+    for target, ratio, limit in checks:
+        verdicts.append({"target": target, "ratio": ratio, "met": ratio <= limit})
+    payload = {"benchmark": "T4 (GPU)", "device": gpu.device_name(), "ranks": gpu.size,
+               "tensors": n, "results": st, "targets": verdicts, "torch_dropped": why,
+               "note": gl.shortcut_note(gpu.size), "args": vars(args)}
+    if gpu.rank == 0:
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump(payload, f, indent=2)
+        print(f"T4 on {gpu.device_name()}, {gpu.size} rank(s), {n} tensors")
+        width = max(len(r[0]) for r in rows)
+        print(f"| {'variant'.ljust(width)} | median ms | p99 ms |")
+        for r in rows:
+            print(f"| {r[0].ljust(width)} | {r[1]:9.3f} | {r[2]:6.3f} |")
+        for v in verdicts:
+            print(f"{'MET   ' if v['met'] else 'MISSED'} {v['target']}: {v['ratio']:.3f}x")
+
+
+if __name__ == "__main__":
+    main()
