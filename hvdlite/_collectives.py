@@ -107,8 +107,8 @@ def allreduce(
         outs=[out],
         stream=stream,
         process_set=process_set,
-        wake=False,
-    ).wait()
+        block=True,
+    )
 
 
 def allreduce_async_(
@@ -156,8 +156,8 @@ def allreduce_(
         inplace=True,
         stream=stream,
         process_set=process_set,
-        wake=False,
-    ).wait()
+        block=True,
+    )
 
 
 def grouped_allreduce_async(
@@ -210,8 +210,8 @@ def grouped_allreduce(
         group=True,
         stream=stream,
         process_set=process_set,
-        wake=False,
-    ).wait()
+        block=True,
+    )
 
 
 def grouped_allreduce_async_(
@@ -261,8 +261,8 @@ def grouped_allreduce_(
         inplace=True,
         stream=stream,
         process_set=process_set,
-        wake=False,
-    ).wait()
+        block=True,
+    )
 
 
 # -- the other collectives ----------------------------------------------------------------
@@ -281,8 +281,8 @@ def allgather(
 ) -> Any:
     """Blocking :func:`allgather_async`."""
     return _submit(
-        Kind.ALLGATHER, [tensor], name, stream=stream, process_set=process_set, wake=False
-    ).wait()
+        Kind.ALLGATHER, [tensor], name, stream=stream, process_set=process_set, block=True
+    )
 
 
 def broadcast_async(
@@ -318,8 +318,8 @@ def broadcast(
         root=root_rank,
         stream=stream,
         process_set=process_set,
-        wake=False,
-    ).wait()
+        block=True,
+    )
 
 
 def broadcast_async_(
@@ -359,8 +359,8 @@ def broadcast_(
         inplace=True,
         stream=stream,
         process_set=process_set,
-        wake=False,
-    ).wait()
+        block=True,
+    )
 
 
 def alltoall_async(
@@ -395,8 +395,8 @@ def alltoall(
         splits=splits,
         stream=stream,
         process_set=process_set,
-        wake=False,
-    ).wait()
+        block=True,
+    )
 
 
 def reducescatter_async(
@@ -432,8 +432,8 @@ def reducescatter(
         op=op,
         stream=stream,
         process_set=process_set,
-        wake=False,
-    ).wait()
+        block=True,
+    )
 
 
 def barrier_async(name: str | None = None, *, process_set: Any = None) -> Handle:
@@ -445,7 +445,7 @@ def barrier_async(name: str | None = None, *, process_set: Any = None) -> Handle
 
 def barrier(*, process_set: Any = None) -> None:
     """Block until every rank of ``process_set`` (default: all) has called :func:`barrier`."""
-    _submit(Kind.BARRIER, [], None, wake=False, process_set=process_set).wait()
+    _submit(Kind.BARRIER, [], None, block=True, process_set=process_set)
 
 
 def join() -> int:
@@ -457,7 +457,7 @@ def join() -> int:
     fail with :class:`MismatchError` on every rank while any rank has joined. Blocking; the
     global set only. Returns the rank that joined last.
     """
-    return int(_submit(Kind.JOIN, [], default_engine().auto_name("join"), wake=False).wait())
+    return int(_submit(Kind.JOIN, [], default_engine().auto_name("join"), block=True))
 
 
 def poll(handle: Handle) -> bool:

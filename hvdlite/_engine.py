@@ -14,12 +14,13 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hvdlite import _exit
 from hvdlite._control.channel import Channel
 from hvdlite._control.fusion import FusionBuffers
+from hvdlite._control.immediate import run_queued
 from hvdlite._control.negotiation import Response
 from hvdlite._control.work import Entry
 from hvdlite._observe.tracer import Tracer, open_timeline
@@ -35,6 +36,7 @@ __all__ = ["Engine", "default_engine", "is_initialized"]
 if TYPE_CHECKING:
     from mpi4py import MPI
 
+    from hvdlite._control.negotiator import CycleResult
     from hvdlite._gpu.runtime import GpuRuntime
     from hvdlite._handles import Handle
     from hvdlite._observe.timeline import Timeline
@@ -45,6 +47,9 @@ _SHUTDOWN_JOIN_S = 60.0
 _ABORT_AFTER_S = 5.0  # from a job-level failure to the abort of the job
 _SHUTDOWN_GUARD_S = 10.0  # bound on a shutdown while a peer may be gone
 _MAX_NAP_S = 200e-6  # longest pause of a waiting caller between rounds without its result
+# Nap of the loop while a burst of submissions arrives (see _settle): long enough that the
+# thread submitting the burst keeps the GIL for a few dozen calls between two looks.
+_SETTLE_NAP_S = 200e-6
 
 
 _POKE = object()  # wake-up token of a waiting caller (see Engine.progress)
@@ -99,6 +104,7 @@ class Engine:
         # the same order on every rank, whichever thread runs it.
         self._cycle_lock = threading.Lock()
         self._napping = False  # the loop is in an idle nap (see _idle_nap)
+        self._last_cycle = 0.0  # when a waiting caller last started a cycle (see _run)
         self._nap_s = 20e-6  # first pause between cycles a waiting caller runs without result
         # Wake-ups of the background loop: a C-level queue of tokens is about twice as quick
         # to hand over as threading.Event, whose wait and set run Python-level Condition code.
@@ -164,6 +170,13 @@ class Engine:
                                 "set timeline_device_events to keep stream waits and time "
                                 "device phases with CUDA events instead")
             return self._gpu
+
+    def reclaim(self) -> None:
+        """Drop hvdlite's references to device work that has finished (never waits; any
+        thread): its result arrays may then be handed out again."""
+        gpu = self._gpu
+        if gpu is not None and len(gpu.retirer):
+            gpu.retirer.retire()
 
     def check_usable(self) -> None:
         if self._error is not None:
@@ -240,6 +253,34 @@ class Engine:
         if wake:  # see submit
             self._wake.put(None)
 
+    def quiet(self, channel: Channel, queued: int = 0) -> bool:
+        """Whether a cycle may run for one cached tensor of ``channel`` alone (the immediate
+        path, ``_control/immediate.py``; under the cycle lock): the global set is the only
+        one (a cycle runs every set's round), nothing (but ``queued`` entries, that tensor's)
+        is queued or pending, nothing traced, nothing stopping."""
+        return (len(self._channels) == 1 and len(self._queue) == queued and not channel.entries
+                and self._error is None and not self._stopped and not self._stop_requested
+                and not self._expecting_stall and not self.tracer.on)
+
+    def adopt(self, channel: Channel, entry: Entry, conclude: Callable[[], CycleResult]) -> None:
+        """Finish, the general way, an immediate cycle whose round agreed on more than its
+        own tensor: ``entry`` (that call) joins the pending work as if it had been queued
+        before the round, then ``conclude`` ends the cycle and its responses run (under the
+        cycle lock)."""
+        entry.handle._driver = self.progress
+        entry.enqueued_at = time.perf_counter()
+        entry.stats = self.tracer.stats
+        entry.channel = channel
+        name = entry.request.name
+        with self._lock:
+            channel.in_flight.add(name)
+            channel.entries[name] = entry
+        cycle = conclude()
+        if cycle.responses:
+            channel.execute(cycle.responses, self._lock)
+        if cycle.stop is not None:
+            self._finish(cycle.stop)
+
     # -- cycles: run by the background thread, or by a thread waiting for its result --------
     def progress(self, handle: Handle) -> None:
         """Run cycles on this (waiting) thread until ``handle`` is resolved (progress on wait).
@@ -256,6 +297,10 @@ class Engine:
                 self._wake.put(_POKE)
             lock.acquire()
         try:
+            queued = self._queue  # alone and cached: a cycle of its own (_control/immediate.py)
+            if (queued and queued[0].handle is handle and run_queued(self, queued[0])
+                    and (handle._resolved or self._stopped)):
+                return
             misses = 0
             ready = handle._ready
             if ready is not None and self._alone(handle) and not ready.done:
@@ -323,6 +368,13 @@ class Engine:
     def _run(self) -> None:
         while True:
             woken = self._wait_for_work()
+            if woken and not self._stop_requested:
+                self._settle()
+            elif (time.perf_counter() - self._last_cycle < self.negotiator.cycle_s
+                  and not self._stop_requested):
+                # A caller ran a round within the cycle time: the peers' rounds are being
+                # served by it, and a timer round now would only contend for the cycle lock.
+                continue
             with self._cycle_lock:
                 if self._stopped:
                     return
@@ -344,6 +396,8 @@ class Engine:
         """One cycle: drain the queue, then per process set (in set-id order, the same on
         every member): negotiate, execute in the agreed order, complete. Runs under the
         cycle lock, on whichever thread holds it."""
+        if caller:
+            self._last_cycle = time.perf_counter()
         if self._gpu is not None and len(self._gpu.retirer):
             self._gpu.retirer.retire()
         new = self._drain()
@@ -401,6 +455,24 @@ class Engine:
         except queue.Empty:
             pass
         return woken
+
+    def _settle(self) -> None:
+        """Woken by a submission: let the burst it starts (a step's gradients) finish first,
+        napping while submissions keep arriving, for up to one cycle time. A cycle per
+        submission of a burst would cost a round each, cut the burst into partial buckets
+        (no plan to replay) and take the GIL from the thread that submits."""
+        wake = self._wake
+        cycle_s = self.negotiator.cycle_s
+        deadline = time.perf_counter() + cycle_s
+        while time.perf_counter() < deadline:
+            time.sleep(min(_SETTLE_NAP_S, cycle_s / 4))
+            if wake.empty():
+                return
+            try:
+                while True:
+                    wake.get_nowait()
+            except queue.Empty:
+                pass
 
     def _idle_nap(self, seconds: float) -> bool:
         """A nap of the negotiation's idle wait that ends early when work is submitted here

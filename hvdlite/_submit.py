@@ -10,12 +10,13 @@ call costs a few comparisons, a handle, an entry and the queue. A grouped call i
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from hvdlite._control.channel import Channel
+from hvdlite._control.immediate import MISS, run_now
 from hvdlite._control.negotiation import SPECS, Kind, Request
 from hvdlite._control.replay import Lane, Results, span_of
 from hvdlite._control.work import Entry
@@ -28,7 +29,8 @@ from hvdlite._tensors import _identity as identity
 
 __all__ = ["_submit", "_as_list"]
 
-_LANE_TYPES: tuple[type, ...] = (np.ndarray,)  # extended with cupy.ndarray once CuPy is imported (see _lane_types)
+# Array types a lane matches on: cupy.ndarray joins once CuPy is imported (see _lane_types).
+_LANE_TYPES: tuple[type, ...] = (np.ndarray,)
 
 
 def _check_name(name: object) -> None:
@@ -93,12 +95,14 @@ def _submit(
     inplace: bool = False,
     group: bool = False,
     stream: Any = None,
-    wake: bool = True,
+    block: bool = False,
     process_set: Any = None,
-) -> Handle:
+) -> Any:
     """The one template: validate, resolve the process set, the tensor and its stream, look
-    up the dtype, build request and output, submit. ``wake=False`` (the blocking forms): the
-    caller waits at once and runs the cycle itself, so the background thread is not woken."""
+    up the dtype, build request and output, submit; returns the handle. ``block`` (the
+    blocking forms) returns the result instead: the caller waits at once and runs the cycle
+    itself, so the background thread is not woken (and a repeated allreduce with nothing else
+    pending takes the immediate path, ``_control/immediate.py``)."""
     engine = default_engine()
     engine.check_usable()
     channel = (
@@ -108,8 +112,9 @@ def _submit(
         _check_name(name)
         base = name if name is not None else engine.auto_name(kind.name.lower(), channel.id)
         handle = Handle(base)
-        engine.submit([Entry(Request(base, kind), None, None, handle)], handle, wake, channel)
-        return handle
+        engine.submit([Entry(Request(base, kind), None, None, handle)], handle, not block,
+                      channel)
+        return handle.wait() if block else handle
     # The parameters with their types: 1 == Sum and True == 1.0 compare equal, and must not
     # pass for each other on a lane.
     params = (kind, op, type(op), prescale, type(prescale), postscale, type(postscale), root,
@@ -118,10 +123,15 @@ def _submit(
         lane = channel.lanes.get(name)
         if lane is not None:
             out = outs[0] if outs is not None else None
-            entry = (_group_entry(lane, tensors, params) if group
-                     else _single_entry(lane, tensors[0], out, inplace, params))
+            if block and not group and kind is Kind.ALLREDUCE:
+                value = _immediate(engine, channel, lane, tensors[0], out, inplace, params,
+                                   stream)
+                if value is not MISS:
+                    return value.wait() if type(value) is Handle else value
+            entry = (_group_entry(lane, tensors, params, engine.reclaim) if group
+                     else _single_entry(lane, tensors[0], out, inplace, params, engine.reclaim))
             if entry is not None:
-                return _enqueue(engine, channel, entry, lane.framework, stream, wake)
+                return _enqueue(engine, channel, entry, lane.framework, stream, block)
     elif name is not None and type(name) is not str:
         _check_name(name)
     base = name if name is not None else engine.auto_name(kind.name.lower(), channel.id)
@@ -137,27 +147,57 @@ def _submit(
                                              params)
     if name is not None and splits is None and lane is not None:
         channel.lanes.put(name, lane)
-    return _enqueue(engine, channel, entry, framework, stream, wake)
+    return _enqueue(engine, channel, entry, framework, stream, block)
 
 
 def _enqueue(engine: Engine, channel: Channel, entry: Entry, framework: str, stream: Any,
-             wake: bool) -> Handle:
-    handle = entry.handle
+             block: bool) -> Any:
+    _ready(engine, entry, framework, stream)
+    engine.submit_one(entry, not block, channel)
+    return entry.handle.wait() if block else entry.handle
+
+
+def _ready(engine: Engine, entry: Entry, framework: str, stream: Any) -> None:
     if entry.device_id >= 0:
         # Record READY on the caller's stream now: the cycle orders hvdlite's stream after it
         # (cudaStreamWaitEvent) instead of waiting for the producer on the CPU.
-        runtime = engine.gpu_runtime()
+        runtime = engine._gpu or engine.gpu_runtime()
         device_id = entry.device_id
         entry.ready = runtime.record_ready(framework, device_id, stream)
-        handle.attach_device(runtime.stream_waiter(framework, device_id),
-                             runtime.async_completion, device_id, entry.ready)
-    engine.submit_one(entry, wake, channel)
-    return handle
+        entry.handle.attach_device(runtime.stream_waiter(framework, device_id),
+                                   runtime.async_completion, device_id, entry.ready)
+
+
+def _immediate(engine: Engine, channel: Channel, lane: Lane, tensor: Any, out: Any,
+               inplace: bool, params: tuple[Any, ...], stream: Any) -> Any:
+    parts = _single_parts(lane, tensor, out, inplace, params, engine.reclaim)
+    if parts is None:
+        return MISS
+    output, user = parts
+
+    def make_entry() -> Entry:
+        entry = Entry(lane.request, tensor, output, Handle(lane.request.name), 0, user,
+                      lane.device_id, lane.to_user)
+        _ready(engine, entry, lane.framework, stream)
+        return entry
+
+    return run_now(engine, channel, lane, tensor, output, user, stream, make_entry)
 
 
 # -- the lanes: a call that repeats its name's last call -----------------------------------
-def _single_entry(lane: Lane, tensor: Any, out: Any, inplace: bool,
-                  params: tuple[Any, ...]) -> Entry | None:
+def _single_entry(lane: Lane, tensor: Any, out: Any, inplace: bool, params: tuple[Any, ...],
+                  reclaim: Callable[[], None]) -> Entry | None:
+    parts = _single_parts(lane, tensor, out, inplace, params, reclaim)
+    if parts is None:
+        return None
+    output, user = parts
+    handle = Handle(lane.request.name)
+    return Entry(lane.request, tensor, output, handle, 0, user, lane.device_id, lane.to_user)
+
+
+def _single_parts(lane: Lane, tensor: Any, out: Any, inplace: bool, params: tuple[Any, ...],
+                  reclaim: Callable[[], None]) -> tuple[Any, Any] | None:
+    """(output, user object to hand back) of a single-tensor call that repeats ``lane``."""
     if lane.shapes or not lane.matches(tensor, params):
         return None
     user = None
@@ -173,13 +213,13 @@ def _single_entry(lane: Lane, tensor: Any, out: Any, inplace: bool,
             return None
         output = user = out
     else:
-        res = lane.result()
+        res = lane.result(reclaim)
         output = res.views[0] if res is not None else None
-    handle = Handle(lane.request.name)
-    return Entry(lane.request, tensor, output, handle, 0, user, lane.device_id, lane.to_user)
+    return output, user
 
 
-def _group_entry(lane: Lane, tensors: Sequence[Any], params: tuple[Any, ...]) -> Entry | None:
+def _group_entry(lane: Lane, tensors: Sequence[Any], params: tuple[Any, ...],
+                 reclaim: Callable[[], None]) -> Entry | None:
     if not lane.shapes or not lane.matches_group(tensors, params):
         return None
     members = lane.inputs
@@ -187,7 +227,7 @@ def _group_entry(lane: Lane, tensors: Sequence[Any], params: tuple[Any, ...]) ->
     if lane.inplace:
         outputs, span, user = members, lane.span, members
     else:
-        res = lane.result()
+        res = lane.result(reclaim)
         assert res is not None  # an allreduce always has results
         outputs, span, user = res.views, res.flat, None
     return _unit(lane, members, outputs, span, user)

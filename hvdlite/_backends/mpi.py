@@ -69,6 +69,20 @@ def _rows_split(total: int, parts: int) -> list[int]:
     return [base + (1 if r < extra else 0) for r in range(parts)]
 
 
+_Spec = tuple[DType, ReduceOp, MPI.Datatype, np.dtype, MPI.Op, bool]
+_NO_NAMES: list[str] = []
+_SPECS: dict[tuple[str, int], _Spec] = {}
+
+
+def _spec(dtype: str, opv: int) -> _Spec:
+    """Everything an allreduce of (dtype, op) needs, looked up once per pair."""
+    row = DTYPES[dtype]
+    op = ReduceOp(opv)
+    mtype, wire = mpi_datatype(row)
+    spec = _SPECS[(dtype, opv)] = (row, op, mtype, wire, mpi_op(row, op), wire == row.np_dtype)
+    return spec
+
+
 class MPIBackend:
     """Executes agreed responses on host arrays over one MPI communicator."""
 
@@ -157,18 +171,22 @@ class MPIBackend:
 
     def _one(self, head: Response, entry: Entry | None, spec: _Spec, names: list[str]) -> None:
         """One tensor in its native MPI type: reduced straight from the input."""
-        row, op, mtype, _, mop, _ = spec
+        row, op = spec[0], spec[1]
         if entry is None:
             out = np.full(head.shape, row.identity(op), dtype=row.np_dtype)
-            send: Any = MPI.IN_PLACE
+            self.reduce_one(head, out, out, spec, names)
         else:
-            out = entry.output
-            src = entry.array
-            if head.prescale != 1.0:
-                scale_into(np, out, src, head.prescale)
-                send = MPI.IN_PLACE
-            else:  # reduce straight from the input: no copy into the output first
-                send = MPI.IN_PLACE if src is out else [src, mtype]
+            entry.finish(self.reduce_one(head, entry.array, entry.output, spec, names))
+
+    def reduce_one(self, head: Response, src: np.ndarray, out: np.ndarray, spec: _Spec,
+                   names: list[str] = _NO_NAMES) -> np.ndarray:
+        """``out = allreduce(src)`` for one tensor of a native MPI type; returns ``out``."""
+        row, op, mtype, _, mop, _ = spec
+        if head.prescale != 1.0:
+            scale_into(np, out, src, head.prescale)
+            send: Any = MPI.IN_PLACE
+        else:  # reduce straight from the input: no copy into the output first
+            send = MPI.IN_PLACE if src is out else [src, mtype]
         if names:
             with self.tracer.phase(names, "MPI_ALLREDUCE", {"bytes": out.nbytes}):
                 self._wait(self.comm.Iallreduce(send, [out, mtype], op=mop))
@@ -176,8 +194,15 @@ class MPIBackend:
             self._wait(self.comm.Iallreduce(send, [out, mtype], op=mop))
         if op is ReduceOp.AVERAGE or head.postscale != 1.0:
             finish_reduce(np, out, op, self.size, head.postscale, row)
-        if entry is not None:
-            entry.finish(out)
+        return out
+
+    def direct(self, head: Response) -> _Spec | None:
+        """What :meth:`reduce_one` needs for ``head``, if it is one (not grouped) allreduce
+        of a native MPI type; else None."""
+        if head.kind is not Kind.ALLREDUCE or is_unit(head) or head.joined:
+            return None
+        spec = _SPECS.get((head.dtype, head.op)) or _spec(head.dtype, head.op)
+        return spec if spec[5] else None
 
     def _reduce(self, head: Response, dtype: str, srcs: Sequence[np.ndarray],
                 dsts: Sequence[np.ndarray], span: np.ndarray | None, names: list[str]) -> None:
@@ -273,19 +298,6 @@ class MPIBackend:
                                              op=mpi_op(row, op)))
         finish_reduce(np, out, op, self.size, 1.0, row)
         return out.astype(row.np_dtype, copy=False)
-
-
-_Spec = tuple[DType, ReduceOp, MPI.Datatype, np.dtype, MPI.Op, bool]
-_SPECS: dict[tuple[str, int], _Spec] = {}
-
-
-def _spec(dtype: str, opv: int) -> _Spec:
-    """Everything an allreduce of (dtype, op) needs, looked up once per pair."""
-    row = DTYPES[dtype]
-    op = ReduceOp(opv)
-    mtype, wire = mpi_datatype(row)
-    spec = _SPECS[(dtype, opv)] = (row, op, mtype, wire, mpi_op(row, op), wire == row.np_dtype)
-    return spec
 
 
 def _displs(counts: Sequence[int]) -> list[int]:

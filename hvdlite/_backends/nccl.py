@@ -126,6 +126,22 @@ class NcclBackend:
                 cuda.runtime.setDevice(prev)
         self.runtime.complete(ctx, entries, self._outputs, self._timed)
 
+    def direct(self, resp: Response) -> tuple[int, int, int] | None:
+        """What :meth:`reduce_now` needs for ``resp``: see :meth:`_direct_op`; None also for a
+        grouped call or while ranks have joined."""
+        if is_unit(resp) or resp.joined:
+            return None
+        return self._direct_op(resp)
+
+    def reduce_now(self, src: Any, out: Any, device_id: int, stream: Any,
+                   direct: tuple[int, int, int]) -> None:
+        """``out = allreduce(src)`` as one NCCL call on the caller's ``stream`` (the immediate
+        path, see ``_control/immediate.py``: nothing else is pending, so the caller's stream
+        orders the call exactly as a READY wait on hvdlite's stream would)."""
+        comm = self._comms.get(device_id) or self.communicator(device_id)
+        dtype, per, op = direct
+        comm.allReduce(src.data.ptr, out.data.ptr, src.size * per, dtype, op, stream.ptr)
+
     def _direct_op(self, resp: Response) -> tuple[int, int, int] | None:
         """(NCCL dtype, elements per value, NCCL op) when ``resp`` is one NCCL call and
         nothing else (an unscaled allreduce whose op NCCL computes itself), else None."""
@@ -158,7 +174,8 @@ class NcclBackend:
         comm = self._comms.get(device_id) or self.communicator(device_id)
         stream = ctx.stream
         if entry.ready is not None:
-            stream.wait_event(entry.ready)
+            if not entry.ready_done:
+                stream.wait_event(entry.ready)
             ctx.release(entry.ready)
         src, out = entry.array, entry.output
         dtype, per, op = direct
@@ -170,7 +187,7 @@ class NcclBackend:
         kind = bucket[0].kind
         tracing = self.tracer.on
         names = [r.name for r in bucket] if tracing else []
-        readies = [e.ready for e in live if e.ready is not None]
+        readies = [e for e in live if e.ready is not None]
         if tracing:
             with self._phase(ctx, names, "WAIT_FOR_DATA"):
                 self.runtime.wait_ready(ctx, readies)

@@ -24,8 +24,10 @@ as unsafe here as with CuPy's pool).
 from __future__ import annotations
 
 import math
+import operator
 import sys
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 from hvdlite._control.negotiation import Request, Response
@@ -40,20 +42,23 @@ _RESULT_SETS = 2  # result sets kept per lane: the one the caller holds and one 
 # Lanes kept per process set: a training step's named tensors fit many times over; names made
 # up per step (never repeated) are forgotten in batches, so memory stays flat.
 _MAX_LANES = 4096
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
 
 
 def refcounts(items: Sequence[Any]) -> list[int]:
     """Reference counts of ``items``, measured the same way every time (see :class:`Results`)."""
-    return [sys.getrefcount(x) for x in items]
+    return list(map(sys.getrefcount, items))
 
 
 class Results:
     """One set of result arrays a lane may hand out again: ``views`` (one per member) and the
     ``flat`` buffer they are views of (None for a single tensor or mixed dtypes).
 
-    ``free`` holds the reference counts measured right after creation, when only this object
-    referred to them; the set is free again when the counts are back to those values (a view
-    a caller made of a result refers to the result or to ``flat``, and so keeps it busy).
+    ``free`` holds the reference counts measured right after creation (by :meth:`Lane.result`,
+    once the frames that made the arrays are gone), when only this object referred to them;
+    the set is free again when the counts are back to those values (a view a caller made of
+    a result refers to the result or to ``flat``, and so keeps it busy).
     """
 
     __slots__ = ("flat", "views", "free")
@@ -61,7 +66,7 @@ class Results:
     def __init__(self, flat: Any, views: list[Any]) -> None:
         self.flat = flat
         self.views = views
-        self.free = self._counts()
+        self.free: list[int] = []
 
     def _counts(self) -> list[int]:
         flat = self.flat
@@ -115,20 +120,25 @@ class Lane:
         addresses), still of the same shapes and dtype, with the same parameters."""
         inputs = self.inputs
         return (len(tensors) == len(inputs) and params == self.params
-                and all(map(_is, tensors, inputs))
-                and tuple(t.shape for t in tensors) == self.shapes
-                and all(t.dtype is self.dtype for t in tensors))
+                and all(map(operator.is_, tensors, inputs))
+                and tuple(map(_SHAPE, tensors)) == self.shapes
+                and all(map(operator.is_, map(_DTYPE, tensors), repeat(self.dtype))))
 
-    def result(self) -> Results | None:
+    def result(self, reclaim: Callable[[], None] | None = None) -> Results | None:
         """A result set nothing outside hvdlite refers to, or a new one (kept for reuse while
-        fewer than ``_RESULT_SETS`` exist); None if the collective allocates no output."""
+        fewer than ``_RESULT_SETS`` exist); None if the collective allocates no output.
+        ``reclaim`` drops hvdlite's own references to finished device work (its retirement),
+        tried once before allocating."""
         if self.alloc is None:
             return None
+        if reclaim is not None and self.results:
+            reclaim()
         for res in self.results:
             if res.idle():
                 return res
         res = self.alloc()
         if len(self.results) < _RESULT_SETS:
+            res.free = res._counts()  # only ``res`` refers to them now
             self.results.append(res)
         return res
 
@@ -140,10 +150,6 @@ class Lanes(dict[str, Lane]):
         if len(self) >= _MAX_LANES:
             self.clear()
         self[name] = lane
-
-
-def _is(a: Any, b: Any) -> bool:
-    return a is b
 
 
 def span_of(arrays: Sequence[Any], framework: str) -> Any:

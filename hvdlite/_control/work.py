@@ -21,7 +21,9 @@ class Entry:
     (None: it already is one). ``output`` is preallocated when its shape is known at the call
     (allreduce, broadcast) and is the input itself for in-place calls; otherwise the backend
     allocates it. ``user`` is the caller's own object to hand back (in place or ``out=``), else
-    None. ``ready`` is the device event recorded on the caller's stream at enqueue.
+    None. ``ready`` is the device event recorded on the caller's stream at enqueue;
+    ``ready_done`` is set once negotiation saw it complete (its producer has finished, so
+    hvdlite's stream need not wait on it).
 
     A grouped call is one entry (one *unit*): ``members`` are its input arrays, ``outputs``
     their result arrays (the inputs when in place), ``span`` one flat array over all outputs
@@ -31,7 +33,7 @@ class Entry:
 
     __slots__ = ("request", "array", "output", "handle", "index", "enqueued_at", "ready",
                  "user", "stats", "channel", "device_id", "to_user", "members", "outputs",
-                 "span", "size")
+                 "span", "size", "ready_done")
 
     def __init__(self, request: Request, array: Any, output: Any, handle: Handle,
                  index: int = 0, user: Any = None, device_id: int = -1,
@@ -46,6 +48,7 @@ class Entry:
         self.to_user = to_user
         self.enqueued_at = 0.0
         self.ready: Any = None
+        self.ready_done = False
         self.stats: Any = None  # the engine's Stats, fed at completion
         self.channel: Any = None  # the process set's Channel it was submitted on
         self.members: list[Any] | None = None

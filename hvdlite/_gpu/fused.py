@@ -115,8 +115,9 @@ class FusedAllreduce:
         with _maybe(phase, "NCCL_ALLREDUCE", {"bytes": total * np.dtype(red.wire).itemsize}):
             ptr = span.data.ptr
             comm.allReduce(ptr, ptr, total, red.dtype, red.nccl_op, ctx.stream.ptr)
-        with _maybe(phase, "MEMCPY_OUT_FUSION_BUFFER", None):
-            red.complete(self.cupy, span)
+        if red.finish:  # the results are in place: only averaging or scaling is left
+            with _maybe(phase, "MEMCPY_OUT_FUSION_BUFFER", None):
+                red.complete(self.cupy, span)
 
     def _scattered(self, ctx: DeviceContext, comm: Any, plan: MemberPlan, red: Reduction,
                    srcs: Sequence[Any], dsts: Sequence[Any], phase: Phase | None) -> None:

@@ -115,6 +115,7 @@ def _module() -> Any:
     return cupy.RawModule(code=code, options=("--std=c++14",))
 
 
+@functools.cache
 def _kernel(wire: str) -> Any:
     return _module().get_function(f"hvd_batched_{wire}")
 

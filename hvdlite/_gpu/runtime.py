@@ -165,6 +165,10 @@ class Retirer:
         self._pending: collections.deque[tuple[Any, Callable[[], None] | None, Any]] = (
             collections.deque())
         self._limit = limit
+        # Cycles retire under the cycle lock, and a caller may retire too before it reuses
+        # result arrays (see _control/replay.py): whoever gets this lock retires, the other
+        # skips (the work is the same).
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -178,14 +182,19 @@ class Retirer:
     def retire(self, wait: bool = False) -> None:
         """Run the callbacks and drop the references of everything finished (in order); with
         ``wait``, of everything (at shutdown, after the streams were synchronised)."""
-        pending = self._pending
-        while pending and (wait or pending[0][0].done):
-            _, on_done, _ = pending.popleft()
-            if on_done is not None:
-                try:
-                    on_done()
-                except Exception:  # a failed callback must not stop later retirements
-                    log.exception("hvdlite: device completion callback failed")
+        if not self._lock.acquire(blocking=wait):
+            return
+        try:
+            pending = self._pending
+            while pending and (wait or pending[0][0].done):
+                _, on_done, _ = pending.popleft()
+                if on_done is not None:
+                    try:
+                        on_done()
+                    except Exception:  # a failed callback must not stop later retirements
+                        log.exception("hvdlite: device completion callback failed")
+        finally:
+            self._lock.release()
 
 
 class GpuRuntime:
@@ -242,16 +251,16 @@ class GpuRuntime:
         event.record(stream)
         return event
 
-    def wait_ready(self, ctx: DeviceContext, events: Sequence[Any]) -> None:
-        """Order hvdlite's stream after every input's producer (background thread).
-
-        Each event is one entry's (a grouped call is one entry).
-        """
-        for event in events:
-            if self.cpu_sync:
-                event.synchronize()
-            else:
-                ctx.stream.wait_event(event)
+    def wait_ready(self, ctx: DeviceContext, entries: Sequence[Any]) -> None:
+        """Order hvdlite's stream after every entry's producer (its READY event), except
+        where negotiation already saw READY complete; the events go back to the pool."""
+        for e in entries:
+            event = e.ready
+            if not e.ready_done:
+                if self.cpu_sync:
+                    event.synchronize()
+                else:
+                    ctx.stream.wait_event(event)
             ctx.release(event)
 
     def complete(self, ctx: DeviceContext, entries: list[Any], outputs: list[Any],

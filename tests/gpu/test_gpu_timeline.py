@@ -42,17 +42,24 @@ def traced(hvd: Any, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator
 @pytest.mark.parametrize("traced", [{}], indirect=True)
 def test_cpu_sync_fallback_brackets_device_phases(hvd: Any, traced: str) -> None:
     r = hvd.rank()
+    want = sum(k + 1 for k in range(hvd.size()))
     parts = [cupy.full(1000 + i, r + 1.0, dtype=cupy.float32) for i in range(3)]
-    out = hvd.grouped_allreduce(parts, name="tlg", op=hvd.Sum)
-    assert float(out[0][0]) == sum(k + 1 for k in range(hvd.size()))
+    out = hvd.grouped_allreduce(parts, name="tlg", op=hvd.Sum)  # reduced in its results
+    assert float(out[0][0]) == want
+    # In place on separate tensors: through the fusion buffer, so copied out too.
+    apart = [cupy.full(1000 + i, r + 1.0, dtype=cupy.float32) for i in range(3)]
+    hvd.grouped_allreduce_(apart, name="tlp", op=hvd.Sum)
+    assert all(float(a[-1]) == want for a in apart)
     hvd.shutdown()  # closes the trace
     events = _events(traced, r)
     names = _tracks(events)
     phases = {(names[e["tid"]], e["name"]) for e in events if e.get("ph") == "B"}
-    for i in range(3):
-        for phase in ("NEGOTIATE_ALLREDUCE", "QUEUE", "WAIT_FOR_DATA",
-                      "MEMCPY_IN_FUSION_BUFFER", "NCCL_ALLREDUCE", "MEMCPY_OUT_FUSION_BUFFER"):
-            assert (f"tlg.{i}", phase) in phases, (i, phase)
+    common = ("NEGOTIATE_ALLREDUCE", "QUEUE", "WAIT_FOR_DATA", "MEMCPY_IN_FUSION_BUFFER",
+              "NCCL_ALLREDUCE")
+    for track, expected in (("tlg", common), ("tlp", (*common, "MEMCPY_OUT_FUSION_BUFFER"))):
+        for phase in expected:
+            assert (track, phase) in phases, (track, phase)
+    assert ("tlg", "MEMCPY_OUT_FUSION_BUFFER") not in phases
     hvd.init(timeline=traced)  # the fixture's teardown shuts down again
 
 

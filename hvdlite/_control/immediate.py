@@ -1,0 +1,153 @@
+"""The immediate path of a blocking allreduce: one cached tensor, nothing else pending.
+
+A blocking call that repeats its lane (same name, layout and parameters, ``_control/replay.py``)
+while nothing else is pending on this rank needs no queue, no entry, no handle and no thread
+hand-off. The calling thread takes the cycle lock, runs the cycle's round for that one cached
+tensor and, when every rank agreed on it alone, runs the collective at once and returns the
+result. The collectives it issues are exactly a general cycle's (the same round, then the same
+data call), so peers on the general path pair with it; when the round agrees on anything else,
+the cycle goes on the general way, with this call adopted as an ordinary entry.
+
+Device tensors: the NCCL call goes on the caller's stream. Nothing else is pending, so that
+orders it exactly as a READY wait on hvdlite's stream would (after everything the caller
+enqueued before), and no READY or DONE event is needed::
+
+    caller stream:  ... producer kernels ... -> NCCL allreduce -> (sync completion: the
+                                                 caller synchronises this stream)
+
+Sync completion synchronises that stream before returning; async completion returns at once,
+the caller's stream already ordered after the collective.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from hvdlite._control.work import Entry
+
+if TYPE_CHECKING:
+    from hvdlite._control.channel import Channel
+    from hvdlite._control.replay import Lane
+    from hvdlite._engine import Engine
+
+__all__ = ["MISS", "run_now", "run_queued"]
+
+MISS = object()  # the call cannot take the immediate path: submit it the general way
+
+
+def run_now(engine: Engine, channel: Channel, lane: Lane, tensor: Any, output: Any, user: Any,
+            stream: Any, make_entry: Callable[[], Entry]) -> Any:
+    """The result of the blocking allreduce of ``tensor`` into ``output`` (see the module
+    docstring), a :class:`~hvdlite.Handle` to wait on if the round agreed on more than this
+    call, or :data:`MISS` if the call must be submitted the general way."""
+    lock = engine._cycle_lock
+    if not lock.acquire(blocking=False):
+        return MISS
+    try:
+        if not engine.quiet(channel):
+            return MISS
+        neg = channel.negotiator
+        slot, same = neg.cache.lookup(lane.request)
+        if not same or not neg.idle():
+            return MISS
+        resp = neg.cache.response(slot)
+        backend: Any = channel.backends.get(resp.device)
+        direct = backend.direct(resp) if backend is not None else None
+        if direct is None:
+            return MISS
+        return _cycle(engine, channel, lane, slot, backend, direct, tensor, output, user, stream,
+                      make_entry)
+    finally:
+        lock.release()
+
+
+def _cycle(engine: Engine, channel: Channel, lane: Lane, slot: int, backend: Any, direct: Any,
+           tensor: Any, output: Any, user: Any, stream: Any,
+           make_entry: Callable[[], Entry]) -> Any:
+    neg = channel.negotiator
+    neg.in_caller = channel.mpi.in_caller = True
+    t0 = time.perf_counter()
+    engine._last_cycle = t0
+    engine.reclaim()
+    try:
+        now = time.monotonic()
+        hits, invalid = neg.round_one(slot, lane.request.name, now)
+        agreed = neg.agreed_one(slot, hits, invalid)
+        if agreed is None:  # other work in this round: the general cycle takes it from here
+            entry = make_entry()
+            engine.adopt(channel, entry,
+                         lambda: neg.conclude(hits, invalid, channel.entries, False, now))
+            return entry.handle
+        if lane.device_id >= 0:
+            from hvdlite._gpu.runtime import current_stream
+
+            target = stream if stream is not None else current_stream(lane.framework,
+                                                                      lane.device_id)
+            backend.reduce_now(tensor, output, lane.device_id, target, direct)
+            if not engine.gpu_runtime().async_completion:
+                target.synchronize()
+        else:
+            backend.reduce_one(agreed, tensor, output, direct)
+    except BaseException as exc:  # a failure inside the round: sticky, as in any cycle
+        engine._die(exc)
+        if engine._error is not None and engine._error is not exc:
+            raise engine._error from exc
+        raise
+    stats = engine.tracer.stats
+    nbytes = tensor.nbytes
+    stats.record_bucket(1, nbytes, nbytes)
+    stats.record_op("allreduce", nbytes, time.perf_counter() - t0)
+    interrupt = neg.failures.take_deferred()
+    if interrupt is not None:
+        raise interrupt  # held while the peers were in the round (see Engine._caller_cycle)
+    if user is not None:
+        return user
+    return output if lane.to_user is None else lane.to_user(output)
+
+
+def run_queued(engine: Engine, entry: Entry) -> bool:
+    """Run ``entry`` (a waiting caller's own, queued, and the only work of this rank) in a
+    cycle of its own, as :func:`run_now` runs a blocking call: its round, then its bucket on
+    the backend as the general cycle would (its READY and DONE events kept). False if it
+    cannot (the general cycle runs it). Under the cycle lock."""
+    channel = entry.channel
+    if len(engine._queue) != 1 or engine._queue[0] is not entry or channel.entries:
+        return False
+    neg = channel.negotiator
+    slot, same = neg.cache.lookup(entry.request)
+    if not same or not neg.idle() or not engine.quiet(channel, queued=1):
+        return False
+    resp = neg.cache.response(slot)
+    backend: Any = channel.backends.get(resp.device)
+    if backend is None or backend.direct(resp) is None:
+        return False
+    with engine._lock:
+        if engine._queue != [entry]:
+            return False
+        engine._queue = []
+    neg.in_caller = channel.mpi.in_caller = True
+    engine._last_cycle = time.perf_counter()
+    engine.reclaim()
+    now = time.monotonic()
+    try:
+        hits, invalid = neg.round_one(slot, entry.request.name, now)
+        agreed = neg.agreed_one(slot, hits, invalid)
+        if agreed is None:
+            engine.adopt(channel, entry,
+                         lambda: neg.conclude(hits, invalid, channel.entries, False, now))
+            return True
+        with engine._lock:
+            channel.in_flight.discard(entry.request.name)
+        engine.tracer.stats.record_bucket(1, entry.nbytes(), entry.nbytes())
+        backend.run([agreed], [entry])
+    except BaseException as exc:  # as in Engine._caller_cycle
+        engine._die(exc)
+        if not isinstance(exc, Exception):
+            raise
+        return True
+    interrupt = neg.failures.take_deferred()
+    if interrupt is not None:
+        raise interrupt
+    return True
