@@ -54,7 +54,7 @@ class _Iface:
 
 
 class _Entry:
-    __slots__ = ("alive", "ptr", "shape", "dtype", "array", "ref", "device", "memo")
+    __slots__ = ("alive", "ptr", "shape", "dtype", "array", "ref", "device", "memo", "outs")
 
     def __init__(self, alive: Any, ptr: int, shape: Any, dtype: torch.dtype, array: Any,
                  ref: TensorRef) -> None:
@@ -66,6 +66,7 @@ class _Entry:
         self.ref = ref
         self.device = ref.device_id  # CUDA ordinal, -1 on the host
         self.memo: Any = None  # the last call's checked facts, kept by hvdlite.torch
+        self.outs: list[Any] = []  # output tensors hvdlite.torch may hand out again
 
 
 _views: dict[int, _Entry] = {}

@@ -14,9 +14,10 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
-from hvdlite._torchref import stream_of, to_torch
+from hvdlite._torchref import to_torch
 
 __all__ = ["Handle", "InPlaceHandle", "FreshHandle", "SparseHandle"]
 
@@ -57,14 +58,16 @@ class Handle:
 
 class InPlaceHandle(Handle):
     """One core collective whose result is ``value``: the caller's tensor (or list of
-    tensors) that the core wrote in place. ``device`` is the CUDA ordinal, -1 on the host."""
+    tensors) written in place, or an output tensor the core wrote into. ``stream``: the CuPy
+    object of torch's stream to order after the collective (asynchronous completion on
+    CUDA), else None."""
 
-    __slots__ = ("_part", "_value", "_device")
+    __slots__ = ("_part", "_value", "_stream")
 
-    def __init__(self, part: Any, value: Any, device: int) -> None:
+    def __init__(self, part: Any, value: Any, stream: Any) -> None:
         self._part = part
         self._value = value
-        self._device = device
+        self._stream = stream
 
     def poll(self) -> bool:
         """True once the collective has completed. Never blocks."""
@@ -73,8 +76,8 @@ class InPlaceHandle(Handle):
     def wait(self) -> Any:
         """Block until done and return the tensor(s) (raises the collective's error)."""
         part = self._part
-        if self._device >= 0:
-            part.wait_stream(stream_of(self._device))
+        if self._stream is not None:
+            part.wait_stream(self._stream)
         part.wait()
         return self._value
 
@@ -83,15 +86,15 @@ class InPlaceHandle(Handle):
 
 class FreshHandle(Handle):
     """One core collective with new outputs: its arrays become torch tensors (no copy) at the
-    first wait, on the waiting thread; later waits return the same tensors. ``group``: the
-    result is a list."""
+    first wait, on the waiting thread; later waits return the same tensors. ``stream`` as for
+    :class:`InPlaceHandle`; ``group``: the result is a list."""
 
-    __slots__ = ("_part", "_value", "_device", "_group")
+    __slots__ = ("_part", "_value", "_stream", "_group")
 
-    def __init__(self, part: Any, device: int, group: bool) -> None:
+    def __init__(self, part: Any, stream: Any, group: bool) -> None:
         self._part = part
         self._value: Any = None
-        self._device = device
+        self._stream = stream
         self._group = group
 
     def poll(self) -> bool:
@@ -104,14 +107,12 @@ class FreshHandle(Handle):
         if value is not None:
             return value
         part = self._part
-        if self._device >= 0:
-            part.wait_stream(stream_of(self._device))
-            arrays = part.wait()
-        else:
-            arrays = part.wait()
-            if not self._group:
-                value = self._value = torch.from_numpy(arrays)
-                return value
+        if self._stream is not None:
+            part.wait_stream(self._stream)
+        arrays = part.wait()
+        if type(arrays) is np.ndarray:
+            value = self._value = torch.from_numpy(arrays)
+            return value
         # Two racing waiters may each build a view; both alias the same output.
         value = [to_torch(a) for a in arrays] if self._group else to_torch(arrays)
         self._value = value

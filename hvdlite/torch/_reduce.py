@@ -19,6 +19,7 @@ scaled in float32 in torch, reduced by the core with factors of 1.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -54,6 +55,7 @@ class Plan(NamedTuple):
     pre: float
     post: float
     in_torch: bool  # scale in torch (float32), reduce with factors of 1
+    ordered: bool  # asynchronous completion: a CUDA result's stream must be ordered after it
 
 
 _plans: dict[tuple[Any, ...], Plan] = {}
@@ -127,8 +129,10 @@ def plan_for(dtype: torch.dtype, op: ReduceOp, pre: Any, post: Any, process_set:
     in_torch = dtype == torch.bfloat16 or (
         dtype == torch.float16 and not (_exact_half(core_pre) and _exact_half(core_post)))
     set_id = 0 if ps.core is None else ps.core.process_set_id
+    # Unknown (a core without the knob): order the stream, which is always correct.
+    ordered = bool(getattr(getattr(engine, "config", None), "async_completion", True))
     plan = Plan(engine, set_id, process_set, ps.core, ps.size, core_op, core_pre, core_post,
-                in_torch)
+                in_torch, ordered)
     if key is not None:
         if len(_plans) >= _MAX_PLANS:
             _plans.clear()
@@ -204,10 +208,10 @@ def allreduce_one(t: Any, name: str | None, op: ReduceOp, pre: Any, post: Any,
                     if inplace:
                         return InPlaceHandle(hvdlite.allreduce_async_(
                             entry.array, name, plan.op, plan.pre, plan.post,
-                            process_set=plan.core_set), t, -1)
+                            process_set=plan.core_set), t, None)
                     return FreshHandle(hvdlite.allreduce_async(
                         entry.array, name, plan.op, plan.pre, plan.post,
-                        process_set=plan.core_set), -1, False)
+                        process_set=plan.core_set), None, False)
             except NotInitializedError:
                 pass  # the general path below raises Horovod's flavour of it
             except ValueError as exc:
@@ -227,35 +231,45 @@ def allreduce_async(tensors: list[Any], name: str | None, op: ReduceOp, pre: Any
     handle; ``op`` already resolved. ``TypeError``/``ValueError`` for bad arguments.
 
     The fast path hands the core each tensor's cached array (the core's steady-state lane
-    matches on the array object) and torch's current stream for CUDA tensors."""
+    matches on the array object) and torch's current stream for CUDA tensors; a CUDA tensor's
+    new result is one of a few output tensors kept per input and handed out again once
+    nothing refers to them (:class:`Outputs`), as the core recycles its own."""
     fast = _fast(tensors, op, pre, post, group, what, process_set)
     if fast is None:
         return _general(tensors, name, op, pre, post, inplace, group, what, process_set)
     plan, arrays, device = fast
     stream = stream_of(device) if device >= 0 else None
-    fn: Callable[..., Any]
-    if group:
-        fn = hvdlite.grouped_allreduce_async_ if inplace else hvdlite.grouped_allreduce_async
-    else:
-        fn = hvdlite.allreduce_async_ if inplace else hvdlite.allreduce_async
+    order = stream if plan.ordered else None
+    kw = {"stream": stream, "process_set": plan.core_set}
     try:
-        part = fn(arrays, name, plan.op, plan.pre, plan.post, stream=stream,
-                  process_set=plan.core_set)
+        if group:
+            fn = hvdlite.grouped_allreduce_async_ if inplace else hvdlite.grouped_allreduce_async
+            part = fn(arrays, name, plan.op, plan.pre, plan.post, **kw)
+            if inplace:
+                return InPlaceHandle(part, list(tensors), order)
+            return FreshHandle(part, order, True)
+        if inplace:
+            part = hvdlite.allreduce_async_(arrays, name, plan.op, plan.pre, plan.post, **kw)
+            return InPlaceHandle(part, tensors[0], order)
+        if device < 0:
+            part = hvdlite.allreduce_async(arrays, name, plan.op, plan.pre, plan.post, **kw)
+            return FreshHandle(part, None, False)
+        out = _output(tensors[0])
+        part = hvdlite.allreduce_async(arrays, name, plan.op, plan.pre, plan.post, out=out.array,
+                                       **kw)
+        return InPlaceHandle(part, out.tensor, order)
     except ValueError as exc:
         raise invalid(exc) from None
-    if inplace:
-        return InPlaceHandle(part, list(tensors) if group else tensors[0], device)
-    return FreshHandle(part, device, group)
 
 
 def allreduce_now(tensors: list[Any], name: str | None, op: ReduceOp, pre: Any, post: Any,
                   inplace: bool, group: bool, what: str, process_set: Any) -> Any:
     """Blocking :func:`allreduce_async`: the result (a tensor or list). It calls the core's
-    blocking form, whose caller runs the negotiation itself (no thread hand-off); for CUDA
-    tensors torch's current stream is made CuPy's for the call, so the stream the core orders
-    after the collective (asynchronous completion) is torch's."""
+    blocking form, whose caller runs the negotiation itself (no thread hand-off); with
+    asynchronous completion torch's current stream is made CuPy's for the call, so the stream
+    the core orders after the collective is torch's."""
     fast = _fast(tensors, op, pre, post, group, what, process_set)
-    if fast is None:
+    if fast is None or (group and fast[2] >= 0 and not inplace):
         return allreduce_async(tensors, name, op, pre, post, inplace, group, what,
                                process_set).wait()
     plan, arrays, device = fast
@@ -264,19 +278,64 @@ def allreduce_now(tensors: list[Any], name: str | None, op: ReduceOp, pre: Any, 
         fn = hvdlite.grouped_allreduce_ if inplace else hvdlite.grouped_allreduce
     else:
         fn = hvdlite.allreduce_ if inplace else hvdlite.allreduce
+    kw: dict[str, Any] = {"process_set": plan.core_set}
+    result: Any = None
+    if device >= 0:
+        kw["stream"] = stream_of(device)
+        if not inplace and not group:
+            out = _output(tensors[0])
+            kw["out"], result = out.array, out.tensor
     try:
-        if device < 0:
-            out = fn(arrays, name, plan.op, plan.pre, plan.post, process_set=plan.core_set)
+        if device >= 0 and plan.ordered:
+            with kw["stream"]:
+                got = fn(arrays, name, plan.op, plan.pre, plan.post, **kw)
         else:
-            stream = stream_of(device)
-            with stream:
-                out = fn(arrays, name, plan.op, plan.pre, plan.post, stream=stream,
-                         process_set=plan.core_set)
+            got = fn(arrays, name, plan.op, plan.pre, plan.post, **kw)
     except ValueError as exc:
         raise invalid(exc) from None
     if inplace:
         return list(tensors) if group else tensors[0]
-    return [to_torch(a) for a in out] if group else to_torch(out)
+    if result is not None:
+        return result
+    return [to_torch(a) for a in got] if group else to_torch(got)
+
+
+class Outputs:
+    """One reusable output of a CUDA allreduce: a torch tensor and the core's array over it.
+
+    ``refs`` are the reference counts measured when only hvdlite held them (the tensor, its
+    storage's users, which views add to, and the array, which the core holds while the
+    collective runs); the output is free again when the counts are back to those values, the
+    way the core recycles its own results."""
+
+    __slots__ = ("tensor", "array", "refs")
+
+    def __init__(self, tensor: torch.Tensor, array: Any) -> None:
+        self.tensor = tensor
+        self.array = array
+        self.refs = (0, 0, 0)
+
+    def counts(self) -> tuple[int, int, int]:
+        t = self.tensor
+        return (sys.getrefcount(t), _storage_users(t.untyped_storage()._cdata),
+                sys.getrefcount(self.array))
+
+
+_RING = 2  # outputs kept per input: the one the caller holds and one to fill next
+_storage_users: Callable[[int], int] = torch._C._storage_Use_Count
+
+
+def _output(t: torch.Tensor) -> Outputs:
+    entry = _views[id(t)]  # _fast just viewed t
+    for out in entry.outs:
+        if out.counts() == out.refs:
+            return out
+    made = Outputs(torch.empty_like(t), None)
+    made.array = array_of(made.tensor, "allreduce output")
+    made.refs = made.counts()
+    if len(entry.outs) < _RING:
+        entry.outs.append(made)
+    return made
 
 
 def _general(tensors: list[Any], name: str | None, op: ReduceOp, pre: Any, post: Any,
@@ -345,11 +404,10 @@ def bucket_async(arrays: list[Any], views: list[torch.Tensor], name: str, op: Re
     plan = plan_for(first.dtype, op, pre, post, process_set, what)
     if plan.in_torch:
         return allreduce_async(list(views), name, op, pre, post, True, True, what, process_set)
-    device = first.get_device() if first.is_cuda else -1
+    stream = stream_of(first.get_device()) if first.is_cuda else None
     try:
-        part = hvdlite.grouped_allreduce_async_(
-            arrays, name, plan.op, plan.pre, plan.post,
-            stream=stream_of(device) if device >= 0 else None, process_set=plan.core_set)
+        part = hvdlite.grouped_allreduce_async_(arrays, name, plan.op, plan.pre, plan.post,
+                                                stream=stream, process_set=plan.core_set)
     except ValueError as exc:
         raise invalid(exc) from None
-    return InPlaceHandle(part, views, device)
+    return InPlaceHandle(part, views, stream if plan.ordered else None)

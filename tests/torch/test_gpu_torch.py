@@ -100,3 +100,20 @@ def test_cuda_optimizer_with_bucket_views_matches_every_rank(hvd: Any) -> None:
     opt.step()
     for p in params:
         assert torch.equal(p.grad, torch.full_like(p, _rank_sum(hvd, lambda r: r + 1)))
+
+
+def test_cuda_results_are_reused_only_once_nothing_refers_to_them(hvd: Any) -> None:
+    dev = _device(hvd)
+    t = torch.full((16,), float(hvd.rank() + 1), device=dev)
+    total = _rank_sum(hvd, lambda r: r + 1)
+    r1 = hvd.allreduce(t, op=hvd.Sum, name="gpu.ring")
+    r2 = hvd.synchronize(hvd.allreduce_async(t, op=hvd.Sum, name="gpu.ring"))
+    assert r1.data_ptr() != r2.data_ptr()  # r1 is still held
+    view = r2[4:8]
+    del r2  # its view keeps the memory busy
+    t.fill_(float(hvd.rank() + 10))
+    r3 = hvd.allreduce(t, op=hvd.Sum, name="gpu.ring")
+    assert view.data_ptr() not in range(r3.data_ptr(), r3.data_ptr() + r3.nbytes)
+    assert torch.equal(r1, torch.full_like(t, total))
+    assert torch.equal(view, torch.full((4,), total, device=dev))
+    assert torch.equal(r3, torch.full_like(t, _rank_sum(hvd, lambda r: r + 10)))
