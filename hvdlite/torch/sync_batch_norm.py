@@ -1,20 +1,29 @@
 """``SyncBatchNorm``: batch normalization with statistics over the global batch.
 
-In training, each rank sums its batch per channel; two differentiable ``Sum`` allreduces give
-the global mean and then the global (biased) variance, so the forward output equals torch's
-``BatchNorm`` on the concatenated batch, and autograd (through the allreduces' backward)
-gives each rank the gradient of the summed loss of every rank, as Horovod's does.
+In training, each rank computes its batch's per-channel count, mean and squared deviations
+in one fused pass; one allgather of them gives the global mean and (biased) variance, so the
+forward output equals torch's ``BatchNorm`` on the concatenated batch (normalised by torch's
+fused kernel). The backward pass gives each rank the gradient of the summed loss of every rank,
+as Horovod's does: one fused reduction pass, one allreduce of two per-channel sums.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import hvdlite
+from hvdlite.torch import _reduce
 from hvdlite.torch.basics import Sum
-from hvdlite.torch.functional_ops import allreduce
+from hvdlite.torch.mpi_ops import allgather_async
+
+
+def allgather(t: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``t`` concatenated along dim 0 (not differentiable)."""
+    return allgather_async(t).wait()
 
 __all__ = ["SyncBatchNorm"]
 
@@ -59,28 +68,74 @@ class SyncBatchNorm(_BatchNorm):
     def _sync_forward(self, input: torch.Tensor, factor: float) -> torch.Tensor:
         dtype = input.dtype
         x = input.float() if dtype in (torch.float16, torch.bfloat16) else input
-        c = self.num_features
-        dims = [0, *range(2, x.dim())]
-        shape = [1, c] + [1] * (x.dim() - 2)
-        local_count = x.numel() // c
-        stats = torch.cat([x.sum(dims), x.new_full((1,), float(local_count))])
-        stats = allreduce(stats, op=Sum)
-        total = stats[c]
-        mean = stats[:c] / total
-        centered = x - mean.view(shape)
-        var = allreduce((centered * centered).sum(dims), op=Sum) / total
-        y = centered * torch.rsqrt(var + self.eps).view(shape)
-        if self.weight is not None:
-            y = y * self.weight.view(shape).to(y.dtype)
-        if self.bias is not None:
-            y = y + self.bias.view(shape).to(y.dtype)
+        y, mean, var, total = _SyncBN.apply(x.contiguous(), self.weight, self.bias, self.eps)
         if self.track_running_stats and self.running_mean is not None:
             assert self.running_var is not None
-            n = float(total.item())
             with torch.no_grad():
-                unbiased = var.detach() * (n / max(n - 1.0, 1.0))
-                self.running_mean.mul_(1 - factor).add_(mean.detach().to(self.running_mean.dtype),
+                unbiased = var * (total / max(total - 1.0, 1.0))
+                self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype),
                                                         alpha=factor)
                 self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype),
                                                        alpha=factor)
         return y.to(dtype)
+
+
+def _global_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(mean, biased variance, element count per channel) over every rank's ``x``: each
+    rank's count, mean and sum of squared deviations (one fused pass), gathered and merged
+    (Chan et al.'s parallel variance), in float64."""
+    dims = [0, *range(2, x.dim())]
+    c = x.shape[1]
+    n = x.numel() // c
+    if n:
+        var, mean = torch.var_mean(x, dims, correction=0)
+    else:
+        var = mean = torch.zeros(c, dtype=x.dtype, device=x.device)
+    mine = torch.cat([mean.double(), (var.double() * n), mean.new_full((1,), n).double()])
+    rows = allgather(mine.unsqueeze(0))  # (size, 2C+1)
+    counts = rows[:, 2 * c:2 * c + 1]
+    total = float(counts.sum())
+    means, m2s = rows[:, :c], rows[:, c:2 * c]
+    g_mean = (means * counts).sum(0) / total
+    g_m2 = (m2s + counts * (means - g_mean) ** 2).sum(0)
+    return g_mean.to(x.dtype), (g_m2 / total).to(x.dtype), total
+
+
+class _SyncBN(torch.autograd.Function):
+    """Batch norm with global statistics: forward one statistics pass plus torch's fused
+    normalization; backward one fused reduction pass (``native_batch_norm_backward``), one
+    ``Sum`` allreduce of the two per-channel sums, and one affine pass for the input's
+    gradient. Weight and bias gradients are this rank's contributions (as autograd through
+    the allreduces gives them)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None,
+                bias: torch.Tensor | None, eps: float) -> Any:
+        mean, var, total = _global_stats(x)
+        y = F.batch_norm(x, mean, var, weight, bias, False, 0.0, eps)
+        invstd = torch.rsqrt(var + eps)
+        ctx.save_for_backward(x, weight, mean, invstd)
+        ctx.total = total
+        ctx.mark_non_differentiable(mean, var)
+        return y, mean, var, total
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor, *_: Any) -> tuple[Any, ...]:
+        x, weight, mean, invstd = ctx.saved_tensors
+        dy = dy.contiguous()
+        c = x.shape[1]
+        # grad_weight_local = sum(dy * xhat), grad_bias_local = sum(dy), one fused pass.
+        _, gw, gb = torch.ops.aten.native_batch_norm_backward(
+            dy, x, torch.ones(c, dtype=x.dtype, device=x.device), None, None, mean, invstd,
+            True, 0.0, [False, True, True])
+        sums = _reduce.allreduce_now([torch.cat([gw, gb])], None, Sum, 1.0, 1.0, False,
+                                     False, "SyncBatchNorm (backward)", None)
+        total = ctx.total
+        w = weight if weight is not None else torch.ones_like(mean)
+        shape = [1, c] + [1] * (x.dim() - 2)
+        a = w * invstd
+        b = -a * invstd * sums[:c] / total
+        k = -a * sums[c:] / total - b * mean
+        dx = torch.addcmul(torch.addcmul(k.view(shape), b.view(shape), x), a.view(shape), dy)
+        return (dx, gw if weight is not None else None, gb if ctx.needs_input_grad[2] else None,
+                None)
