@@ -10,8 +10,9 @@ Per call, the steady state costs a few dictionary lookups above the NumPy/CuPy A
 - the core gets the tensor's NumPy/CuPy view, cached per tensor (:mod:`hvdlite._torchref`),
   so a repeated call meets the core's steady-state lane for that array; CUDA tensors name
   torch's current stream (a CuPy stream object cached per torch stream);
-- the handle hands back the caller's own tensor (in place), or the core's new output array
-  seen as a torch tensor (no copy) at the first wait, on the waiting thread.
+- the handle hands back the caller's own tensor (in place), or an output tensor kept per
+  input that the core wrote into (``out=``) and that is handed out again only once nothing
+  refers to it (:class:`Outputs`).
 
 bfloat16 (which NumPy cannot hold) and float16 with an inexact factor take the general path:
 scaled in float32 in torch, reduced by the core with factors of 1.
@@ -190,9 +191,10 @@ def _fast(tensors: list[Any], op: ReduceOp, pre: Any, post: Any, group: bool, wh
 
 
 def allreduce_one(t: Any, name: str | None, op: ReduceOp, pre: Any, post: Any,
-                  process_set: Any, inplace: bool, what: str) -> Handle:
-    """:func:`allreduce_async` of one tensor: the per-call hot path of ``allreduce_async``
-    and ``DistributedOptimizer``. A host tensor called again with the same op, factors and
+                  process_set: Any, inplace: bool, what: str, blocking: bool = False) -> Any:
+    """:func:`allreduce_async` (or, ``blocking``, :func:`allreduce_now`) of one tensor: the
+    per-call hot path of ``allreduce_async``, ``allreduce_``, ``allreduce`` and
+    ``DistributedOptimizer``. A host tensor called again with the same op, factors and
     process set reuses the checked plan kept on its cache entry: a handful of comparisons,
     then the core."""
     entry = _views.get(id(t))
@@ -205,24 +207,41 @@ def allreduce_one(t: Any, name: str | None, op: ReduceOp, pre: Any, post: Any,
             try:
                 if (plan.process_set is process_set and plan.engine is default_engine()
                         and plan.set_id == process_set.process_set_id):
-                    if inplace:
-                        return InPlaceHandle(hvdlite.allreduce_async_(
-                            entry.array, name, plan.op, plan.pre, plan.post,
-                            process_set=plan.core_set), t, None)
-                    return FreshHandle(hvdlite.allreduce_async(
-                        entry.array, name, plan.op, plan.pre, plan.post,
-                        process_set=plan.core_set), None, False)
+                    return _one_host(t, entry.array, name, plan, inplace, blocking)
             except NotInitializedError:
                 pass  # the general path below raises Horovod's flavour of it
             except ValueError as exc:
                 raise invalid(exc) from None
-    handle = allreduce_async([t], name, op, pre, post, inplace, False, what, process_set)
+    if blocking:
+        result = allreduce_now([t], name, op, pre, post, inplace, False, what, process_set)
+    else:
+        result = allreduce_async([t], name, op, pre, post, inplace, False, what, process_set)
     entry = _views.get(id(t))
     if entry is not None and entry.device < 0:
         plan = _plans.get((t.dtype, op, pre, type(pre), post, type(post), id(process_set)))
         if plan is not None and not plan.in_torch:
             entry.memo = (op, pre, post, plan)
-    return handle
+    return result
+
+
+def _one_host(t: torch.Tensor, array: Any, name: str | None, plan: Plan, inplace: bool,
+              blocking: bool) -> Any:
+    core = plan.core_set
+    if blocking:
+        if inplace:
+            hvdlite.allreduce_(array, name, plan.op, plan.pre, plan.post, process_set=core)
+            return t
+        out = _output(t)
+        hvdlite.allreduce(array, name, plan.op, plan.pre, plan.post, out=out.array,
+                          process_set=core)
+        return out.tensor
+    if inplace:
+        return InPlaceHandle(hvdlite.allreduce_async_(array, name, plan.op, plan.pre,
+                                                      plan.post, process_set=core), t, None)
+    out = _output(t)
+    return InPlaceHandle(hvdlite.allreduce_async(array, name, plan.op, plan.pre, plan.post,
+                                                 out=out.array, process_set=core),
+                         out.tensor, None)
 
 
 def allreduce_async(tensors: list[Any], name: str | None, op: ReduceOp, pre: Any, post: Any,
@@ -231,9 +250,9 @@ def allreduce_async(tensors: list[Any], name: str | None, op: ReduceOp, pre: Any
     handle; ``op`` already resolved. ``TypeError``/``ValueError`` for bad arguments.
 
     The fast path hands the core each tensor's cached array (the core's steady-state lane
-    matches on the array object) and torch's current stream for CUDA tensors; a CUDA tensor's
-    new result is one of a few output tensors kept per input and handed out again once
-    nothing refers to them (:class:`Outputs`), as the core recycles its own."""
+    matches on the array object) and torch's current stream for CUDA tensors; a tensor's new
+    result is one of a few output tensors kept per input and handed out again once nothing
+    refers to them (:class:`Outputs`), as the core recycles its own."""
     fast = _fast(tensors, op, pre, post, group, what, process_set)
     if fast is None:
         return _general(tensors, name, op, pre, post, inplace, group, what, process_set)
@@ -301,7 +320,7 @@ def allreduce_now(tensors: list[Any], name: str | None, op: ReduceOp, pre: Any, 
 
 
 class Outputs:
-    """One reusable output of a CUDA allreduce: a torch tensor and the core's array over it.
+    """One reusable output of an allreduce: a torch tensor and the core's array over it.
 
     ``refs`` are the reference counts measured when only hvdlite held them (the tensor, its
     storage's users, which views add to, and the array, which the core holds while the

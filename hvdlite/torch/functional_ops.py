@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 import hvdlite
+from hvdlite._ops import ReduceOp
 from hvdlite.torch import _reduce, mpi_ops
 from hvdlite.torch.basics import Average, Sum, resolve_op
 from hvdlite.torch.compression import Compression, Compressor
@@ -68,13 +69,17 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     ``postscale_factor`` after. ``TypeError``/``ValueError`` for bad arguments,
     ``NotImplementedError`` for Adasum, ``HorovodInternalError`` if the collective fails.
     """
-    op = resolve_op(op, average, "allreduce")
-    mpi_ops._check_tensor(tensor, "allreduce")
-    if compression is Compression.none and not (tensor.requires_grad
+    if op is None and average is None:
+        op = Average
+    elif average is not None or type(op) is not ReduceOp:
+        op = resolve_op(op, average, "allreduce")
+    if compression is Compression.none and not (isinstance(tensor, torch.Tensor)
+                                                and tensor.requires_grad
                                                 and torch.is_grad_enabled()):
         # Nothing to differentiate: skip autograd's Function machinery (a few torch calls).
-        return _reduce.allreduce_now([tensor], name, op, prescale_factor, postscale_factor,
-                                     False, False, "allreduce", process_set)
+        return _reduce.allreduce_one(tensor, name, op, prescale_factor, postscale_factor,
+                                     process_set, False, "allreduce", True)
+    mpi_ops._check_tensor(tensor, "allreduce")
     compressed, cctx = compression.compress(tensor)
     out = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
     return compression.decompress(out, cctx)

@@ -114,10 +114,12 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
                op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: Any = global_process_set) -> torch.Tensor:
     """Blocking in-place allreduce; returns ``tensor``."""
-    what = "allreduce_"
-    op = resolve_op(op, average, what)
-    return _reduce.allreduce_now([tensor], name, op, prescale_factor, postscale_factor, True,
-                                 False, what, process_set)
+    if op is None and average is None:
+        op = Average
+    elif average is not None or type(op) is not ReduceOp:
+        op = resolve_op(op, average, "allreduce_")
+    return _reduce.allreduce_one(tensor, name, op, prescale_factor, postscale_factor,
+                                 process_set, True, "allreduce_", True)
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,

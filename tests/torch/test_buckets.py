@@ -201,3 +201,18 @@ def test_fp16_factors_and_bf16_take_the_general_path_exactly(hvd: Any) -> None:
     bf = torch.full((5,), float(me + 1), dtype=torch.bfloat16)
     assert torch.equal(hvd.allreduce(bf, op=hvd.Sum, name="gp.b"),
                        torch.full((5,), float(n * (n + 1) // 2), dtype=torch.bfloat16))
+
+
+def test_results_are_reused_only_once_nothing_refers_to_them(hvd: Any) -> None:
+    n, me = hvd.size(), hvd.rank()
+    t = torch.full((16,), float(me + 1))
+    total = float(n * (n + 1) // 2)
+    results = [hvd.allreduce(t, op=hvd.Sum, name="ring") for _ in range(3)]  # all held
+    assert len({r.data_ptr() for r in results}) == 3
+    view = results[1][4:8]
+    del results[1:]  # results[0] held; the second kept busy by its view; the third free
+    t.fill_(float(me + 10))
+    again = hvd.synchronize(hvd.allreduce_async(t, op=hvd.Sum, name="ring"))
+    assert torch.equal(results[0], torch.full((16,), total))
+    assert torch.equal(view, torch.full((4,), total))
+    assert torch.equal(again, torch.full((16,), float(sum(r + 10 for r in range(n)))))
