@@ -117,12 +117,14 @@ class Lane:
 
     def matches_group(self, tensors: Sequence[Any], params: tuple[Any, ...]) -> bool:
         """Whether a grouped call repeats this lane: the same member objects (so the same
-        addresses), still of the same shapes and dtype, with the same parameters."""
+        addresses), still of the same shapes (and dtype: NumPy lets a caller reassign it;
+        a CuPy array's is fixed), with the same parameters."""
         inputs = self.inputs
         return (len(tensors) == len(inputs) and params == self.params
                 and all(map(operator.is_, tensors, inputs))
                 and tuple(map(_SHAPE, tensors)) == self.shapes
-                and all(map(operator.is_, map(_DTYPE, tensors), repeat(self.dtype))))
+                and (self.device_id >= 0
+                     or all(map(operator.is_, map(_DTYPE, tensors), repeat(self.dtype)))))
 
     def result(self, reclaim: Callable[[], None] | None = None) -> Results | None:
         """A result set nothing outside hvdlite refers to, or a new one (kept for reuse while
@@ -202,10 +204,11 @@ class MemberPlan:
     the others (``fused``) are copied into one staging region at ``offsets``, reduced there in
     one call and copied out. ``key`` is the (inputs, outputs) addresses the plan was built
     for; ``tables`` is whatever the backend derived from them (device pointer tables), kept
-    until the addresses change.
+    until the addresses change; ``source`` the tuple of inputs they were read from, when a lane
+    hands the same tuple (of the same arrays, so the same addresses) every step.
     """
 
-    __slots__ = ("counts", "direct", "fused", "offsets", "total", "key", "tables")
+    __slots__ = ("counts", "direct", "fused", "offsets", "total", "key", "tables", "source")
 
     def __init__(self, counts: Sequence[int], itemsize: int, direct_bytes: int) -> None:
         self.counts = list(counts)
@@ -222,6 +225,7 @@ class MemberPlan:
         self.total = offsets[-1]
         self.key: tuple[Any, ...] | None = None
         self.tables: Any = None
+        self.source: tuple[Any, ...] | None = None  # the inputs ``key`` was read from
 
 
 def unit_groups(resp: Response, entry: Entry | None,

@@ -68,18 +68,21 @@ class FusedAllreduce:
         self.cupy, self.nccl = cupy, nccl
         self.fusion = fusion
         self.direct_bytes = direct_bytes
+        self.copy_kernels = 0  # batched copy kernels launched (a zero-copy bucket adds none)
         self._plans: dict[tuple[int, int], tuple[object, MemberPlan]] = {}
 
-    def _plan(self, owner: object, part: int, counts: list[int], itemsize: int) -> MemberPlan:
-        """The member plan of ``owner``'s ``part`` (an agreed response or bucket, the same
-        object every step while cached upstream; held here so its id is not reused)."""
+    def _plan(self, owner: object, part: int, srcs: Sequence[Any], per: int,
+              itemsize: int) -> MemberPlan:
+        """The member plan of ``owner``'s ``part`` (an agreed response or bucket: the same
+        object every step while cached upstream, held here so its id is not reused; its
+        shapes, so the members' counts, are part of it)."""
         key = (id(owner), part)
         hit = self._plans.get(key)
-        if hit is not None and hit[0] is owner and hit[1].counts == counts:
+        if hit is not None and hit[0] is owner:
             return hit[1]
         if len(self._plans) >= _MAX_PLANS:
             self._plans.clear()
-        plan = MemberPlan(counts, itemsize, self.direct_bytes)
+        plan = MemberPlan([a.size * per for a in srcs], itemsize, self.direct_bytes)
         self._plans[key] = (owner, plan)
         return plan
 
@@ -88,10 +91,7 @@ class FusedAllreduce:
         """Enqueue ``dsts[i] = allreduce(srcs[i])`` for every member (in place when ``srcs is
         dsts``); ``span``: one flat array the outputs lie in, end to end, or None. ``owner``
         and ``part`` name the plan to replay."""
-        per = red.per
-        counts = [a.size * per for a in srcs]
-        itemsize = np.dtype(red.wire).itemsize
-        plan = self._plan(owner, part, counts, itemsize)
+        plan = self._plan(owner, part, srcs, red.per, np.dtype(red.wire).itemsize)
         if span is not None:
             self._span(ctx, comm, plan, red, srcs, dsts, span, phase)
         else:
@@ -102,14 +102,19 @@ class FusedAllreduce:
         total = span.size * red.per
         with _maybe(phase, "MEMCPY_IN_FUSION_BUFFER", None):
             if srcs is not dsts:
-                key = tuple([a.data.ptr for a in srcs])
-                if plan.key != key:
-                    offs = np.zeros(len(srcs) + 1, dtype=np.int64)
-                    np.cumsum(plan.counts, out=offs[1:])
-                    plan.tables = self._upload(ctx, plan.tables, [offs, np.array(key, np.int64)])
-                    plan.key = key
+                # A lane hands the same tuple of the same arrays every step: same addresses.
+                if plan.source is not srcs:
+                    key = tuple([a.data.ptr for a in srcs])
+                    if plan.key != key:
+                        offs = np.zeros(len(srcs) + 1, dtype=np.int64)
+                        np.cumsum(plan.counts, out=offs[1:])
+                        plan.tables = self._upload(ctx, plan.tables,
+                                                   [offs, np.array(key, np.int64)])
+                        plan.key = key
+                    plan.source = srcs if type(srcs) is tuple else None
                 batched_copy(red.wire, plan.tables, len(srcs), span, total, mode=0,
                              scale=red.prescale, divisor=1)
+                self.copy_kernels += 1
             elif red.prescale != 1.0:
                 scale_into(self.cupy, span, span, red.prescale)
         with _maybe(phase, "NCCL_ALLREDUCE", {"bytes": total * np.dtype(red.wire).itemsize}):
@@ -142,6 +147,7 @@ class FusedAllreduce:
             if fused:
                 batched_copy(red.wire, plan.tables[0], len(fused), buf, plan.total, mode=0,
                              scale=red.prescale, divisor=1)
+                self.copy_kernels += 1
         nbytes = sum(plan.counts) * np.dtype(red.wire).itemsize
         with _maybe(phase, "NCCL_ALLREDUCE", {"bytes": nbytes}):
             grouped = len(directs) + bool(fused) > 1
@@ -158,6 +164,7 @@ class FusedAllreduce:
             if fused:
                 batched_copy(red.wire, plan.tables[1], len(fused), buf, plan.total, mode=1,
                              scale=red.postscale, divisor=red.divisor)
+                self.copy_kernels += 1
             for _, dst, _ in directs:
                 red.complete(self.cupy, dst)
 

@@ -81,16 +81,32 @@ __device__ void batched(const long long* meta, int n, T* fused, long long per_bl
         int mid = (lo + hi) / 2;
         if (offs[mid] <= begin) lo = mid; else hi = mid;
     }
+    const long long step = blockDim.x;
     for (int t = lo; t < n && offs[t] < end; ++t) {
         long long a = max(offs[t], begin), b = min(offs[t + 1], end);
         T* p = (T*)ptrs[t] - offs[t];
-        if (mode == 0) {
-            for (long long i = a + threadIdx.x; i < b; i += blockDim.x)
-                fused[i] = scale_in(p[i], scale);
-        } else {
-            for (long long i = a + threadIdx.x; i < b; i += blockDim.x)
-                p[i] = finish(fused[i], divisor, scale, sgn != 0);
+        const T* src = mode == 0 ? p : fused;
+        T* dst = mode == 0 ? fused : p;
+        long long i = a + threadIdx.x;
+        // Four loads in flight per thread before their stores: a copy is bound by memory
+        // latency unless each thread keeps several requests outstanding.
+        for (; i + 3 * step < b; i += 4 * step) {
+            T v0 = src[i], v1 = src[i + step], v2 = src[i + 2 * step], v3 = src[i + 3 * step];
+            if (mode == 0) {
+                dst[i] = scale_in(v0, scale);
+                dst[i + step] = scale_in(v1, scale);
+                dst[i + 2 * step] = scale_in(v2, scale);
+                dst[i + 3 * step] = scale_in(v3, scale);
+            } else {
+                dst[i] = finish(v0, divisor, scale, sgn != 0);
+                dst[i + step] = finish(v1, divisor, scale, sgn != 0);
+                dst[i + 2 * step] = finish(v2, divisor, scale, sgn != 0);
+                dst[i + 3 * step] = finish(v3, divisor, scale, sgn != 0);
+            }
         }
+        for (; i < b; i += step)
+            dst[i] = mode == 0 ? scale_in(src[i], scale) : finish(src[i], divisor, scale,
+                                                                 sgn != 0);
     }
 }
 """
