@@ -194,9 +194,9 @@ def allreduce_one(t: Any, name: str | None, op: ReduceOp, pre: Any, post: Any,
                   process_set: Any, inplace: bool, what: str, blocking: bool = False) -> Any:
     """:func:`allreduce_async` (or, ``blocking``, :func:`allreduce_now`) of one tensor: the
     per-call hot path of ``allreduce_async``, ``allreduce_``, ``allreduce`` and
-    ``DistributedOptimizer``. A host tensor called again with the same op, factors and
-    process set reuses the checked plan kept on its cache entry: a handful of comparisons,
-    then the core."""
+    ``DistributedOptimizer``. A tensor called again with the same op, factors and process
+    set reuses the checked plan kept on its cache entry: a handful of comparisons, then the
+    core."""
     entry = _views.get(id(t))
     if entry is not None and process_set is not None:
         memo = entry.memo
@@ -207,7 +207,7 @@ def allreduce_one(t: Any, name: str | None, op: ReduceOp, pre: Any, post: Any,
             try:
                 if (plan.process_set is process_set and plan.engine is default_engine()
                         and plan.set_id == process_set.process_set_id):
-                    return _one_host(t, entry.array, name, plan, inplace, blocking)
+                    return _one(t, entry, name, plan, inplace, blocking)
             except NotInitializedError:
                 pass  # the general path below raises Horovod's flavour of it
             except ValueError as exc:
@@ -217,31 +217,36 @@ def allreduce_one(t: Any, name: str | None, op: ReduceOp, pre: Any, post: Any,
     else:
         result = allreduce_async([t], name, op, pre, post, inplace, False, what, process_set)
     entry = _views.get(id(t))
-    if entry is not None and entry.device < 0:
+    if entry is not None:
         plan = _plans.get((t.dtype, op, pre, type(pre), post, type(post), id(process_set)))
         if plan is not None and not plan.in_torch:
             entry.memo = (op, pre, post, plan)
     return result
 
 
-def _one_host(t: torch.Tensor, array: Any, name: str | None, plan: Plan, inplace: bool,
-              blocking: bool) -> Any:
-    core = plan.core_set
-    if blocking:
-        if inplace:
-            hvdlite.allreduce_(array, name, plan.op, plan.pre, plan.post, process_set=core)
-            return t
+def _one(t: torch.Tensor, entry: Any, name: str | None, plan: Plan, inplace: bool,
+         blocking: bool) -> Any:
+    """The steady state of :func:`allreduce_one`: ``t``'s cached ``entry`` and ``plan``."""
+    kw: dict[str, Any] = {"process_set": plan.core_set}
+    stream = order = None
+    if entry.device >= 0:
+        stream = kw["stream"] = stream_of(entry.device)
+        order = stream if plan.ordered else None
+    result = t
+    if not inplace:
         out = _output(t)
-        hvdlite.allreduce(array, name, plan.op, plan.pre, plan.post, out=out.array,
-                          process_set=core)
-        return out.tensor
-    if inplace:
-        return InPlaceHandle(hvdlite.allreduce_async_(array, name, plan.op, plan.pre,
-                                                      plan.post, process_set=core), t, None)
-    out = _output(t)
-    return InPlaceHandle(hvdlite.allreduce_async(array, name, plan.op, plan.pre, plan.post,
-                                                 out=out.array, process_set=core),
-                         out.tensor, None)
+        kw["out"], result = out.array, out.tensor
+    array = entry.array
+    if not blocking:
+        fn = hvdlite.allreduce_async_ if inplace else hvdlite.allreduce_async
+        return InPlaceHandle(fn(array, name, plan.op, plan.pre, plan.post, **kw), result, order)
+    fn = hvdlite.allreduce_ if inplace else hvdlite.allreduce
+    if order is not None:
+        with order:
+            fn(array, name, plan.op, plan.pre, plan.post, **kw)
+    else:
+        fn(array, name, plan.op, plan.pre, plan.post, **kw)
+    return result
 
 
 def allreduce_async(tensors: list[Any], name: str | None, op: ReduceOp, pre: Any, post: Any,
