@@ -227,11 +227,30 @@ def allreduce_one(t: Any, name: str | None, op: ReduceOp, pre: Any, post: Any,
 def _one(t: torch.Tensor, entry: Any, name: str | None, plan: Plan, inplace: bool,
          blocking: bool) -> Any:
     """The steady state of :func:`allreduce_one`: ``t``'s cached ``entry`` and ``plan``."""
-    kw: dict[str, Any] = {"process_set": plan.core_set}
-    stream = order = None
     if entry.device >= 0:
-        stream = kw["stream"] = stream_of(entry.device)
-        order = stream if plan.ordered else None
+        return _one_cuda(t, entry, name, plan, inplace, blocking)
+    core, array = plan.core_set, entry.array
+    if inplace:
+        if blocking:
+            hvdlite.allreduce_(array, name, plan.op, plan.pre, plan.post, process_set=core)
+            return t
+        return InPlaceHandle(hvdlite.allreduce_async_(array, name, plan.op, plan.pre,
+                                                      plan.post, process_set=core), t, None)
+    out = _output(t)
+    if blocking:
+        hvdlite.allreduce(array, name, plan.op, plan.pre, plan.post, out=out.array,
+                          process_set=core)
+        return out.tensor
+    return InPlaceHandle(hvdlite.allreduce_async(array, name, plan.op, plan.pre, plan.post,
+                                                 out=out.array, process_set=core),
+                         out.tensor, None)
+
+
+def _one_cuda(t: torch.Tensor, entry: Any, name: str | None, plan: Plan, inplace: bool,
+              blocking: bool) -> Any:
+    stream = stream_of(entry.device)
+    order = stream if plan.ordered else None
+    kw: dict[str, Any] = {"stream": stream, "process_set": plan.core_set}
     result = t
     if not inplace:
         out = _output(t)
