@@ -10,17 +10,16 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import queue
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from hvdlite import _exit
 from hvdlite._control.channel import Channel
+from hvdlite._control.driver import Driver
 from hvdlite._control.fusion import FusionBuffers
-from hvdlite._control.immediate import run_queued
 from hvdlite._control.negotiation import Response
 from hvdlite._control.work import Entry
 from hvdlite._observe.tracer import Tracer, open_timeline
@@ -36,7 +35,6 @@ __all__ = ["Engine", "default_engine", "is_initialized"]
 if TYPE_CHECKING:
     from mpi4py import MPI
 
-    from hvdlite._control.negotiator import CycleResult
     from hvdlite._gpu.runtime import GpuRuntime
     from hvdlite._handles import Handle
     from hvdlite._observe.timeline import Timeline
@@ -46,13 +44,6 @@ log = logging.getLogger("hvdlite")
 _SHUTDOWN_JOIN_S = 60.0
 _ABORT_AFTER_S = 5.0  # from a job-level failure to the abort of the job
 _SHUTDOWN_GUARD_S = 10.0  # bound on a shutdown while a peer may be gone
-_MAX_NAP_S = 200e-6  # longest pause of a waiting caller between rounds without its result
-# Nap of the loop while a burst of submissions arrives (see _settle): long enough that the
-# thread submitting the burst keeps the GIL for a few dozen calls between two looks.
-_SETTLE_NAP_S = 200e-6
-
-
-_POKE = object()  # wake-up token of a waiting caller (see Engine.progress)
 
 
 def _in_flight_message(name: str) -> str:
@@ -99,16 +90,7 @@ class Engine:
                         "other threads while hvdlite runs", MPI.Query_thread())
 
         self._lock = threading.Lock()  # the queue, the names in flight, the stop flags
-        # Serialises cycles: held by the background thread or by a waiting caller running the
-        # pending cycle itself (progress). MPI sees one cycle at a time from this process, in
-        # the same order on every rank, whichever thread runs it.
-        self._cycle_lock = threading.Lock()
-        self._napping = False  # the loop is in an idle nap (see _idle_nap)
-        self._last_cycle = 0.0  # when a waiting caller last started a cycle (see _run)
-        self._nap_s = 20e-6  # first pause between cycles a waiting caller runs without result
-        # Wake-ups of the background loop: a C-level queue of tokens is about twice as quick
-        # to hand over as threading.Event, whose wait and set run Python-level Condition code.
-        self._wake: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self.driver = Driver(self)  # runs the cycles (background thread, progress on wait)
         self._queue: list[Entry] = []
         self._counters: dict[tuple[str, int], itertools.count[int]] = {}
         self._error: HvdliteError | None = None  # sticky: raised by every later call
@@ -144,8 +126,7 @@ class Engine:
         if self.config.gil_switch_interval_us > 0:
             sys.setswitchinterval(min(self._switch_interval,
                                       self.config.gil_switch_interval_us / 1e6))
-        self._thread = threading.Thread(target=self._run, name="hvdlite-background", daemon=True)
-        self._thread.start()
+        self.driver.thread.start()
 
     def open_timeline(self, path: str, mark_cycles: bool) -> Timeline | None:
         return open_timeline(path, self.rank, mark_cycles, self.config.timeline_max_bytes,
@@ -197,7 +178,7 @@ class Engine:
 
         ``wake=False``: the caller is about to wait on ``handle`` and so runs the cycle itself
         (:meth:`progress`); the background thread is not woken for it."""
-        handle.attach_driver(self.progress)
+        handle.attach_driver(self.driver.progress)
         now = time.perf_counter()
         stats = self.tracer.stats
         channel = channel if channel is not None else self.global_channel
@@ -229,12 +210,12 @@ class Engine:
         # 1000 async allreduces per step: 12 vs 23 us per tensor), which left the loop napping
         # inside rounds while submissions piled up.
         if wake:
-            self._wake.put(None)
+            self.driver.wake.put(None)
 
     def submit_one(self, entry: Entry, wake: bool, channel: Channel) -> None:
         """:meth:`submit` of one entry with its own handle: the hot path of every call."""
         handle = entry.handle
-        handle._driver = self.progress
+        handle._driver = self.driver.progress
         name = entry.request.name
         with self._lock:
             if self._error is not None or self._stopped or self._stop_requested:
@@ -251,174 +232,7 @@ class Engine:
             entry.channel = channel
             self._queue.append(entry)
         if wake:  # see submit
-            self._wake.put(None)
-
-    def quiet(self, channel: Channel, queued: int = 0) -> bool:
-        """Whether a cycle may run for one cached tensor of ``channel`` alone (the immediate
-        path, ``_control/immediate.py``; under the cycle lock): the global set is the only
-        one (a cycle runs every set's round), nothing (but ``queued`` entries, that tensor's)
-        is queued or pending, nothing traced, nothing stopping."""
-        return (len(self._channels) == 1 and len(self._queue) == queued and not channel.entries
-                and self._error is None and not self._stopped and not self._stop_requested
-                and not self._expecting_stall and not self.tracer.on)
-
-    def adopt(self, channel: Channel, entry: Entry, conclude: Callable[[], CycleResult]) -> None:
-        """Finish, the general way, an immediate cycle whose round agreed on more than its
-        own tensor: ``entry`` (that call) joins the pending work as if it had been queued
-        before the round, then ``conclude`` ends the cycle and its responses run (under the
-        cycle lock)."""
-        entry.handle._driver = self.progress
-        entry.enqueued_at = time.perf_counter()
-        entry.stats = self.tracer.stats
-        entry.channel = channel
-        name = entry.request.name
-        with self._lock:
-            channel.in_flight.add(name)
-            channel.entries[name] = entry
-        cycle = conclude()
-        if cycle.responses:
-            channel.execute(cycle.responses, self._lock)
-        if cycle.stop is not None:
-            self._finish(cycle.stop)
-
-    # -- cycles: run by the background thread, or by a thread waiting for its result --------
-    def progress(self, handle: Handle) -> None:
-        """Run cycles on this (waiting) thread until ``handle`` is resolved (progress on wait).
-
-        A thread that would block for its result runs the pending cycle itself, under the
-        cycle lock, instead of waking the background thread and then being woken by it: two
-        thread hand-offs saved per blocking call. If the background thread is inside a cycle,
-        this waits for the lock (after cutting an idle nap of that cycle short) and goes on
-        from there. Errors become the engine's sticky failure, as in the background loop.
-        """
-        lock = self._cycle_lock
-        if not lock.acquire(blocking=False):
-            if self._napping:  # the loop naps inside an idle round: cut it short
-                self._wake.put(_POKE)
-            lock.acquire()
-        try:
-            queued = self._queue  # alone and cached: a cycle of its own (_control/immediate.py)
-            if (queued and queued[0].handle is handle and run_queued(self, queued[0])
-                    and (handle._resolved or self._stopped)):
-                return
-            misses = 0
-            ready = handle._ready
-            if ready is not None and self._alone(handle) and not ready.done:
-                self._announce_now(handle)  # see below
-            while not handle._resolved and not self._stopped:
-                self._caller_cycle()
-                if handle._resolved:
-                    return
-                ready = handle._ready
-                if ready is not None and not ready.done:
-                    if self._alone(handle):
-                        # Nothing else pending here, so nothing can queue behind it: announce
-                        # it now and let hvdlite's stream wait for the producer (no CPU wait).
-                        self._announce_now(handle)
-                        continue
-                    # Our own input is still being produced and other work is pending: wait
-                    # for it here (this thread waits anyway; the GIL and the cycle lock are
-                    # free meanwhile, so the other tensors keep moving), then announce it.
-                    lock.release()
-                    try:
-                        ready.synchronize()
-                    finally:
-                        lock.acquire()
-                    continue
-                # A round that did not resolve us: a peer had not submitted yet. Go again at
-                # once (it is usually there by the next round), then pace the rounds.
-                misses += 1
-                if misses > 2:
-                    time.sleep(min(self._nap_s * (1 << min(misses - 3, 10)), _MAX_NAP_S,
-                                   self.negotiator.cycle_s))
-        finally:
-            if self.negotiator.announce_now is not None:
-                self._announce_now(None)
-            lock.release()
-
-    def _caller_cycle(self) -> None:
-        """One cycle on a waiting caller's thread. A failure inside it is the engine's sticky
-        failure; an exception a signal handler raised while the caller waited inside a round
-        (Ctrl-C, an alarm) is held until the round is complete and then raised to the caller
-        alone, as an abandoned wait: the engine and the peers go on, the collective stays
-        pending (its handle completes later)."""
-        try:
-            self._cycle(caller=True)
-        except BaseException as exc:
-            self._die(exc)
-            if not isinstance(exc, Exception):
-                raise  # a signal's exception outside any wait: the engine had to stop
-            return
-        for channel in self._channels.values():
-            interrupt = channel.negotiator.failures.take_deferred()
-            if interrupt is not None:
-                raise interrupt
-
-    def _announce_now(self, handle: Handle | None) -> None:
-        for channel in self._channels.values():
-            channel.negotiator.announce_now = handle
-
-    def _alone(self, handle: Handle) -> bool:
-        """Whether ``handle``'s tensors are all the work pending on this rank."""
-        queued, channels = self._queue, list(self._channels.values())
-        return (len(queued) + sum(len(c.entries) for c in channels) <= len(handle._results)
-                and all(e.handle is handle for e in queued)
-                and all(e.handle is handle for c in channels for e in c.entries.values()))
-
-    def _run(self) -> None:
-        while True:
-            woken = self._wait_for_work()
-            if woken and not self._stop_requested:
-                self._settle()
-            elif (time.perf_counter() - self._last_cycle < self.negotiator.cycle_s
-                  and not self._stop_requested):
-                # A caller ran a round within the cycle time: the peers' rounds are being
-                # served by it, and a timer round now would only contend for the cycle lock.
-                continue
-            with self._cycle_lock:
-                if self._stopped:
-                    return
-                if woken and not self._queue and not self._stop_requested and not any(
-                        c.entries for c in self._channels.values()):
-                    # Woken for work a waiting caller has already run (allreduce_async, then
-                    # wait() at once): nothing to do. (A wake-up by the timer always runs its
-                    # round: peers with pending work may be waiting in it.)
-                    continue
-                try:
-                    self._cycle(caller=False)
-                except BaseException as exc:  # noqa: BLE001 - must reach every caller
-                    self._die(exc)
-                    return
-            if self._stopped:
-                return
-
-    def _cycle(self, caller: bool) -> None:
-        """One cycle: drain the queue, then per process set (in set-id order, the same on
-        every member): negotiate, execute in the agreed order, complete. Runs under the
-        cycle lock, on whichever thread holds it."""
-        if caller:
-            self._last_cycle = time.perf_counter()
-        if self._gpu is not None and len(self._gpu.retirer):
-            self._gpu.retirer.retire()
-        new = self._drain()
-        stopping, expecting = self._stop_requested, self._expecting_stall > 0
-        for channel in list(self._channels.values()):  # a set added now runs from next cycle
-            if channel.id not in self._channels:
-                continue  # removed earlier in this cycle (the same on every member)
-            mine = [e for e in new if e.channel is channel] if len(self._channels) > 1 else new
-            working = bool(channel.entries) or bool(mine)
-            t0 = time.perf_counter()
-            cycle = channel.negotiate(mine, stopping, expecting, caller)
-            if working:  # idle rounds (mostly naps waiting for peers) are not negotiation
-                self.tracer.stats.record_negotiation(time.perf_counter() - t0)
-            if self.tracer.timeline is not None:
-                self.tracer.negotiated(cycle.responses, channel.entries)
-                self.tracer.cycle()
-            if cycle.responses:
-                channel.execute(cycle.responses, self._lock)
-            if cycle.stop is not None:
-                self._finish(cycle.stop)
-                return
+            self.driver.wake.put(None)
 
     def _die(self, exc: BaseException) -> None:
         """The sticky failure: every pending and later call raises it, here and on peers."""
@@ -439,72 +253,11 @@ class Engine:
         except Exception as exc:  # the peers may be gone or stuck; nothing more to do
             log.error("hvdlite: could not tell the other ranks about the failure: %r", exc)
 
-    def _wait_for_work(self) -> bool:
-        """Sleep until work is submitted or the pace says so; False if the timer ran out."""
-        wake = self._wake
-        woken = True
-        if not self._queue and not self._stop_requested:
-            try:
-                wake.get(timeout=min(c.negotiator.next_wait_s(bool(c.entries))
-                                     for c in self._channels.values()))
-            except queue.Empty:
-                woken = False
-        try:
-            while True:  # the tokens of submissions this cycle drains anyway
-                wake.get_nowait()
-        except queue.Empty:
-            pass
-        return woken
-
-    def _settle(self) -> None:
-        """Woken by a submission: let the burst it starts (a step's gradients) finish first,
-        napping while submissions keep arriving, for up to one cycle time. A cycle per
-        submission of a burst would cost a round each, cut the burst into partial buckets
-        (no plan to replay) and take the GIL from the thread that submits."""
-        wake = self._wake
-        cycle_s = self.negotiator.cycle_s
-        deadline = time.perf_counter() + cycle_s
-        while time.perf_counter() < deadline:
-            time.sleep(min(_SETTLE_NAP_S, cycle_s / 4))
-            if wake.empty():
-                return
-            try:
-                while True:
-                    wake.get_nowait()
-            except queue.Empty:
-                pass
-
-    def _idle_nap(self, seconds: float) -> bool:
-        """A nap of the negotiation's idle wait that ends early when work is submitted here
-        (the token goes back, so the next _wait_for_work does not sleep either) or when a
-        waiting caller wants the cycle lock (a poke, consumed: it runs the next cycle)."""
-        self._napping = True
-        try:
-            token = self._wake.get(timeout=seconds)
-        except queue.Empty:
-            return False
-        finally:
-            self._napping = False
-        if token is not _POKE:
-            self._wake.put(None)
-        return True
-
-    def _drain(self) -> list[Entry]:
-        with self._lock:
-            new, self._queue = self._queue, []
-            # Pending in their channels from here on, so that a stop found in an earlier
-            # channel's round of this cycle still fails them (they are in no queue any more).
-            for e in new:
-                e.channel.entries[e.request.name] = e
-        if self.tracer.timeline is not None:
-            self.tracer.negotiating(new)
-        return new
-
     # -- process sets ----------------------------------------------------------------------
     def _channel(self, set_id: int, ranks: tuple[int, ...], ctrl: Any, data: Any) -> Channel:
         return Channel(set_id, ranks, ctrl, data, self.config, self.tracer, self.fusion,
-                       self.gpu_runtime, self._block, self._idle_nap, self._apply_set_change,
-                       self._buckets)
+                       self.gpu_runtime, self._block, self.driver.idle_nap,
+                       self._apply_set_change, self._buckets)
 
     def _add_set(self, set_id: int, ranks: tuple[int, ...]) -> None:
         """Create set ``set_id`` (collective over every rank: both splits run everywhere, at
@@ -604,13 +357,13 @@ class Engine:
                 "did not respond", comm=self._base, backstop_s=0)
         if not self._stopped:
             self._stop_requested = True
-            self._wake.put(None)
-            self._thread.join(_SHUTDOWN_JOIN_S)
-            if self._thread.is_alive():
+            self.driver.wake.put(None)
+            self.driver.thread.join(_SHUTDOWN_JOIN_S)
+            if self.driver.thread.is_alive():
                 log.error("hvdlite: background thread did not stop within %.0f s; other ranks "
                           "are not responding", _SHUTDOWN_JOIN_S)
                 return
-        self._thread.join()
+        self.driver.thread.join()
         from mpi4py import MPI
 
         sys.setswitchinterval(self._switch_interval)

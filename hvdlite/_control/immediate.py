@@ -42,11 +42,11 @@ def run_now(engine: Engine, channel: Channel, lane: Lane, tensor: Any, output: A
     """The result of the blocking allreduce of ``tensor`` into ``output`` (see the module
     docstring), a :class:`~hvdlite.Handle` to wait on if the round agreed on more than this
     call, or :data:`MISS` if the call must be submitted the general way."""
-    lock = engine._cycle_lock
+    lock = engine.driver.cycle_lock
     if not lock.acquire(blocking=False):
         return MISS
     try:
-        if not engine.quiet(channel):
+        if not engine.driver.quiet(channel):
             return MISS
         neg = channel.negotiator
         slot, same = neg.cache.lookup(lane.request)
@@ -69,7 +69,7 @@ def _cycle(engine: Engine, channel: Channel, lane: Lane, slot: int, backend: Any
     neg = channel.negotiator
     neg.in_caller = channel.mpi.in_caller = True
     t0 = time.perf_counter()
-    engine._last_cycle = t0
+    engine.driver.last_cycle = t0
     engine.reclaim()
     try:
         now = time.monotonic()
@@ -77,7 +77,7 @@ def _cycle(engine: Engine, channel: Channel, lane: Lane, slot: int, backend: Any
         agreed = neg.agreed_one(slot, hits, invalid)
         if agreed is None:  # other work in this round: the general cycle takes it from here
             entry = make_entry()
-            engine.adopt(channel, entry,
+            engine.driver.adopt(channel, entry,
                          lambda: neg.conclude(hits, invalid, channel.entries, False, now))
             return entry.handle
         if lane.device_id >= 0:
@@ -101,7 +101,7 @@ def _cycle(engine: Engine, channel: Channel, lane: Lane, slot: int, backend: Any
     stats.record_op("allreduce", nbytes, time.perf_counter() - t0)
     interrupt = neg.failures.take_deferred()
     if interrupt is not None:
-        raise interrupt  # held while the peers were in the round (see Engine._caller_cycle)
+        raise interrupt  # held while the peers were in the round (see Driver._caller_cycle)
     if user is not None:
         return user
     return output if lane.to_user is None else lane.to_user(output)
@@ -117,7 +117,7 @@ def run_queued(engine: Engine, entry: Entry) -> bool:
         return False
     neg = channel.negotiator
     slot, same = neg.cache.lookup(entry.request)
-    if not same or not neg.idle() or not engine.quiet(channel, queued=1):
+    if not same or not neg.idle() or not engine.driver.quiet(channel, queued=1):
         return False
     resp = neg.cache.response(slot)
     backend: Any = channel.backends.get(resp.device)
@@ -128,21 +128,21 @@ def run_queued(engine: Engine, entry: Entry) -> bool:
             return False
         engine._queue = []
     neg.in_caller = channel.mpi.in_caller = True
-    engine._last_cycle = time.perf_counter()
+    engine.driver.last_cycle = time.perf_counter()
     engine.reclaim()
     now = time.monotonic()
     try:
         hits, invalid = neg.round_one(slot, entry.request.name, now)
         agreed = neg.agreed_one(slot, hits, invalid)
         if agreed is None:
-            engine.adopt(channel, entry,
+            engine.driver.adopt(channel, entry,
                          lambda: neg.conclude(hits, invalid, channel.entries, False, now))
             return True
         with engine._lock:
             channel.in_flight.discard(entry.request.name)
         engine.tracer.stats.record_bucket(1, entry.nbytes(), entry.nbytes())
         backend.run([agreed], [entry])
-    except BaseException as exc:  # as in Engine._caller_cycle
+    except BaseException as exc:  # as in Driver._caller_cycle
         engine._die(exc)
         if not isinstance(exc, Exception):
             raise

@@ -150,22 +150,23 @@ def test_idle_nap_is_cut_short_by_local_work() -> None:
 
 
 def test_engine_idle_nap_ends_when_work_is_submitted() -> None:
-    """The engine's half: its nap is a wait on the wake-up queue that a submission ends, and
-    the token goes back so the loop's next wait for work does not sleep either."""
+    """The engine's half (its driver's): its nap is a wait on the wake-up queue that a
+    submission ends, and the token goes back so the loop's next wait for work does not sleep
+    either."""
     import queue
     import threading
     import time
     from types import SimpleNamespace
 
-    from hvdlite._engine import Engine
+    from hvdlite._control.driver import Driver
 
     wake: queue.SimpleQueue[None] = queue.SimpleQueue()
-    fake = SimpleNamespace(_wake=wake)  # _idle_nap uses nothing else of the engine
-    assert Engine._idle_nap(fake, 0.01) is False  # nothing submitted: a plain nap
+    fake = SimpleNamespace(wake=wake, napping=False)  # idle_nap uses nothing else
+    assert Driver.idle_nap(fake, 0.01) is False  # nothing submitted: a plain nap
     timer = threading.Timer(0.02, wake.put, (None,))
     timer.start()
     t0 = time.perf_counter()
-    assert Engine._idle_nap(fake, 30.0) is True
+    assert Driver.idle_nap(fake, 30.0) is True
     assert time.perf_counter() - t0 < 20.0, "slept through the submission"
     timer.join()
     assert wake.get_nowait() is None  # the token is back for _wait_for_work
