@@ -3,20 +3,20 @@ the tensor (framework, device, stream) and its dtype, build the request and the 
 submit to the engine. ``hvdlite/_collectives.py`` holds the public functions over it.
 
 A call that repeats the last call of its name (same layout, same parameters) takes the lane
-of that name (``_control/replay.py``): everything the template would compute is known, so the
-call costs a few comparisons, a handle, an entry and the queue. A grouped call is one entry.
+of that name (``_steady.py``, ``_control/replay.py``): everything the template would compute
+is known, so the call costs a few comparisons, a handle, an entry and the queue, or less
+(the immediate path). A grouped call is one entry.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from hvdlite._control.channel import Channel
-from hvdlite._control.immediate import MISS, run_now
 from hvdlite._control.negotiation import SPECS, Kind, Request
 from hvdlite._control.replay import Lane, Results, span_of
 from hvdlite._control.work import Entry
@@ -24,6 +24,7 @@ from hvdlite._engine import Engine, default_engine
 from hvdlite._handles import Handle
 from hvdlite._ops import Average, DType, ReduceOp, check_device_dtype, check_op, lookup_dtype
 from hvdlite._sets import set_id_of
+from hvdlite._steady import MISS, prepare, repeat
 from hvdlite._tensors import TensorRef, wrap
 from hvdlite._tensors import _identity as identity
 
@@ -123,15 +124,10 @@ def _submit(
         lane = channel.lanes.get(name)
         if lane is not None:
             out = outs[0] if outs is not None else None
-            if block and not group and kind is Kind.ALLREDUCE:
-                value = _immediate(engine, channel, lane, tensors[0], out, inplace, params,
-                                   stream)
-                if value is not MISS:
-                    return value.wait() if type(value) is Handle else value
-            entry = (_group_entry(lane, tensors, params, engine.reclaim) if group
-                     else _single_entry(lane, tensors[0], out, inplace, params, engine.reclaim))
-            if entry is not None:
-                return _enqueue(engine, channel, entry, lane.framework, stream, block)
+            value = repeat(engine, channel, lane, kind, tensors, out, inplace, group, params,
+                           stream, block)
+            if value is not MISS:
+                return value
     elif name is not None and type(name) is not str:
         _check_name(name)
     base = name if name is not None else engine.auto_name(kind.name.lower(), channel.id)
@@ -152,93 +148,9 @@ def _submit(
 
 def _enqueue(engine: Engine, channel: Channel, entry: Entry, framework: str, stream: Any,
              block: bool) -> Any:
-    _ready(engine, entry, framework, stream)
+    prepare(engine, entry, framework, stream)
     engine.submit_one(entry, not block, channel)
     return entry.handle.wait() if block else entry.handle
-
-
-def _ready(engine: Engine, entry: Entry, framework: str, stream: Any) -> None:
-    if entry.device_id >= 0:
-        # Record READY on the caller's stream now: the cycle orders hvdlite's stream after it
-        # (cudaStreamWaitEvent) instead of waiting for the producer on the CPU.
-        runtime = engine._gpu or engine.gpu_runtime()
-        device_id = entry.device_id
-        entry.ready = runtime.record_ready(framework, device_id, stream)
-        entry.handle.attach_device(runtime.stream_waiter(framework, device_id),
-                                   runtime.async_completion, device_id, entry.ready)
-
-
-def _immediate(engine: Engine, channel: Channel, lane: Lane, tensor: Any, out: Any,
-               inplace: bool, params: tuple[Any, ...], stream: Any) -> Any:
-    parts = _single_parts(lane, tensor, out, inplace, params, engine.reclaim)
-    if parts is None:
-        return MISS
-    output, user = parts
-
-    def make_entry() -> Entry:
-        entry = Entry(lane.request, tensor, output, Handle(lane.request.name), 0, user,
-                      lane.device_id, lane.to_user)
-        _ready(engine, entry, lane.framework, stream)
-        return entry
-
-    return run_now(engine, channel, lane, tensor, output, user, stream, make_entry)
-
-
-# -- the lanes: a call that repeats its name's last call -----------------------------------
-def _single_entry(lane: Lane, tensor: Any, out: Any, inplace: bool, params: tuple[Any, ...],
-                  reclaim: Callable[[], None]) -> Entry | None:
-    parts = _single_parts(lane, tensor, out, inplace, params, reclaim)
-    if parts is None:
-        return None
-    output, user = parts
-    handle = Handle(lane.request.name)
-    return Entry(lane.request, tensor, output, handle, 0, user, lane.device_id, lane.to_user)
-
-
-def _single_parts(lane: Lane, tensor: Any, out: Any, inplace: bool, params: tuple[Any, ...],
-                  reclaim: Callable[[], None]) -> tuple[Any, Any] | None:
-    """(output, user object to hand back) of a single-tensor call that repeats ``lane``."""
-    if lane.shapes or not lane.matches(tensor, params):
-        return None
-    user = None
-    if inplace:
-        if lane.device_id < 0 and not tensor.flags.writeable:
-            return None  # the template raises the error
-        output = user = tensor
-    elif out is not None:
-        if not (type(out) is lane.ttype and out.shape == lane.shape
-                and out.dtype is lane.dtype and out.strides == lane.strides
-                and (out.data.device_id == lane.device_id if lane.device_id >= 0
-                     else out.flags.writeable)):
-            return None
-        output = user = out
-    else:
-        res = lane.result(reclaim)
-        output = res.views[0] if res is not None else None
-    return output, user
-
-
-def _group_entry(lane: Lane, tensors: Sequence[Any], params: tuple[Any, ...],
-                 reclaim: Callable[[], None]) -> Entry | None:
-    if not lane.shapes or not lane.matches_group(tensors, params):
-        return None
-    members = lane.inputs
-    outputs: Any
-    if lane.inplace:
-        outputs, span, user = members, lane.span, members
-    else:
-        res = lane.result(reclaim)
-        assert res is not None  # an allreduce always has results
-        outputs, span, user = res.views, res.flat, None
-    return _unit(lane, members, outputs, span, user)
-
-
-def _unit(lane: Lane, members: Any, outputs: Any, span: Any, user: Any) -> Entry:
-    entry = Entry(lane.request, members[0], None, Handle(lane.request.name), 0, user,
-                  lane.device_id, lane.to_user)
-    entry.members, entry.outputs, entry.span = members, outputs, span
-    entry.size = lane.request_bytes
-    return entry
 
 
 # -- the template, for a call its lane cannot serve ----------------------------------------
@@ -321,15 +233,23 @@ def _new_group(channel: Channel, kind: Kind, tensors: Sequence[Any], name: str,
         for i, ref in enumerate(refs):
             _output(kind, ref, None, True, f"{name}.{i}")
         lane.span = span_of(arrays, first.framework)
-        entry = _unit(lane, arrays, arrays, lane.span, list(tensors))
+        entry = _unit_entry(lane, arrays, arrays, lane.span, list(tensors))
     else:
         res = lane.result()
         assert res is not None
-        entry = _unit(lane, arrays, res.views, res.flat, None)
+        entry = _unit_entry(lane, arrays, res.views, res.flat, None)
     # A lane matches the caller's own objects, so only arrays hvdlite uses as they are (not
     # torch tensors, viewed anew per call) of one dtype (what matches_group compares).
     reusable = all(type(t) in _lane_types() for t in tensors) and type(dtype) is str
     return entry, (lane if reusable else None), first.framework
+
+
+def _unit_entry(lane: Lane, members: Any, outputs: Any, span: Any, user: Any) -> Entry:
+    entry = Entry(lane.request, members[0], None, Handle(lane.request.name), 0, user,
+                  lane.device_id, lane.to_user)
+    entry.members, entry.outputs, entry.span = members, outputs, span
+    entry.size = lane.request_bytes
+    return entry
 
 
 def _lane_types() -> tuple[type, ...]:

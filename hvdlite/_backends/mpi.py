@@ -196,6 +196,13 @@ class MPIBackend:
             finish_reduce(np, out, op, self.size, head.postscale, row)
         return out
 
+    def unit_now(self, resp: Response, members: Any, outputs: Any, span: Any) -> bool:
+        """Reduce a grouped call of one dtype (the immediate path); False for mixed dtypes."""
+        if type(resp.dtype) is not str or resp.joined:
+            return False
+        self._reduce(resp, resp.dtype, members, outputs, span, _NO_NAMES)
+        return True
+
     def direct(self, head: Response) -> _Spec | None:
         """What :meth:`reduce_one` needs for ``head``, if it is one (not grouped) allreduce
         of a native MPI type; else None."""

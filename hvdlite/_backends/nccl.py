@@ -142,6 +142,21 @@ class NcclBackend:
         dtype, per, op = direct
         comm.allReduce(src.data.ptr, out.data.ptr, src.size * per, dtype, op, stream.ptr)
 
+    def unit_now(self, resp: Response, members: Any, outputs: Any, span: Any, device_id: int,
+                 stream: Any) -> bool:
+        """Reduce a grouped call in its span on the caller's ``stream`` (the current one), as
+        :meth:`_allreduce` would on hvdlite's (the immediate path: sync completion only, so
+        the stream is synchronised before anything else can use the plan). False if it is
+        not a single-dtype unit with a span."""
+        if span is None or type(resp.dtype) is not str or resp.joined or \
+                self.runtime.async_completion:
+            return False
+        ctx = self.runtime.context(device_id)
+        comm = self._comms.get(device_id) or self.communicator(device_id)
+        red = self._reduction(resp.dtype, resp)
+        self.fused.run(ctx, comm, resp, 0, red, members, outputs, span, None, stream)
+        return True
+
     def _direct_op(self, resp: Response) -> tuple[int, int, int] | None:
         """(NCCL dtype, elements per value, NCCL op) when ``resp`` is one NCCL call and
         nothing else (an unscaled allreduce whose op NCCL computes itself), else None."""

@@ -25,23 +25,29 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from hvdlite._control.negotiation import Request, Response
 from hvdlite._control.work import Entry
 
 if TYPE_CHECKING:
     from hvdlite._control.channel import Channel
-    from hvdlite._control.replay import Lane
     from hvdlite._engine import Engine
 
-__all__ = ["MISS", "run_now", "run_queued"]
+__all__ = ["DONE", "MISS", "Work", "run_now", "run_queued"]
 
 MISS = object()  # the call cannot take the immediate path: submit it the general way
+DONE = object()  # the call's collective ran on the calling thread: its results are ready
+
+# What a call's data step is, given the agreed response and its backend: the step to run once
+# the round agreed on it alone, or None if this call cannot run immediately.
+Work = Callable[[Response, Any], Callable[[], object] | None]
 
 
-def run_now(engine: Engine, channel: Channel, lane: Lane, tensor: Any, output: Any, user: Any,
-            stream: Any, make_entry: Callable[[], Entry]) -> Any:
-    """The result of the blocking allreduce of ``tensor`` into ``output`` (see the module
-    docstring), a :class:`~hvdlite.Handle` to wait on if the round agreed on more than this
-    call, or :data:`MISS` if the call must be submitted the general way."""
+def run_now(engine: Engine, channel: Channel, request: Request, nbytes: int, work: Work,
+            make_entry: Callable[[], Entry]) -> Any:
+    """Run the blocking call of ``request`` immediately (see the module docstring): returns
+    :data:`DONE` once its collective ran, a :class:`~hvdlite.Handle` to wait on if the round
+    agreed on more than this call (``make_entry`` made it an ordinary entry), or
+    :data:`MISS` if the call must be submitted the general way."""
     lock = engine.driver.cycle_lock
     if not lock.acquire(blocking=False):
         return MISS
@@ -49,23 +55,21 @@ def run_now(engine: Engine, channel: Channel, lane: Lane, tensor: Any, output: A
         if not engine.driver.quiet(channel):
             return MISS
         neg = channel.negotiator
-        slot, same = neg.cache.lookup(lane.request)
+        slot, same = neg.cache.lookup(request)
         if not same or not neg.idle():
             return MISS
         resp = neg.cache.response(slot)
-        backend: Any = channel.backends.get(resp.device)
-        direct = backend.direct(resp) if backend is not None else None
-        if direct is None:
+        backend = channel.backends.get(resp.device)
+        step = work(resp, backend) if backend is not None else None
+        if step is None:
             return MISS
-        return _cycle(engine, channel, lane, slot, backend, direct, tensor, output, user, stream,
-                      make_entry)
+        return _cycle(engine, channel, request.name, slot, nbytes, step, make_entry)
     finally:
         lock.release()
 
 
-def _cycle(engine: Engine, channel: Channel, lane: Lane, slot: int, backend: Any, direct: Any,
-           tensor: Any, output: Any, user: Any, stream: Any,
-           make_entry: Callable[[], Entry]) -> Any:
+def _cycle(engine: Engine, channel: Channel, name: str, slot: int, nbytes: int,
+           step: Callable[[], object], make_entry: Callable[[], Entry]) -> Any:
     neg = channel.negotiator
     neg.in_caller = channel.mpi.in_caller = True
     t0 = time.perf_counter()
@@ -73,38 +77,27 @@ def _cycle(engine: Engine, channel: Channel, lane: Lane, slot: int, backend: Any
     engine.reclaim()
     try:
         now = time.monotonic()
-        hits, invalid = neg.round_one(slot, lane.request.name, now)
-        agreed = neg.agreed_one(slot, hits, invalid)
-        if agreed is None:  # other work in this round: the general cycle takes it from here
+        hits, invalid = neg.round_one(slot, name, now)
+        if neg.agreed_one(slot, hits, invalid) is None:
+            # Other work in this round: the general cycle takes it from here.
             entry = make_entry()
             engine.driver.adopt(channel, entry,
-                         lambda: neg.conclude(hits, invalid, channel.entries, False, now))
+                                lambda: neg.conclude(hits, invalid, channel.entries, False,
+                                                     now))
             return entry.handle
-        if lane.device_id >= 0:
-            from hvdlite._gpu.runtime import current_stream
-
-            target = stream if stream is not None else current_stream(lane.framework,
-                                                                      lane.device_id)
-            backend.reduce_now(tensor, output, lane.device_id, target, direct)
-            if not engine.gpu_runtime().async_completion:
-                target.synchronize()
-        else:
-            backend.reduce_one(agreed, tensor, output, direct)
+        step()
     except BaseException as exc:  # a failure inside the round: sticky, as in any cycle
         engine._die(exc)
         if engine._error is not None and engine._error is not exc:
             raise engine._error from exc
         raise
     stats = engine.tracer.stats
-    nbytes = tensor.nbytes
     stats.record_bucket(1, nbytes, nbytes)
     stats.record_op("allreduce", nbytes, time.perf_counter() - t0)
     interrupt = neg.failures.take_deferred()
     if interrupt is not None:
         raise interrupt  # held while the peers were in the round (see Driver._caller_cycle)
-    if user is not None:
-        return user
-    return output if lane.to_user is None else lane.to_user(output)
+    return DONE
 
 
 def run_queued(engine: Engine, entry: Entry) -> bool:

@@ -87,18 +87,22 @@ class FusedAllreduce:
         return plan
 
     def run(self, ctx: DeviceContext, comm: Any, owner: object, part: int, red: Reduction,
-            srcs: Sequence[Any], dsts: Sequence[Any], span: Any, phase: Phase | None) -> None:
+            srcs: Sequence[Any], dsts: Sequence[Any], span: Any, phase: Phase | None,
+            stream: Any = None) -> None:
         """Enqueue ``dsts[i] = allreduce(srcs[i])`` for every member (in place when ``srcs is
         dsts``); ``span``: one flat array the outputs lie in, end to end, or None. ``owner``
-        and ``part`` name the plan to replay."""
+        and ``part`` name the plan to replay. Everything goes on ``stream`` (default
+        hvdlite's), which must be the current stream (the copy kernels launch there)."""
         plan = self._plan(owner, part, srcs, red.per, np.dtype(red.wire).itemsize)
+        target = ctx.stream if stream is None else stream
         if span is not None:
-            self._span(ctx, comm, plan, red, srcs, dsts, span, phase)
+            self._span(ctx, target, comm, plan, red, srcs, dsts, span, phase)
         else:
-            self._scattered(ctx, comm, plan, red, srcs, dsts, phase)
+            self._scattered(ctx, target, comm, plan, red, srcs, dsts, phase)
 
-    def _span(self, ctx: DeviceContext, comm: Any, plan: MemberPlan, red: Reduction,
-              srcs: Sequence[Any], dsts: Sequence[Any], span: Any, phase: Phase | None) -> None:
+    def _span(self, ctx: DeviceContext, stream: Any, comm: Any, plan: MemberPlan,
+              red: Reduction, srcs: Sequence[Any], dsts: Sequence[Any], span: Any,
+              phase: Phase | None) -> None:
         total = span.size * red.per
         with _maybe(phase, "MEMCPY_IN_FUSION_BUFFER", None):
             if srcs is not dsts:
@@ -108,7 +112,7 @@ class FusedAllreduce:
                     if plan.key != key:
                         offs = np.zeros(len(srcs) + 1, dtype=np.int64)
                         np.cumsum(plan.counts, out=offs[1:])
-                        plan.tables = self._upload(ctx, plan.tables,
+                        plan.tables = self._upload(ctx, stream, plan.tables,
                                                    [offs, np.array(key, np.int64)])
                         plan.key = key
                     plan.source = srcs if type(srcs) is tuple else None
@@ -119,13 +123,14 @@ class FusedAllreduce:
                 scale_into(self.cupy, span, span, red.prescale)
         with _maybe(phase, "NCCL_ALLREDUCE", {"bytes": total * np.dtype(red.wire).itemsize}):
             ptr = span.data.ptr
-            comm.allReduce(ptr, ptr, total, red.dtype, red.nccl_op, ctx.stream.ptr)
+            comm.allReduce(ptr, ptr, total, red.dtype, red.nccl_op, stream.ptr)
         if red.finish:  # the results are in place: only averaging or scaling is left
             with _maybe(phase, "MEMCPY_OUT_FUSION_BUFFER", None):
                 red.complete(self.cupy, span)
 
-    def _scattered(self, ctx: DeviceContext, comm: Any, plan: MemberPlan, red: Reduction,
-                   srcs: Sequence[Any], dsts: Sequence[Any], phase: Phase | None) -> None:
+    def _scattered(self, ctx: DeviceContext, target: Any, comm: Any, plan: MemberPlan,
+                   red: Reduction, srcs: Sequence[Any], dsts: Sequence[Any],
+                   phase: Phase | None) -> None:
         fused = plan.fused
         if fused:
             key = (tuple([srcs[i].data.ptr for i in fused]),
@@ -133,11 +138,12 @@ class FusedAllreduce:
             if plan.key != key:
                 offs = np.array(plan.offsets, dtype=np.int64)
                 ins, outs = plan.tables if plan.tables is not None else (None, None)
-                plan.tables = (self._upload(ctx, ins, [offs, np.array(key[0], np.int64)]),
-                               self._upload(ctx, outs, [offs, np.array(key[1], np.int64)]))
+                plan.tables = (
+                    self._upload(ctx, target, ins, [offs, np.array(key[0], np.int64)]),
+                    self._upload(ctx, target, outs, [offs, np.array(key[1], np.int64)]))
                 plan.key = key
             buf = self.fusion.get(f"cuda:{ctx.device_id}", np.dtype(red.wire), plan.total)
-        stream = ctx.stream.ptr
+        stream = target.ptr
         directs = [(srcs[i], dsts[i], plan.counts[i]) for i in plan.direct]
         with _maybe(phase, "MEMCPY_IN_FUSION_BUFFER", None):
             if red.prescale != 1.0:
@@ -168,18 +174,23 @@ class FusedAllreduce:
             for _, dst, _ in directs:
                 red.complete(self.cupy, dst)
 
-    def _upload(self, ctx: DeviceContext, table: Any, parts: list[np.ndarray]) -> Any:
+    def _upload(self, ctx: DeviceContext, stream: Any, table: Any,
+                parts: list[np.ndarray]) -> Any:
         """Copy the int64 ``parts`` into the persistent device ``table`` (a new one if its
-        size changed), in stream order: the kernels of earlier steps that read the old
-        table have run before the copy lands."""
+        size changed), in ``stream``'s order: the kernels of earlier steps that read the old
+        table on that stream have run before the copy lands. (A plan runs on the caller's
+        stream only on the immediate path, which synchronises that stream before it returns,
+        so no kernel of it is left reading a table another stream rewrites.)"""
         values = np.concatenate(parts)
         staged = ctx.upload_meta(values)
         if table is None or table.size != values.size:
             with self.cupy.cuda.Device(ctx.device_id):
                 table = self.cupy.empty(values.size, dtype=np.int64)
         runtime = self.cupy.cuda.runtime
+        if stream is not ctx.stream:  # the staging copy went on hvdlite's stream
+            ctx.stream.synchronize()
         runtime.memcpyAsync(table.data.ptr, staged.data.ptr, values.size * 8,
-                            runtime.memcpyDeviceToDevice, ctx.stream.ptr)
+                            runtime.memcpyDeviceToDevice, stream.ptr)
         return table
 
     def release(self) -> None:
