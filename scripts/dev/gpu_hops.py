@@ -21,7 +21,7 @@ from typing import Any
 import cupy as cp
 
 import hvdlite as hvd
-from hvdlite import _collectives, _submit
+from hvdlite import _collectives, _steady
 from hvdlite._backends.nccl import NcclBackend
 from hvdlite._control import replay
 from hvdlite._control.channel import Channel
@@ -59,8 +59,8 @@ def main() -> None:
     args = p.parse_args()
     for owner, name, label in [
         (_collectives, "_submit", "call (whole)"),
-        (_submit, "_single_parts", "  lane match + output"),
-        (_submit, "run_now", "  immediate path"),
+        (_steady, "_single_parts", "  lane match + output"),
+        (_steady, "run_now", "  immediate path"),
         (Negotiator, "_allreduce", "    bit-vector allreduce"),
         (NcclBackend, "reduce_now", "    NCCL call on the caller's stream"),
         (replay.Lane, "matches_group", "  group lane match"),
