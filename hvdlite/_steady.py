@@ -30,6 +30,18 @@ def repeat(engine: Engine, channel: Channel, lane: Lane, kind: Kind, tensors: Se
            block: bool) -> Any:
     """The handle (or, ``block``, the result) of a call that repeats ``lane``; :data:`MISS`
     if it does not repeat it (the template takes the call)."""
+    steady = engine.tracer.stats.steady
+    made = lane.allocated
+    value = _repeat(engine, channel, lane, kind, tensors, out, inplace, group, params, stream,
+                    block, steady)
+    steady["lane_misses" if value is MISS else "lane_hits"] += 1
+    steady["results_allocated"] += lane.allocated - made
+    return value
+
+
+def _repeat(engine: Engine, channel: Channel, lane: Lane, kind: Kind, tensors: Sequence[Any],
+            out: Any, inplace: bool, group: bool, params: tuple[Any, ...], stream: Any,
+            block: bool, steady: dict[str, int]) -> Any:
     if group:
         unit = _unit_parts(lane, tensors, params, engine.reclaim)
         if unit is None:
@@ -58,6 +70,7 @@ def repeat(engine: Engine, channel: Channel, lane: Lane, kind: Kind, tensors: Se
     if block and kind is Kind.ALLREDUCE:
         done = run_now(engine, channel, lane.request, nbytes, work, make)
         if done is DONE:
+            steady["immediate"] += 1
             return _value(lane, outputs if group else output, user, group)
         if done is not MISS:
             return done.wait()

@@ -141,8 +141,10 @@ def _submit(
                                              prescale, postscale, splits,
                                              outs[0] if outs is not None else None, inplace,
                                              params)
-    if name is not None and splits is None and lane is not None:
-        channel.lanes.put(name, lane)
+    if lane is not None:
+        engine.tracer.stats.steady["results_allocated"] += lane.allocated
+        if name is not None and splits is None:
+            channel.lanes.put(name, lane)
     return _enqueue(engine, channel, entry, framework, stream, block)
 
 

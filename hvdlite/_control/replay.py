@@ -86,7 +86,7 @@ class Lane:
 
     __slots__ = ("request", "params", "ttype", "shape", "dtype", "strides", "device_id",
                  "framework", "to_user", "inputs", "shapes", "span", "results", "alloc",
-                 "inplace", "request_bytes")
+                 "inplace", "request_bytes", "allocated")
 
     def __init__(self, request: Request, params: tuple[Any, ...], array: Any, device_id: int,
                  framework: str, to_user: Callable[[Any], Any] | None,
@@ -105,6 +105,7 @@ class Lane:
         self.span: Any = None
         self.inplace = False
         self.request_bytes = -1  # a grouped call's payload (its entries' stats)
+        self.allocated = 0  # result sets made (the engine's stats add them up)
         self.results: list[Results] = []
         self.alloc = alloc  # makes a new Results (None: the collective allocates no output)
 
@@ -139,6 +140,7 @@ class Lane:
             if res.idle():
                 return res
         res = self.alloc()
+        self.allocated += 1
         if len(self.results) < _RESULT_SETS:
             res.free = res._counts()  # only ``res`` refers to them now
             self.results.append(res)

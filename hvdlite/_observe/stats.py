@@ -34,6 +34,12 @@ class _OpStats:
         self.pos = 0
 
 
+# How calls met the steady state (see docs/architecture.md, "The steady state"): calls that
+# repeated their lane, calls that did not, calls that ran on the immediate path, result sets
+# newly allocated (the rest were recycled). Plain increments under the GIL: counts, not locks.
+_STEADY = ("lane_hits", "lane_misses", "immediate", "results_allocated")
+
+
 class Stats:
     """Thread-safe counters the engine feeds; ``snapshot()`` returns a plain dict."""
 
@@ -58,6 +64,7 @@ class Stats:
             self._fill_sum = 0.0
             self._hits = 0
             self._misses = 0
+            self.steady: dict[str, int] = dict.fromkeys(_STEADY, 0)
             self._since = time.monotonic()
 
     def record_op(self, op: str, nbytes: int, latency_s: float) -> None:
@@ -114,6 +121,7 @@ class Stats:
             fusion = (self._buckets, self._bucket_tensors, self._payload, self._buffer,
                       self._fill_sum)
             hits, misses, since = self._hits, self._misses, self._since
+            steady = dict(self.steady)
         return {
             "elapsed_s": time.monotonic() - since,
             "ops": {name: _op_summary(*vals) for name, vals in sorted(ops.items())},
@@ -122,6 +130,7 @@ class Stats:
             "fusion": _fusion_summary(*fusion),
             "cache": {"hits": hits, "misses": misses,
                       "hit_rate": hits / (hits + misses) if hits + misses else None},
+            "steady_state": steady,
         }
 
 

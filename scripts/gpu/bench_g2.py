@@ -280,7 +280,8 @@ def targets_at(size: int, nbytes: int, per: dict[str, Any]) -> list[dict[str, An
     return [*out, wait]
 
 
-def report(gpu: gl.Gpu, results: dict[int, dict[str, Any]], torch_note: str) -> None:
+def report(gpu: gl.Gpu, results: dict[int, dict[str, Any]], torch_note: str,
+           steady: dict[str, int]) -> None:
     """Print the table and targets (rank 0) and write the JSON."""
     rows, targets = [], []
     for nbytes, per in results.items():
@@ -302,6 +303,7 @@ def report(gpu: gl.Gpu, results: dict[int, dict[str, Any]], torch_note: str) -> 
         f"{gpu.args.repeats} timed calls per size and variant, slowest rank per call; "
         "device synchronised (untimed) after every call; op SUM in every variant"
     ]
+    notes.append(f"hvdlite steady state (sync block): {steady}")
     if torch_note:
         notes.append(f"{torch_note}: the torch targets are not judged")
     gl.finish(
@@ -325,6 +327,7 @@ def main(argv: list[str] | None = None) -> None:
     alone = run_alone(gpu, raw, torch, bufs)
     gl.hvd_start(hvd, gpu, async_completion=False)
     results = run_block(gpu, raw, torch, bufs, async_block=False)
+    steady = hvd.stats()["steady_state"]  # lane hits, immediate calls, result sets made
     gl.hvd_start(hvd, gpu, async_completion=True)
     for nbytes, per in run_block(gpu, raw, torch, bufs, async_block=True).items():
         results[nbytes].update(per)
@@ -332,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     hvd.shutdown()
     raw.close()
     gl.torch_close(torch)
-    report(gpu, results, torch_note)
+    report(gpu, results, torch_note, steady)
 
 
 if __name__ == "__main__":

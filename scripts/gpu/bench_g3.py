@@ -224,6 +224,7 @@ def run_block(
     }
     times = gl.time_round_robin(gpu, fns, gpu.args.repeats, gpu.args.warmup)
     mem["pool_used_bytes_after_timing"] = int(pool.used_bytes())
+    mem["steady_state"] = hvd.stats()["steady_state"]  # lane hits, immediate calls, ...
     mem["pool_total_bytes_after_timing"] = int(pool.total_bytes())
     check(gpu, torch, fns, g, "after timing")
     return {k: gl.stats(v) for k, v in times.items()}, mem
