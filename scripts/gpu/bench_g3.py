@@ -334,6 +334,8 @@ def main(argv: list[str] | None = None) -> None:
     ]
     if torch_note:
         notes.append(f"{torch_note}: the torch target is not judged")
+    for block, m in (("sync", mem), ("async completion", mem_ac)):
+        notes.append(f"hvdlite steady state, {block} block: {m['steady_state']}")
     results = {
         "set": args.set,
         "tensors": len(shapes),
