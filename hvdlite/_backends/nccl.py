@@ -290,7 +290,7 @@ class NcclBackend:
             red = self._reductions[key] = Reduction(
                 row, wire, getattr(self.nccl, f"NCCL_{wire.upper()}"), per, op,
                 avg if avg is not None else self._op(row, op), avg is not None,
-                head.prescale, head.postscale, self.size)
+                head.prescale, head.postscale, self.size, self.nccl.NCCL_SUM)
         return red
 
     # -- the other collectives -------------------------------------------------------------

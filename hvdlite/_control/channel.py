@@ -125,13 +125,15 @@ class Channel:
         if len(responses) == 1:
             return [(responses, nbytes(responses[0]))]
         key = tuple(map(id, responses))
-        hit = self._plans.get(key)
+        plans = self._plans
+        hit = plans.pop(key, None)
         if hit is not None:
+            plans[key] = hit  # least recently used last: a step's plans outlive one-offs
             return hit[1]
         plan = [(b, sum(nbytes(r) for r in b)) for b in plan_buckets(responses, threshold)]
-        if len(self._plans) >= _MAX_PLANS:
-            self._plans.clear()
-        self._plans[key] = (tuple(responses), plan)
+        if len(plans) >= _MAX_PLANS:
+            del plans[next(iter(plans))]
+        plans[key] = (tuple(responses), plan)
         return plan
 
     def _account(self, bucket: list[Response], payload: int, threshold: int) -> None:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from hvdlite._control.immediate import run_queued
+from hvdlite._control.immediate import POKE, run_queued
 from hvdlite._control.work import Entry
 
 if TYPE_CHECKING:
@@ -30,7 +30,6 @@ _MAX_NAP_S = 200e-6  # longest pause of a waiting caller between rounds without 
 # Nap of the loop while a burst of submissions arrives (see Driver._settle): long enough that
 # the thread submitting the burst keeps the GIL for a few dozen calls between two looks.
 _SETTLE_NAP_S = 200e-6
-POKE = object()  # wake-up token of a waiting caller (see Driver.progress)
 
 
 class Driver:
@@ -222,6 +221,8 @@ class Driver:
             if cycle.stop is not None:
                 eng._finish(cycle.stop)
                 return
+            if not channel.entries and not eng._queue:
+                channel.negotiator.settle()
 
     def _wait_for_work(self) -> bool:
         """Sleep until work is submitted or the pace says so; False if the timer ran out."""

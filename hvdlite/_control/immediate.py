@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 from hvdlite._control.negotiation import Request, Response
 from hvdlite._control.work import Entry
 
+POKE = object()  # wake-up token of a waiting caller (it cuts an idle nap short)
+
 if TYPE_CHECKING:
     from hvdlite._control.channel import Channel
     from hvdlite._engine import Engine
@@ -48,11 +50,16 @@ def run_now(engine: Engine, channel: Channel, request: Request, nbytes: int, wor
     :data:`DONE` once its collective ran, a :class:`~hvdlite.Handle` to wait on if the round
     agreed on more than this call (``make_entry`` made it an ordinary entry), or
     :data:`MISS` if the call must be submitted the general way."""
-    lock = engine.driver.cycle_lock
+    driver = engine.driver
+    lock = driver.cycle_lock
     if not lock.acquire(blocking=False):
-        return MISS
+        # The background thread is in a cycle (most often the short one after a burst of
+        # asynchronous calls): wait for it, as progress on wait would, cutting a nap short.
+        if driver.napping:
+            driver.wake.put(POKE)
+        lock.acquire()
     try:
-        if not engine.driver.quiet(channel):
+        if not driver.quiet(channel):
             return MISS
         neg = channel.negotiator
         slot, same = neg.cache.lookup(request)
@@ -86,6 +93,8 @@ def _cycle(engine: Engine, channel: Channel, name: str, slot: int, nbytes: int,
                                                      now))
             return entry.handle
         step()
+        if not channel.entries and not engine._queue:
+            neg.settle()
     except BaseException as exc:  # a failure inside the round: sticky, as in any cycle
         engine._die(exc)
         if engine._error is not None and engine._error is not exc:

@@ -174,6 +174,12 @@ class Negotiator:
         hits, invalid = self._allreduce(flags)
         return self.conclude(hits, invalid, entries, stopping, now, sent)
 
+    def settle(self) -> None:
+        """Nothing is left pending on this rank after a cycle: its next rounds may back off.
+        A peer with work pending needs this rank's own submission of it anyway, and that
+        submission starts a round at once; stalls are still seen by the backed-off rounds."""
+        self._busy = False
+
     # -- one cached tensor alone (see _control/immediate.py) -------------------------------
     def idle(self) -> bool:
         """Nothing of this rank's is held back, waiting for peers or due to be sent."""

@@ -44,16 +44,23 @@ class Reduction:
     element type and op, elements per value, and what is left to do after NCCL."""
 
     __slots__ = ("row", "wire", "dtype", "per", "op", "nccl_op", "prescale", "postscale",
-                 "divisor", "finish")
+                 "divisor", "finish", "copy_scale", "copy_op")
 
     def __init__(self, row: DType, wire: str, dtype: int, per: int, op: ReduceOp,
                  nccl_op: int, averaged_by_nccl: bool, prescale: float, postscale: float,
-                 contributors: int) -> None:
+                 contributors: int, sum_op: int) -> None:
         self.row, self.wire, self.dtype, self.per = row, wire, dtype, per
         self.op, self.nccl_op = op, nccl_op
         self.prescale, self.postscale = prescale, postscale
         self.divisor = contributors if op is ReduceOp.AVERAGE and not averaged_by_nccl else 1
         self.finish = self.divisor > 1 or postscale != 1.0
+        # Members copied into a region anyway take NCCL's Average there, the way NCCL computes
+        # it for floats (premultiplied by 1/n, then summed): the region is reduced with Sum,
+        # which costs no pass of its own where ncclAvg costs one (at 1 rank: a whole pass).
+        if averaged_by_nccl:
+            self.copy_scale, self.copy_op = prescale / contributors, sum_op
+        else:
+            self.copy_scale, self.copy_op = prescale, nccl_op
 
     def complete(self, cupy: Any, out: Any) -> None:
         """Average (when NCCL did not) and postscale ``out`` in place."""
@@ -69,6 +76,7 @@ class FusedAllreduce:
         self.fusion = fusion
         self.direct_bytes = direct_bytes
         self.copy_kernels = 0  # batched copy kernels launched (a zero-copy bucket adds none)
+        self.plans_built = 0  # member plans made (a repeated step makes none)
         self._plans: dict[tuple[int, int], tuple[object, MemberPlan]] = {}
 
     def _plan(self, owner: object, part: int, srcs: Sequence[Any], per: int,
@@ -77,13 +85,16 @@ class FusedAllreduce:
         object every step while cached upstream, held here so its id is not reused; its
         shapes, so the members' counts, are part of it)."""
         key = (id(owner), part)
-        hit = self._plans.get(key)
+        plans = self._plans
+        hit = plans.pop(key, None)
         if hit is not None and hit[0] is owner:
+            plans[key] = hit  # least recently used last: a step's plans outlive one-offs
             return hit[1]
-        if len(self._plans) >= _MAX_PLANS:
-            self._plans.clear()
+        if len(plans) >= _MAX_PLANS:
+            del plans[next(iter(plans))]
         plan = MemberPlan([a.size * per for a in srcs], itemsize, self.direct_bytes)
-        self._plans[key] = (owner, plan)
+        plans[key] = (owner, plan)
+        self.plans_built += 1
         return plan
 
     def run(self, ctx: DeviceContext, comm: Any, owner: object, part: int, red: Reduction,
@@ -117,13 +128,16 @@ class FusedAllreduce:
                         plan.key = key
                     plan.source = srcs if type(srcs) is tuple else None
                 batched_copy(red.wire, plan.tables, len(srcs), span, total, mode=0,
-                             scale=red.prescale, divisor=1)
+                             scale=red.copy_scale, divisor=1)
                 self.copy_kernels += 1
-            elif red.prescale != 1.0:
-                scale_into(self.cupy, span, span, red.prescale)
+                op = red.copy_op
+            else:
+                op = red.nccl_op
+                if red.prescale != 1.0:
+                    scale_into(self.cupy, span, span, red.prescale)
         with _maybe(phase, "NCCL_ALLREDUCE", {"bytes": total * np.dtype(red.wire).itemsize}):
             ptr = span.data.ptr
-            comm.allReduce(ptr, ptr, total, red.dtype, red.nccl_op, stream.ptr)
+            comm.allReduce(ptr, ptr, total, red.dtype, op, stream.ptr)
         if red.finish:  # the results are in place: only averaging or scaling is left
             with _maybe(phase, "MEMCPY_OUT_FUSION_BUFFER", None):
                 red.complete(self.cupy, span)
@@ -152,7 +166,7 @@ class FusedAllreduce:
                 directs = [(dst, dst, n) for _, dst, n in directs]
             if fused:
                 batched_copy(red.wire, plan.tables[0], len(fused), buf, plan.total, mode=0,
-                             scale=red.prescale, divisor=1)
+                             scale=red.copy_scale, divisor=1)
                 self.copy_kernels += 1
         nbytes = sum(plan.counts) * np.dtype(red.wire).itemsize
         with _maybe(phase, "NCCL_ALLREDUCE", {"bytes": nbytes}):
@@ -163,7 +177,7 @@ class FusedAllreduce:
                 comm.allReduce(src.data.ptr, dst.data.ptr, n, red.dtype, red.nccl_op, stream)
             if fused:
                 ptr = buf.data.ptr
-                comm.allReduce(ptr, ptr, plan.total, red.dtype, red.nccl_op, stream)
+                comm.allReduce(ptr, ptr, plan.total, red.dtype, red.copy_op, stream)
             if grouped:
                 self.nccl.groupEnd()
         with _maybe(phase, "MEMCPY_OUT_FUSION_BUFFER", None):

@@ -24,6 +24,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--set", default="resnet50")
     p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--op", default="Sum", choices=["Sum", "Average"])
+    p.add_argument("--between", default="none", choices=["none", "async", "raw", "sleep"],
+                   help="what runs between two timed grouped calls (untimed)")
     args = p.parse_args()
     hvd.init()
     cp.cuda.Device(hvd.local_rank()).use()
@@ -31,6 +34,8 @@ def main() -> None:
     shapes = [tuple(t["shape"]) for t in spec["tensors"]]
     xs = [cp.full(math.prod(s), 1.0, cp.float32).reshape(s) for s in shapes]
     total = sum(x.size for x in xs)
+    op = getattr(hvd, args.op)
+    code = nccl.NCCL_SUM if args.op == "Sum" else nccl.NCCL_AVG
     stream = cp.cuda.get_current_stream()
     comm = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
     fused_in, fused_out = cp.ones(total, cp.float32), cp.empty(total, cp.float32)
@@ -46,26 +51,45 @@ def main() -> None:
 
     held = None
     for _ in range(5):
-        held = hvd.grouped_allreduce(xs, name="g", op=hvd.Sum)
+        held = hvd.grouped_allreduce(xs, name="g", op=op)
     stream.synchronize()
     lane = default_engine().global_channel.lanes["g"]
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        held = hvd.grouped_allreduce(xs, name="g", op=hvd.Sum)
+    outs = [cp.empty_like(x) for x in xs]
+
+    def between() -> None:
+        if args.between == "async":
+            hs = [hvd.allreduce_async(x, name=f"a{i}", op=op, out=o)
+                  for i, (x, o) in enumerate(zip(xs, outs, strict=True))]
+            for h in hs:
+                h.wait()
+        elif args.between == "raw":
+            comm.allReduce(fused_in.data.ptr, fused_out.data.ptr, total, nccl.NCCL_FLOAT32,
+                           code, stream.ptr)
+        elif args.between == "sleep":
+            time.sleep(0.002)
         stream.synchronize()
-    host = (time.perf_counter() - t0) / args.steps * 1e3
+
+    host = 0.0
+    for _ in range(args.steps):
+        between()
+        t0 = time.perf_counter()
+        held = hvd.grouped_allreduce(xs, name="g", op=op)
+        stream.synchronize()
+        host += time.perf_counter() - t0
+    host = host / args.steps * 1e3
     assert float(held[0].ravel()[0]) == 1.0
     t0 = time.perf_counter()
     for _ in range(args.steps):
-        comm.allReduce(fused_in.data.ptr, fused_out.data.ptr, total, nccl.NCCL_FLOAT32, 0,
+        comm.allReduce(fused_in.data.ptr, fused_out.data.ptr, total, nccl.NCCL_FLOAT32, code,
                        stream.ptr)
         stream.synchronize()
     raw = (time.perf_counter() - t0) / args.steps * 1e3
-    dev_h = device_ms(lambda: hvd.grouped_allreduce(xs, name="g", op=hvd.Sum))
+    dev_h = device_ms(lambda: hvd.grouped_allreduce(xs, name="g", op=op))
     dev_r = device_ms(lambda: comm.allReduce(fused_in.data.ptr, fused_out.data.ptr, total,
-                                             nccl.NCCL_FLOAT32, 0, stream.ptr))
-    print(f"{args.set}: hvdlite grouped {host:.3f} ms/step (wall), raw fused {raw:.3f} ms "
-          f"-> {host / raw:.2f}x; events around the call: hvdlite {dev_h:.3f} ms, raw "
+                                             nccl.NCCL_FLOAT32, code, stream.ptr))
+    print(f"{args.set} {args.op} ({args.between} between): hvdlite grouped {host:.3f} ms "
+          f"per step (wall), raw fused "
+          f"{raw:.3f} ms -> {host / raw:.2f}x; events around the call: hvdlite {dev_h:.3f} ms, raw "
           f"{dev_r:.3f} ms; result sets allocated {len(lane.results)}")
     hvd.shutdown()
 
