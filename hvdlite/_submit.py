@@ -25,8 +25,7 @@ from hvdlite._handles import Handle
 from hvdlite._ops import Average, DType, ReduceOp, check_device_dtype, check_op, lookup_dtype
 from hvdlite._sets import set_id_of
 from hvdlite._steady import MISS, prepare, repeat
-from hvdlite._tensors import TensorRef, wrap
-from hvdlite._tensors import _identity as identity
+from hvdlite._tensors import TensorRef, identity, wrap
 
 __all__ = ["_submit", "_as_list"]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["TensorRef", "wrap", "empty_like_ref"]
+__all__ = ["TensorRef", "wrap", "identity"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +40,9 @@ _CUDA_NAMES = tuple(f"cuda:{i}" for i in range(16))
 
 def _identity(a: Any) -> Any:
     return a
+
+
+identity = _identity  # the converter of arrays hvdlite hands back as they are
 
 
 def _module_of(obj: Any) -> str:
@@ -93,15 +96,3 @@ def _load_torch_wrapper(t: Any, what: Any, name: str | None) -> TensorRef:
 # The torch adapter (hvdlite/_torchref.py) caches each tensor's view: no torch operator per
 # call. It is imported by the first torch tensor, never by ``import hvdlite``.
 _wrap_torch: Callable[[Any, Any, str | None], TensorRef] = _load_torch_wrapper
-
-
-def empty_like_ref(ref: TensorRef, shape: tuple[int, ...] | None = None) -> Any:
-    """A new uninitialised array on the same device as ``ref``, of ``shape`` (default: same)."""
-    arr = ref.array
-    shape = arr.shape if shape is None else shape
-    if ref.is_cuda:
-        import cupy
-
-        with cupy.cuda.Device(ref.device_id):
-            return cupy.empty(shape, dtype=arr.dtype)
-    return np.empty(shape, dtype=arr.dtype)
