@@ -64,7 +64,9 @@ def allreduce_async(
     ``op`` is one of ``Sum``, ``Average``, ``Min``, ``Max``, ``Product``. The input is
     multiplied by ``prescale_factor`` before and the result by ``postscale_factor`` after the
     reduction (integers: in float64, truncated toward zero). The result is a new array (or
-    ``out``), of the input's framework, device, shape and dtype. Every rank must submit the
+    ``out``), of the input's framework, device, shape and dtype; a later call of the same name
+    may hand the same array out again, but only once nothing of the caller's (the array, a
+    view of it, the handle) refers to it any more. Every rank must submit the
     same ``name`` (or make the same sequence of unnamed calls) with the same shape, dtype, op
     and factors; otherwise the handle raises :class:`MismatchError` on every rank.
 
