@@ -11,6 +11,16 @@ It runs the user's command as a child, forwards signals to it, and when the chil
 Only where no report can be written does the wrapper print the failure itself (one tagged
 line). The wrapper then exits the way the child did: with its exit code, or killed by the same
 signal (without a core file of its own), and never with a traceback of its own.
+
+When one rank fails, the MPI launcher ends the others by killing their process groups with
+SIGKILL (MPICH's Hydra does; the rank gets no chance to write what it holds, such as its
+timeline queue). So the child runs in a process group of its own: the launcher's SIGKILL ends
+this wrapper only, and the child gets SIGTERM instead (``PR_SET_PDEATHSIG``), which lets
+hvdlite's signal hook write the timeline before the child dies by it. A small guard process
+(its own session too) makes sure the child does not outlive that: ``GUARD_GRACE_S`` after the
+wrapper is gone it SIGKILLs a child that is still there (one blocked in C code, where no Python
+signal handler runs, or one whose own handler goes on). While the child runs, a marker
+``live-<rank>`` in the report directory tells ``hvdliterun`` to wait for it before it returns.
 """
 
 from __future__ import annotations
@@ -40,6 +50,56 @@ FORWARDED_SIGNALS = (
 # Signals whose handler cannot be changed: re-raise them without touching their disposition.
 UNCATCHABLE_SIGNALS = frozenset({signal.SIGKILL, signal.SIGSTOP})
 _PR_SET_PDEATHSIG = 1
+# After the wrapper is gone, the child has this long to end (write its timeline) before SIGKILL.
+GUARD_GRACE_S = 5.0
+LIVE_PREFIX = "live-"
+
+# The guard process. argv: the child's pid, the grace in seconds, the marker file ("" for
+# none). Its stdin is a pipe from the wrapper: EOF means the wrapper is gone (or done, and then
+# the child is gone already).
+_GUARD = r"""
+import os, select, signal, sys, time
+child, grace, marker = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+try:
+    fd = os.pidfd_open(child)  # readable once the child has ended; immune to pid reuse
+except (AttributeError, OSError):
+    fd = None
+def ended(timeout):
+    if fd is not None:
+        return bool(select.select([fd], [], [], timeout)[0])
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return True
+        if time.monotonic() >= end:
+            return False
+        time.sleep(min(0.05, max(end - time.monotonic(), 0)))
+def kill(sig):
+    try:
+        if fd is not None:
+            signal.pidfd_send_signal(fd, sig)
+        else:
+            os.kill(child, sig)
+    except OSError:
+        pass
+watch = [0] + ([fd] if fd is not None else [])
+while True:
+    ready = select.select(watch, [], [], None if fd is not None else 0.2)[0]
+    if fd in ready or (fd is None and ended(0)):
+        break
+    if 0 in ready and not os.read(0, 64):
+        if not ended(grace):
+            kill(signal.SIGKILL)
+            ended(5.0)
+        break
+if marker:
+    try:
+        os.remove(marker)
+    except OSError:
+        pass
+"""
 
 
 def rank_from_env(environ: dict[str, str] | os._Environ[str] = os.environ) -> int | None:
@@ -69,10 +129,52 @@ def _signal_on_parent_death(sig: int) -> None:
 
 
 def _die_with_parent(parent: int) -> None:
-    # Runs in the child before exec: if this wrapper is SIGKILLed, the child must not linger.
-    _signal_on_parent_death(signal.SIGKILL)
+    # Runs in the child before exec: its own process group (a launcher that kills this
+    # wrapper's group with SIGKILL does not reach it), and SIGTERM when this wrapper dies, so
+    # hvdlite's signal hook writes the timeline first; the guard process SIGKILLs it later.
+    os.setpgid(0, 0)
+    _signal_on_parent_death(signal.SIGTERM)
     if os.getppid() != parent:
         os._exit(1)
+
+
+def _live_marker(rank: int | None) -> str | None:
+    """Create the marker that tells hvdliterun this rank's program still runs."""
+    directory = os.environ.get(REPORT_DIR_ENV)
+    if not directory or not os.path.isdir(directory):
+        return None
+    path = os.path.join(directory, f"{LIVE_PREFIX}{rank if rank is not None else os.getpid()}")
+    try:
+        with open(path, "w", encoding="utf-8") as handle:
+            handle.write(str(os.getpid()))
+    except OSError:
+        return None
+    return path
+
+
+def _start_guard(child: int, marker: str | None) -> subprocess.Popen[bytes] | None:
+    """The process that SIGKILLs ``child`` if it outlives this wrapper by GUARD_GRACE_S."""
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _GUARD, str(child), repr(GUARD_GRACE_S),
+             marker or ""],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            close_fds=True, start_new_session=True)
+    except OSError:
+        return None
+
+
+def _end_guard(guard: subprocess.Popen[bytes] | None, marker: str | None) -> None:
+    """The child has ended: release the guard (EOF on its stdin) and drop the marker."""
+    if guard is not None:
+        with contextlib.suppress(OSError, ValueError):
+            if guard.stdin is not None:
+                guard.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            guard.wait(timeout=2.0)
+    if marker is not None:
+        with contextlib.suppress(OSError):
+            os.remove(marker)
 
 
 def _write_report(rank: int | None, code: int, signalled: bool) -> bool:
@@ -144,6 +246,7 @@ def main(argv: list[str] | None = None) -> None:
     # If the MPI process manager dies without cleaning up, SIGTERM reaches us and the child.
     _signal_on_parent_death(signal.SIGTERM)
     parent = os.getpid()
+    marker = _live_marker(rank)
     try:
         child = subprocess.Popen(
             command, preexec_fn=lambda: _die_with_parent(parent), close_fds=False
@@ -151,9 +254,12 @@ def main(argv: list[str] | None = None) -> None:
     except OSError as exc:
         print(f"hvdliterun: rank {rank}: cannot run {command[0]!r}: {exc}", file=sys.stderr)
         _write_report(rank, 127, signalled=False)
+        _end_guard(None, marker)
         sys.exit(127)
+    guard = _start_guard(child.pid, marker)
     forward_pending()
     code = child.wait()
+    _end_guard(guard, marker)
     # The launcher names the rank that failed first, once; print here only if it cannot.
     if code != 0 and not _write_report(rank, code, signalled=bool(received)):
         cause = f" after it was sent {signal.Signals(received[0]).name}" if received else ""

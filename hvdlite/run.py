@@ -42,6 +42,8 @@ FAILURE_GRACE_S = 3.0
 # After SIGTERM to the job's process group, this long before SIGKILL.
 KILL_GRACE_S = 2.0
 POLL_S = 0.05
+# Beyond the rank guard's grace, how long to wait for a rank program left by the launcher.
+LIVE_SLACK_S = 3.0
 # Forwarded to Open MPI ranks explicitly (-x); Hydra passes the whole environment on.
 OPENMPI_PASSTHROUGH = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV")
 
@@ -247,6 +249,22 @@ def _end_job(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
+def _await_ranks(report_dir: str) -> None:
+    """Wait (bounded) until every rank program the launcher left behind has ended.
+
+    When a rank fails, the MPI launcher SIGKILLs the other ranks' wrappers; their programs run
+    in process groups of their own and get SIGTERM instead, so they can write their timelines.
+    Each wrapper's ``live-<rank>`` marker stays until its program ended (its guard process
+    SIGKILLs it ``GUARD_GRACE_S`` after the wrapper died), so the job's files are complete
+    when hvdliterun returns.
+    """
+    deadline = time.monotonic() + _rankwrap.GUARD_GRACE_S + LIVE_SLACK_S
+    while any(Path(report_dir).glob(f"{_rankwrap.LIVE_PREFIX}*")):
+        if time.monotonic() > deadline:
+            return
+        time.sleep(POLL_S)
+
+
 def _read_reports(directory: str) -> list[dict[str, Any]]:
     reports = []
     for path in Path(directory).glob("rank-*.json"):
@@ -442,6 +460,7 @@ def _main(argv: Sequence[str] | None) -> int:
             _say(f"cannot start {mpiexec!r}: {exc}")
             return EXIT_NO_MPI
         outcome = _supervise(proc, report_dir, ns.timeout)
+        _await_ranks(report_dir)
         return _conclude(outcome, report_dir, ns.np, ns.timeout)
 
 

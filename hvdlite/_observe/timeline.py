@@ -5,8 +5,9 @@ to a deque (dropping and counting when the deque is full). A daemon writer threa
 events and appends them to the file with one ``pwrite`` per batch that always leaves the file as
 a complete JSON array: every batch overwrites the closing ``"\\n]\\n"`` of the previous one. A
 process killed at any moment therefore leaves a loadable file holding every batch written so far.
-The writer writes at least every ``flush_interval_s`` (0.5 s) and as soon as ``flush_events``
-(1024) events are waiting, so SIGKILL loses at most that much.
+The writer wakes every ``flush_interval_s`` (50 ms) and as soon as ``flush_events`` (1024)
+events are waiting, and writes at most ``_BATCH`` (1024) records per ``pwrite``, so an event is
+on disk within about 100 ms of being recorded, and SIGKILL loses at most that much.
 
 Signals. A writer made on the main thread hooks SIGTERM (and SIGINT when its handler is not
 Python's default ``KeyboardInterrupt`` one, which already ends through ``atexit``): the hook
@@ -39,7 +40,9 @@ log = logging.getLogger("hvdlite")
 TRACE_VERSION = 1
 _CLOSE = "\n]\n"  # every write ends with this; the next write starts over it
 _END_ROOM = 200  # room kept under max_bytes for the trace_end record
-_BATCH = 4096  # records per write at most
+_BATCH = 1024  # records per write at most: bounded work between two writes
+FLUSH_INTERVAL_S = 0.05  # the writer wakes this often (and at flush_events queued events)
+FLUSH_EVENTS = 1024
 _NAME_ROOM = 200  # a track's two metadata records, less twice its name
 _PROCESS_TRACK = "hvdlite"  # thread_name of tid 0: cycle marks and tensor-less events
 _Item = tuple[str, Any, str, float, Any, float]  # (kind, tensor(s), name, ts, args, dur)
@@ -94,8 +97,9 @@ class Timeline:
     instant at the start of every file, so each segment can be aligned on its own.
 
     The writer writes what is queued every ``flush_interval_s`` and as soon as ``flush_events``
-    events wait. ``hook_signals`` (on the main thread only) hooks SIGTERM/SIGINT as the module
-    docstring says.
+    events wait (it sleeps between the two, so a busy producer costs it a wake-up per interval
+    or per ``flush_events`` events, not one per event). ``hook_signals`` (on the main thread
+    only) hooks SIGTERM/SIGINT as the module docstring says.
 
     ``close()`` may be called from a signal handler; it is idempotent and also runs at
     interpreter exit.
@@ -103,8 +107,9 @@ class Timeline:
 
     def __init__(self, path: str, rank: int, *, mark_cycles: bool = False, max_bytes: int = 0,
                  queue_size: int = 65536, max_files: int = 0,
-                 flush_interval_s: float = 0.5, clock_offset_us: float | None = None,
-                 flush_events: int = 1024, hook_signals: bool = True) -> None:
+                 flush_interval_s: float = FLUSH_INTERVAL_S,
+                 clock_offset_us: float | None = None,
+                 flush_events: int = FLUSH_EVENTS, hook_signals: bool = True) -> None:
         if queue_size < 1:
             raise ValueError(f"timeline queue_size must be >= 1, got {queue_size}")
         if flush_events < 1 or flush_interval_s <= 0:
@@ -252,7 +257,10 @@ class Timeline:
 
     def _run(self) -> None:
         while True:
-            if not self._q:
+            # Sleep until the interval passes, flush_events are queued (the producer sets the
+            # event at that count), or a flush()/close() asks; an event set while draining
+            # makes this wait return at once.
+            if len(self._q) < self._flush_events and not self._closing:
                 self._wake.wait(self._interval)
             self._wake.clear()
             closing = self._closing
