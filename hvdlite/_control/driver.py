@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["Driver"]
 
 _MAX_NAP_S = 200e-6  # longest pause of a waiting caller between rounds without its result
+_LOCK_POLL_S = 200e-6  # how often a caller waiting for the cycle lock looks at its handle
 # Nap of the loop while a burst of submissions arrives (see Driver._settle): long enough that
 # the thread submitting the burst keeps the GIL for a few dozen calls between two looks.
 _SETTLE_NAP_S = 200e-6
@@ -45,6 +46,7 @@ class Driver:
         self.cycle_lock = threading.Lock()
         self.napping = False  # the loop is in an idle nap (see idle_nap)
         self.last_cycle = 0.0  # when a waiting caller last started a cycle (see run)
+        self.in_background = False  # the background thread holds the cycle lock
         self.nap_s = 20e-6  # first pause between cycles a waiting caller runs without result
         # Wake-ups of the background loop: a C-level queue of tokens is about twice as quick
         # to hand over as threading.Event, whose wait and set run Python-level Condition code.
@@ -94,7 +96,12 @@ class Driver:
         if not lock.acquire(blocking=False):
             if self.napping:  # the loop naps inside an idle round: cut it short
                 self.wake.put(POKE)
-            lock.acquire()
+            # Not a plain acquire: the holder's cycles may resolve this handle while the holder
+            # goes on waiting for its own tensor, which a peer may hold back until this thread
+            # submits its next one (a deadlock across ranks, seen with two threads per rank).
+            while not lock.acquire(timeout=_LOCK_POLL_S):
+                if handle._resolved or self.engine._stopped:
+                    return
         try:
             # Alone and cached: a cycle of its own (_control/immediate.py).
             queued = self.engine._queue
@@ -176,19 +183,24 @@ class Driver:
                 # served by it, and a timer round now would only contend for the cycle lock.
                 continue
             with self.cycle_lock:
-                if self.engine._stopped:
-                    return
-                if woken and not self.engine._queue and not self.engine._stop_requested and not any(
-                        c.entries for c in self.engine._channels.values()):
-                    # Woken for work a waiting caller has already run (allreduce_async, then
-                    # wait() at once): nothing to do. (A wake-up by the timer always runs its
-                    # round: peers with pending work may be waiting in it.)
-                    continue
+                self.in_background = True  # see immediate.run_now: worth waiting for
                 try:
-                    self.cycle(caller=False)
-                except BaseException as exc:  # noqa: BLE001 - must reach every caller
-                    self.engine._die(exc)
-                    return
+                    eng = self.engine
+                    if eng._stopped:
+                        return
+                    if woken and not eng._queue and not eng._stop_requested and not any(
+                            c.entries for c in eng._channels.values()):
+                        # Woken for work a waiting caller has already run (allreduce_async,
+                        # then wait() at once): nothing to do. (A wake-up by the timer always
+                        # runs its round: peers with pending work may be waiting in it.)
+                        continue
+                    try:
+                        self.cycle(caller=False)
+                    except BaseException as exc:  # noqa: BLE001 - must reach every caller
+                        eng._die(exc)
+                        return
+                finally:
+                    self.in_background = False
             if self.engine._stopped:
                 return
 

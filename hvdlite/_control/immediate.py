@@ -29,6 +29,7 @@ from hvdlite._control.negotiation import Request, Response
 from hvdlite._control.work import Entry
 
 POKE = object()  # wake-up token of a waiting caller (it cuts an idle nap short)
+_WAIT_FOR_LOOP_S = 0.005  # longest wait of a blocking call for the background thread's cycle
 
 if TYPE_CHECKING:
     from hvdlite._control.channel import Channel
@@ -53,11 +54,16 @@ def run_now(engine: Engine, channel: Channel, request: Request, nbytes: int, wor
     driver = engine.driver
     lock = driver.cycle_lock
     if not lock.acquire(blocking=False):
-        # The background thread is in a cycle (most often the short one after a burst of
-        # asynchronous calls): wait for it, as progress on wait would, cutting a nap short.
+        # Only the background thread's cycle (most often the short one after a burst of
+        # asynchronous calls) is worth waiting for, and only briefly. Another thread holding
+        # the lock may be waiting for a tensor the peers need this very call to submit first
+        # (a deadlock if this call blocked): the general path queues it without the lock.
+        if not driver.in_background:
+            return MISS
         if driver.napping:
             driver.wake.put(POKE)
-        lock.acquire()
+        if not lock.acquire(timeout=_WAIT_FOR_LOOP_S):
+            return MISS
     try:
         if not driver.quiet(channel):
             return MISS

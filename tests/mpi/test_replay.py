@@ -150,3 +150,32 @@ def test_grouped_call_is_one_request_and_one_bucket(hvd: Any) -> None:
     tensors = after["fusion"]["tensors"] - before["fusion"]["tensors"]
     hits = after["cache"]["hits"] - before["cache"]["hits"]
     assert (fusion, tensors, hits) == (3, 3, 3)  # one bucket, one entry, one cache bit each
+
+
+def test_blocking_calls_from_two_threads(hvd: Any) -> None:
+    """Two threads per rank make repeated blocking calls of their own names (so each may take
+    the immediate path, and the ranks' rounds disagree whenever the threads interleave
+    differently): every result exact, no hang."""
+    import threading
+
+    rank, size = hvd.rank(), hvd.size()
+    errors: list[BaseException] = []
+
+    def worker(tag: str) -> None:
+        try:
+            for step in range(30):
+                x = make_input(seed_for(tag, step), rank, (3,), "int32")
+                got = hvd.allreduce(x, name=tag, op=hvd.Sum)
+                want = reference_allreduce(
+                    all_inputs(seed_for(tag, step), size, (3,), "int32"), "Sum")
+                assert_equal_result(got, want, f"{tag} step {step}")
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(f"rp.thread.{i}",)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a thread hung"
+    assert not errors, errors
