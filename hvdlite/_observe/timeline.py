@@ -46,6 +46,7 @@ FLUSH_EVENTS = 1024
 _NAME_ROOM = 200  # a track's two metadata records, less twice its name
 _PROCESS_TRACK = "hvdlite"  # thread_name of tid 0: cycle marks and tensor-less events
 _Item = tuple[str, Any, str, float, Any, float]  # (kind, tensor(s), name, ts, args, dur)
+_MEMO_MAX = 4096  # encoded args kept for reuse (cleared when full)
 _SIGNAL_FLUSH_S = 5.0  # the signal hook waits this long at most for a writer
 
 
@@ -65,11 +66,12 @@ def _dumps(obj: Any) -> str:
 class _Track:
     """Writer-side state of one tensor's track: its tid, open spans and last timestamp."""
 
-    __slots__ = ("tid", "name", "open", "last_ts")
+    __slots__ = ("tid", "name", "open", "last_ts", "ids")
 
-    def __init__(self, tid: int, name: str) -> None:
+    def __init__(self, tid: int, name: str, pid: int) -> None:
         self.tid = tid
         self.name = name
+        self.ids = f',"pid":{pid},"tid":{tid}'  # the part of every record naming the track
         self.open: list[tuple[str, int]] = []  # (phase, length of its closing record)
         self.last_ts = 0.0
 
@@ -142,6 +144,8 @@ class Timeline:
         self._written = 0
         self._orphans = 0       # E events with no matching open span, not written
         self._pending: list[str] = []
+        self._heads: dict[tuple[str, str], str] = {}  # (name, ph) -> '{"name":..,"ph":..,"ts":'
+        self._args_memo: dict[Any, str] = {}
         self._pending_bytes = 0  # counted only under a size cap
         self._offset_us = clock_offset_us
         self._next_tid = 1
@@ -314,7 +318,7 @@ class Timeline:
             tid = 0 if tensor is None else self._next_tid
             if tensor is not None:
                 self._next_tid += 1
-            track = _Track(tid, _PROCESS_TRACK if tensor is None else tensor)
+            track = _Track(tid, _PROCESS_TRACK if tensor is None else tensor, self.rank)
             self._tracks[tensor] = track
         return track
 
@@ -327,32 +331,70 @@ class Timeline:
                 self._meta("thread_sort_index", {"sort_index": track.tid}, track.tid)]
 
     def _encode(self, item: _Item) -> None:
+        """Queue the record(s) of one item. A bucket's item (``BA``/``EA``) shares its name,
+        timestamp and args among its tensors: those parts are encoded once."""
         kind, tensor, name, ts, args, dur = item
-        if kind in ("BA", "EA"):
+        ph = "i" if kind == "C" else kind[0]
+        head = self._heads.get((name, ph))
+        if head is None:
+            if len(self._heads) >= _MEMO_MAX:
+                self._heads.clear()
+            head = self._heads[(name, ph)] = f'{{"name":{_dumps(name)},"ph":"{ph}","ts":'
+        head = f"{head}{ts:.3f}"
+        if kind == "X":
+            tail = f',"dur":{dur:.3f}'
+        elif kind == "i":
+            tail = ',"s":"t"'
+        elif kind == "C":
+            tail = ',"s":"p"'
+        else:
+            tail = ""
+        tail += self._args_json(args) + "}"
+        if kind == "BA" or kind == "EA":
             for one in tensor:
-                self._encode((kind[0], one, name, ts, args, 0.0))
-            return
-        track = self._track(tensor)
+                self._record(ph, one, name, ts, head, tail)
+        else:
+            self._record(kind, tensor, name, ts, head, tail)
+
+    def _args_json(self, args: dict[str, Any] | None) -> str:
+        """``,"args":{...}`` (empty without args), memoised: the engine sends the same few
+        args over and over (a tensor's dtype and shape, a rank, a bucket's id and threshold).
+        The key holds the values' types, so ``True`` and ``1`` (equal as keys) stay apart."""
+        if not args:
+            return ""
+        try:
+            key = (tuple(args.items()), tuple(map(type, args.values())))
+            hit = self._args_memo.get(key)
+        except TypeError:  # an unhashable value (a list): encode it every time
+            return ',"args":' + _dumps(args)
+        if hit is None:
+            if len(self._args_memo) >= _MEMO_MAX:
+                self._args_memo.clear()
+            hit = self._args_memo[key] = ',"args":' + _dumps(args)
+        return hit
+
+    def _record(self, kind: str, tensor: str | None, name: str, ts: float, head: str,
+                tail: str) -> None:
+        track = self._tracks.get(tensor)
+        if track is None:
+            track = self._track(tensor)
         if kind == "E" and (not track.open or track.open[-1][0] != name):
             # No matching open span here (it began before a start_timeline, or the caller
             # mis-nested): writing it would break the file's pairing, so count it instead.
             self._orphans += 1
             return
-        ph = "i" if kind == "C" else kind
-        rec = f'{{"name":{_dumps(name)},"ph":"{ph}","ts":{ts:.3f},"pid":{self.rank},' \
-              f'"tid":{track.tid}'
-        if kind == "X":
-            rec += f',"dur":{dur:.3f}'
-        elif kind == "i":
-            rec += ',"s":"t"'
-        elif kind == "C":
-            rec += ',"s":"p"'
-        rec += f',"args":{_dumps(args)}}}' if args else "}"
-        track.last_ts = max(track.last_ts, ts)
+        rec = head + track.ids + tail
+        if ts > track.last_ts:
+            track.last_ts = ts
         close_len = 0
-        if kind == "B" and self.max_bytes:  # room to end it at a rotation (only under a cap)
-            close_len = len(self._span_record("E", track, name, "continued").encode()) + 2
-        self._emit(track, rec, close_len)
+        if self.max_bytes:
+            if kind == "B":  # room to end it at a rotation (only under a cap)
+                close_len = len(self._span_record("E", track, name, "continued").encode()) + 2
+            self._emit(track, rec, close_len)
+        else:  # _emit without a cap, inline: this runs for every record
+            if track.tid not in self._named:
+                self._pending.extend(self._name_lines(track))
+            self._pending.append(rec)
         self._written += 1
         if kind == "B":
             track.open.append((name, close_len))
