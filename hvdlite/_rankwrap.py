@@ -19,8 +19,9 @@ this wrapper only, and the child gets SIGTERM instead (``PR_SET_PDEATHSIG``), wh
 hvdlite's signal hook write the timeline before the child dies by it. A small guard process
 (its own session too) makes sure the child does not outlive that: ``GUARD_GRACE_S`` after the
 wrapper is gone it SIGKILLs a child that is still there (one blocked in C code, where no Python
-signal handler runs, or one whose own handler goes on). While the child runs, a marker
-``live-<rank>`` in the report directory tells ``hvdliterun`` to wait for it before it returns.
+signal handler runs, or one whose own handler goes on), and the child's process group with it.
+While the child runs, a marker ``live-<rank>`` in the report directory tells ``hvdliterun`` to
+wait for it before it returns.
 """
 
 from __future__ import annotations
@@ -92,6 +93,10 @@ while True:
     if 0 in ready and not os.read(0, 64):
         if not ended(grace):
             kill(signal.SIGKILL)
+            try:  # and what it started in its process group (the child leads it)
+                os.killpg(child, signal.SIGKILL)
+            except OSError:
+                pass
             ended(5.0)
         break
 if marker:
