@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     from mpi4py import MPI
 
     from hvdlite._gpu.runtime import GpuRuntime
-    from hvdlite._handles import Handle
     from hvdlite._observe.timeline import Timeline
 
 log = logging.getLogger("hvdlite")
@@ -171,49 +170,13 @@ class Engine:
             counter = self._counters.setdefault((kind, set_id), itertools.count())
             return f"{kind}.noname.{next(counter)}"
 
-    def submit(self, entries: Sequence[Entry], handle: Handle, wake: bool = True,
-               channel: Channel | None = None) -> None:
-        """Queue ``entries`` (all of one ``handle``, on ``channel``, default the global set)
-        atomically: one cycle sees all or none.
-
-        ``wake=False``: the caller is about to wait on ``handle`` and so runs the cycle itself
-        (:meth:`progress`); the background thread is not woken for it."""
-        handle.attach_driver(self.driver.progress)
-        now = time.perf_counter()
-        stats = self.tracer.stats
-        channel = channel if channel is not None else self.global_channel
-        with self._lock:
-            self.check_usable()
-            if channel.id not in self._channels:
-                raise HvdliteError(f"process set {channel.id} was removed; add it again or "
-                                   "use another process set")
-            in_flight = channel.in_flight
-            if len(entries) == 1:
-                name = entries[0].request.name
-                if name in in_flight:
-                    raise ValueError(_in_flight_message(name))
-                in_flight.add(name)
-            else:
-                names = [e.request.name for e in entries]
-                clash = next((n for n in names if n in in_flight), None)
-                if clash is not None or len(set(names)) != len(names):
-                    raise ValueError(_in_flight_message(
-                        clash or next(n for n in names if names.count(n) > 1)))
-                in_flight.update(names)
-            for e in entries:
-                e.enqueued_at = now
-                e.stats = stats
-                e.channel = channel
-            self._queue.extend(entries)
-        # A token per asynchronous submission, even while the loop is awake: cheap then (no
-        # waiter to signal), and measured faster than waking only a sleeping loop (2 ranks,
-        # 1000 async allreduces per step: 12 vs 23 us per tensor), which left the loop napping
-        # inside rounds while submissions piled up.
-        if wake:
-            self.driver.wake.put(None)
-
     def submit_one(self, entry: Entry, wake: bool, channel: Channel) -> None:
-        """:meth:`submit` of one entry with its own handle: the hot path of every call."""
+        """Queue ``entry`` (with its own handle) on ``channel``; any thread.
+
+        ``wake=False``: the caller is about to wait on the handle and so runs the cycle itself
+        (progress on wait); the background thread is not woken for it. Otherwise a token per
+        submission, even while the loop is awake: cheap then (no waiter to signal), and the
+        loop settles a burst of them before negotiating it (Driver._settle)."""
         handle = entry.handle
         handle._driver = self.driver.progress
         name = entry.request.name
@@ -231,7 +194,7 @@ class Engine:
             entry.stats = self.tracer.stats
             entry.channel = channel
             self._queue.append(entry)
-        if wake:  # see submit
+        if wake:
             self.driver.wake.put(None)
 
     def _die(self, exc: BaseException) -> None:

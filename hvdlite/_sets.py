@@ -141,5 +141,5 @@ def _agree_set_change(action: int, set_id: int, ranks: tuple[int, ...]) -> int:
     name = f"process_set.{'add' if action == 0 else 'remove'}.{set_id}"
     handle = Handle(name)
     req = Request(name, Kind.PROCESS_SET, shape=ranks, op=action, root=set_id)
-    engine.submit([Entry(req, None, None, handle)], handle, False)
+    engine.submit_one(Entry(req, None, None, handle), False, engine.global_channel)
     return int(handle.wait())

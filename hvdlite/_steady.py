@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from hvdlite._control.channel import Channel
     from hvdlite._engine import Engine
 
-__all__ = ["MISS", "repeat", "prepare"]
+__all__ = ["MISS", "repeat", "prepare", "unit_entry"]
 
 
 def repeat(engine: Engine, channel: Channel, lane: Lane, kind: Kind, tensors: Sequence[Any],
@@ -49,7 +49,9 @@ def _repeat(engine: Engine, channel: Channel, lane: Lane, kind: Kind, tensors: S
         members, outputs, span, user = unit
 
         def make() -> Entry:
-            return _unit(engine, lane, members, outputs, span, user, stream)
+            entry = unit_entry(lane, members, outputs, span, user)
+            prepare(engine, entry, lane.framework, stream)
+            return entry
 
         work = _unit_work(engine, lane, members, outputs, span, stream)
         nbytes = lane.request_bytes
@@ -138,13 +140,12 @@ def _unit_parts(lane: Lane, tensors: Sequence[Any], params: tuple[Any, ...],
     return members, res.views, res.flat, None
 
 
-def _unit(engine: Engine, lane: Lane, members: Any, outputs: Any, span: Any, user: Any,
-          stream: Any) -> Entry:
+def unit_entry(lane: Lane, members: Any, outputs: Any, span: Any, user: Any) -> Entry:
+    """The entry of a grouped call of ``lane`` (one entry, one handle for all its members)."""
     entry = Entry(lane.request, members[0], None, Handle(lane.request.name), 0, user,
                   lane.device_id, lane.to_user)
     entry.members, entry.outputs, entry.span = members, outputs, span
     entry.size = lane.request_bytes
-    prepare(engine, entry, lane.framework, stream)
     return entry
 
 

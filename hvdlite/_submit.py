@@ -24,7 +24,7 @@ from hvdlite._engine import Engine, default_engine
 from hvdlite._handles import Handle
 from hvdlite._ops import Average, DType, ReduceOp, check_device_dtype, check_op, lookup_dtype
 from hvdlite._sets import set_id_of
-from hvdlite._steady import MISS, prepare, repeat
+from hvdlite._steady import MISS, prepare, repeat, unit_entry
 from hvdlite._tensors import TensorRef, identity, wrap
 
 __all__ = ["_submit", "_as_list"]
@@ -112,8 +112,7 @@ def _submit(
         _check_name(name)
         base = name if name is not None else engine.auto_name(kind.name.lower(), channel.id)
         handle = Handle(base)
-        engine.submit([Entry(Request(base, kind), None, None, handle)], handle, not block,
-                      channel)
+        engine.submit_one(Entry(Request(base, kind), None, None, handle), not block, channel)
         return handle.wait() if block else handle
     # The parameters with their types: 1 == Sum and True == 1.0 compare equal, and must not
     # pass for each other on a lane.
@@ -234,23 +233,15 @@ def _new_group(channel: Channel, kind: Kind, tensors: Sequence[Any], name: str,
         for i, ref in enumerate(refs):
             _output(kind, ref, None, True, f"{name}.{i}")
         lane.span = span_of(arrays, first.framework)
-        entry = _unit_entry(lane, arrays, arrays, lane.span, list(tensors))
+        entry = unit_entry(lane, arrays, arrays, lane.span, list(tensors))
     else:
         res = lane.result()
         assert res is not None
-        entry = _unit_entry(lane, arrays, res.views, res.flat, None)
+        entry = unit_entry(lane, arrays, res.views, res.flat, None)
     # A lane matches the caller's own objects, so only arrays hvdlite uses as they are (not
     # torch tensors, viewed anew per call) of one dtype (what matches_group compares).
     reusable = all(type(t) in _lane_types() for t in tensors) and type(dtype) is str
     return entry, (lane if reusable else None), first.framework
-
-
-def _unit_entry(lane: Lane, members: Any, outputs: Any, span: Any, user: Any) -> Entry:
-    entry = Entry(lane.request, members[0], None, Handle(lane.request.name), 0, user,
-                  lane.device_id, lane.to_user)
-    entry.members, entry.outputs, entry.span = members, outputs, span
-    entry.size = lane.request_bytes
-    return entry
 
 
 def _lane_types() -> tuple[type, ...]:

@@ -65,20 +65,31 @@ def run_now(engine: Engine, channel: Channel, request: Request, nbytes: int, wor
         if not lock.acquire(timeout=_WAIT_FOR_LOOP_S):
             return MISS
     try:
-        if not driver.quiet(channel):
+        found = _cached(engine, channel, request, 0)
+        if found is None:
             return MISS
-        neg = channel.negotiator
-        slot, same = neg.cache.lookup(request)
-        if not same or not neg.idle():
-            return MISS
-        resp = neg.cache.response(slot)
-        backend = channel.backends.get(resp.device)
-        step = work(resp, backend) if backend is not None else None
+        slot, resp, backend = found
+        step = work(resp, backend)
         if step is None:
             return MISS
         return _cycle(engine, channel, request.name, slot, nbytes, step, make_entry)
     finally:
         lock.release()
+
+
+def _cached(engine: Engine, channel: Channel, request: Request,
+            queued: int) -> tuple[int, Response, Any] | None:
+    """(slot, cached response, backend) when a cycle may run for ``request`` alone: nothing
+    else pending (but ``queued`` entries, its own), its response cached, its backend made."""
+    if not engine.driver.quiet(channel, queued):
+        return None
+    neg = channel.negotiator
+    slot, same = neg.cache.lookup(request)
+    if not same or not neg.idle():
+        return None
+    resp = neg.cache.response(slot)
+    backend = channel.backends.get(resp.device)
+    return None if backend is None else (slot, resp, backend)
 
 
 def _cycle(engine: Engine, channel: Channel, name: str, slot: int, nbytes: int,
@@ -121,16 +132,12 @@ def run_queued(engine: Engine, entry: Entry) -> bool:
     the backend as the general cycle would (its READY and DONE events kept). False if it
     cannot (the general cycle runs it). Under the cycle lock."""
     channel = entry.channel
-    if len(engine._queue) != 1 or engine._queue[0] is not entry or channel.entries:
+    if len(engine._queue) != 1 or engine._queue[0] is not entry:
         return False
-    neg = channel.negotiator
-    slot, same = neg.cache.lookup(entry.request)
-    if not same or not neg.idle() or not engine.driver.quiet(channel, queued=1):
+    found = _cached(engine, channel, entry.request, 1)
+    if found is None or found[2].direct(found[1]) is None:
         return False
-    resp = neg.cache.response(slot)
-    backend: Any = channel.backends.get(resp.device)
-    if backend is None or backend.direct(resp) is None:
-        return False
+    slot, backend, neg = found[0], found[2], channel.negotiator
     with engine._lock:
         if engine._queue != [entry]:
             return False

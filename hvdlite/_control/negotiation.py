@@ -291,28 +291,11 @@ class CoordinatorTable:
         return all(r in entry.by_rank or r in self._joined for r in range(self.size))
 
     def pop_ready(self) -> list[Response]:
-        # Members of a grouped call are not held back for each other: each rank enqueues a
-        # group atomically, so its members normally become ready in the same cycle and sit
-        # next to each other here (and so in one bucket). Holding them would deadlock when
-        # some members are served by the response cache and never reach this table.
+        """The responses of every tensor that became complete, in the order they did (a
+        grouped call is one tensor here: it succeeds or fails whole)."""
         out = [self._respond(name, self._pending.pop(name)) for name in self._ready]
         self._ready = []
-        for group, error in {(r.group, r.error) for r in out if r.group and r.error}:
-            out.extend(self._fail_group(group, error))
         return out
-
-    def _fail_group(self, group: str, error: str) -> list[Response]:
-        """A failed grouped call fails whole: members some ranks never sent are dropped too."""
-        names = [n for n, e in self._pending.items()
-                 if next(iter(e.by_rank.values())).group == group]
-        failed = []
-        for name in names:
-            req = next(iter(self._pending.pop(name).by_rank.values()))
-            failed.append(Response(name=name, kind=req.kind, dtype=req.dtype, shape=req.shape,
-                                   device=req.device, op=req.op, root=req.root,
-                                   prescale=req.prescale, postscale=req.postscale,
-                                   group=group, error=error))
-        return failed
 
     def _respond(self, name: str, entry: _Pending) -> Response:
         first = next(iter(entry.by_rank.values()))

@@ -302,30 +302,30 @@ def test_tensor_made_ready_by_the_last_join_runs_before_the_join() -> None:
 # -- grouped calls --------------------------------------------------------------------------
 
 
-def test_failed_group_fails_every_pending_member() -> None:
-    table = CoordinatorTable(2)
-    members = [allreduce(f"g.{i}", group="g", group_size=3) for i in range(3)]
-    other = allreduce("h.0", group="h", group_size=1)
-    table.add(0, [*members, other], now=0.0)
-    table.add(1, [replace(members[0], dtype="float64")], now=0.0)
-    out = table.pop_ready()
-    assert names(out) == ["g.0", "g.1", "g.2"]
-    assert all(r.group == "g" for r in out)
-    assert out[0].error.startswith("tensor 'g.0': dtype differs across ranks")
-    assert {r.error for r in out} == {out[0].error}
-    assert [(r.kind, r.dtype, r.shape) for r in out[1:]] == [(Kind.ALLREDUCE, "float32", (4,))] * 2
-    # Only the other group is still waiting.
-    assert [s.name for s in table.stalled(0.0, now=1.0)] == ["h.0"]
+def _unit(name: str, shapes: tuple[tuple[int, ...], ...], dtype: Any = "float32") -> Request:
+    return Request(name, Kind.ALLREDUCE, dtype, shapes, group=name, group_size=len(shapes))
 
 
-def test_group_members_ready_together_without_error() -> None:
+def test_grouped_call_is_one_response_and_fails_whole_naming_the_member() -> None:
     table = CoordinatorTable(2)
-    members = [allreduce(f"g.{i}", group="g", group_size=2) for i in range(2)]
-    table.add(0, members, now=0.0)
-    table.add(1, members, now=0.0)
-    out = table.pop_ready()
-    assert names(out) == ["g.0", "g.1"]
-    assert [r.error for r in out] == ["", ""]
+    unit = _unit("g", ((4,), (2, 3), (1,)))
+    table.add(0, [unit], now=0.0)
+    table.add(1, [unit._replace(dtype=("float32", "float64", "float32"))], now=0.0)
+    (resp,) = table.pop_ready()
+    assert resp.name == "g" and resp.error.startswith(
+        "tensor 'g' (member 1 of the grouped call): dtype differs across ranks: rank 0 sent "
+        "float32; rank 1 sent float64")
+    assert table.stalled(0.0, now=1.0) == []  # nothing of it is left waiting
+
+
+def test_grouped_call_ready_once_every_rank_sent_it() -> None:
+    table = CoordinatorTable(2)
+    unit = _unit("g", ((4,), (2, 3)))
+    table.add(0, [unit], now=0.0)
+    assert table.pop_ready() == []
+    table.add(1, [unit], now=0.0)
+    (resp,) = table.pop_ready()
+    assert (resp.name, resp.error, resp.shape) == ("g", "", ((4,), (2, 3)))
 
 
 # -- stalls ---------------------------------------------------------------------------------
