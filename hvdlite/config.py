@@ -175,6 +175,22 @@ def _parse_log_level(value: object) -> str:
     raise ValueError(f"expected one of {', '.join(LOG_LEVELS)}, got {value!r}")
 
 
+IPC_MODES = ("auto", "always", "off")
+
+
+def _parse_ipc(value: object) -> str:
+    if isinstance(value, str) and value.strip().lower() in IPC_MODES:
+        return value.strip().lower()
+    raise ValueError(f"expected one of {', '.join(IPC_MODES)}, got {value!r}")
+
+
+def _parse_ipc_buffer(value: str | int) -> int:
+    size = parse_size(value)
+    if size < 4096:
+        raise ValueError(f"expected at least 4KiB, got {value!r}")
+    return size
+
+
 # ---------------------------------------------------------------------------------------------
 # The knob declaration
 # ---------------------------------------------------------------------------------------------
@@ -247,6 +263,23 @@ class Config:
         kind="size", parse=parse_size, default=4 * _MIB, unit="bytes",
         help="GPU: a fused tensor at least this large is reduced where it lies, not copied "
              "into the fusion buffer (copying it costs more than its own launch saves).",
+    )  # fmt: skip
+    ipc: str = _knob(
+        kind="choice", parse=_parse_ipc, default="auto", unit="", choices=IPC_MODES,
+        help="GPU: when device data moves through CUDA IPC instead of NCCL. auto: ranks that "
+             "share a GPU (NCCL refuses them), and buckets up to ipc_max_bytes between GPUs of "
+             "one host with peer access; always: every bucket wherever the set's ranks are on "
+             "one host with peer access; off: never.",
+    )  # fmt: skip
+    ipc_max_bytes: int = _knob(
+        kind="size", parse=parse_size, default=0, unit="bytes",
+        help="GPU, ipc=auto, a GPU per rank on one host: buckets up to this size take CUDA IPC, "
+             "larger ones NCCL (0: NCCL for all).",
+    )  # fmt: skip
+    ipc_buffer_bytes: int = _knob(
+        kind="size", parse=_parse_ipc_buffer, default=16 * _MIB, unit="bytes",
+        help="GPU: each of a rank's two CUDA IPC staging slots (larger collectives move in "
+             "chunks of this size).",
     )  # fmt: skip
     cycle_time_ms: float = _knob(
         kind="float", parse=_parse_positive, default=1.0, unit="ms",

@@ -126,7 +126,7 @@ class MPIBackend:
     def shutdown(self) -> None:
         """Nothing to release: the engine frees the communicator and the fusion buffers."""
 
-    def _wait(self, req: MPI.Request) -> None:
+    def wait(self, req: MPI.Request) -> None:
         # Nonblocking collective waited together with the peers' failure notice (a plain
         # blocking call would wait forever for a rank whose loop died): inside MPI when this
         # host has a core per rank, else polled with CPU yields.
@@ -195,9 +195,9 @@ class MPIBackend:
             send = MPI.IN_PLACE if src is out else [src, mtype]
         if names:
             with self.tracer.phase(names, "MPI_ALLREDUCE", {"bytes": out.nbytes}):
-                self._wait(self.comm.Iallreduce(send, [out, mtype], op=mop))
+                self.wait(self.comm.Iallreduce(send, [out, mtype], op=mop))
         else:
-            self._wait(self.comm.Iallreduce(send, [out, mtype], op=mop))
+            self.wait(self.comm.Iallreduce(send, [out, mtype], op=mop))
         if op is ReduceOp.AVERAGE or head.postscale != 1.0:
             finish_reduce(np, out, op, self.size, head.postscale, row)
         return out
@@ -237,7 +237,7 @@ class MPIBackend:
                     np.concatenate([a.reshape(-1) for a in srcs], out=region, casting="unsafe")
                 scale_into(np, region, region, head.prescale)
         with self.tracer.phase(names, "MPI_ALLREDUCE", {"bytes": region.nbytes}):
-            self._wait(self.comm.Iallreduce(MPI.IN_PLACE, [region, mtype], op=mop))
+            self.wait(self.comm.Iallreduce(MPI.IN_PLACE, [region, mtype], op=mop))
         if region is span and op is not ReduceOp.AVERAGE and head.postscale == 1.0:
             return  # the results are in place: nothing to scale, nothing to copy out
         with self.tracer.phase(names, "MEMCPY_OUT_FUSION_BUFFER"):
@@ -260,7 +260,7 @@ class MPIBackend:
         send = (entry.array if entry is not None and entry.array is not None
                 else np.empty((0, *trailing), dtype=row.np_dtype))
         counts = [s * per_row for s in resp.sizes]
-        self._wait(self.comm.Iallgatherv([send, mtype], [out, (counts, _displs(counts)), mtype]))
+        self.wait(self.comm.Iallgatherv([send, mtype], [out, (counts, _displs(counts)), mtype]))
         return out
 
     def _broadcast(self, bucket: list[Response], entries: list[Entry | None]) -> Any:
@@ -268,12 +268,12 @@ class MPIBackend:
         mtype, _ = mpi_datatype(DTYPES[resp.dtype])
         if entry is None:
             scratch = np.empty(resp.shape, dtype=DTYPES[resp.dtype].np_dtype)
-            self._wait(self.comm.Ibcast([scratch, mtype], root=resp.root))
+            self.wait(self.comm.Ibcast([scratch, mtype], root=resp.root))
             return None
         assert entry.array is not None
         if self.rank == resp.root and entry.output is not entry.array:
             np.copyto(entry.output, entry.array)
-        self._wait(self.comm.Ibcast([entry.output, mtype], root=resp.root))
+        self.wait(self.comm.Ibcast([entry.output, mtype], root=resp.root))
         return entry.output
 
     def _alltoall(self, bucket: list[Response], entries: list[Entry | None]) -> Any:
@@ -288,7 +288,7 @@ class MPIBackend:
         recv_rows = [int(s) for s in splits[:, self.rank]]
         recv_counts = [r * per_row for r in recv_rows]
         out = np.empty((sum(recv_rows), *trailing), dtype=row.np_dtype)
-        self._wait(self.comm.Ialltoallv(
+        self.wait(self.comm.Ialltoallv(
             [entry.array, (send_counts, _displs(send_counts)), mtype],
             [out, (recv_counts, _displs(recv_counts)), mtype]))
         return out
@@ -306,7 +306,7 @@ class MPIBackend:
         else:
             send = entry.array.astype(wire, copy=False)
         out = np.empty((rows[self.rank], *trailing), dtype=wire)
-        self._wait(self.comm.Ireduce_scatter([send, mtype], [out, mtype],
+        self.wait(self.comm.Ireduce_scatter([send, mtype], [out, mtype],
                                              recvcounts=[r * per_row for r in rows],
                                              op=mpi_op(row, op)))
         finish_reduce(np, out, op, self.size, 1.0, row)

@@ -1,9 +1,13 @@
-"""NCCL data plane for device (CuPy) memory, through CuPy's NCCL binding.
+"""The data plane for device (CuPy) memory: NCCL through CuPy's binding, or CUDA IPC.
 
-Runs only on the background thread, in the agreed order, so every rank issues the same NCCL
-calls in the same sequence (NCCL deadlocks otherwise). Everything is enqueued on hvdlite's
-own stream of the device, after a stream wait on each input's READY event; nothing here waits
-for the device on the CPU (except with the timeline on: see ``_gpu/runtime.py``).
+Each bucket goes to one communicator: CuPy's ``NcclCommunicator``, or an
+:class:`~hvdlite._gpu.ipc.IpcCommunicator` (ranks that share a GPU, or IPC chosen by the
+``ipc`` policy: ``_gpu/placement.py``), which takes the same calls, so every collective below
+is written once for both. Runs under the engine's cycle lock, in the agreed order, so every
+rank issues the same calls in the same sequence (NCCL deadlocks otherwise). Everything is
+enqueued on hvdlite's own stream of the device, after a stream wait on each input's READY
+event; nothing here waits for the device on the CPU (except with the timeline on: see
+``_gpu/runtime.py``).
 """
 
 from __future__ import annotations
@@ -16,15 +20,15 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from hvdlite._control.fusion import FusionBuffers
+from hvdlite._control.fusion import FusionBuffers, nbytes
 from hvdlite._control.negotiation import Kind, Response, is_unit
 from hvdlite._control.replay import unit_groups
 from hvdlite._control.work import Entry
-from hvdlite._gpu.fused import FusedAllreduce, Phase, Reduction
+from hvdlite._gpu.fused import FusedAllreduce, Phase, Reduction, group, transport_name
 from hvdlite._gpu.runtime import DeviceContext, GpuRuntime
 from hvdlite._observe.tracer import Tracer
 from hvdlite._ops import DTYPES, DType, ReduceOp, finish_reduce, nccl_wire
-from hvdlite.errors import BackendUnavailableError
+from hvdlite.config import Config
 
 __all__ = ["NcclBackend"]
 
@@ -32,8 +36,8 @@ __all__ = ["NcclBackend"]
 class NcclBackend:
     """Executes agreed device responses; one cached NCCL communicator per device."""
 
-    def __init__(self, comm: MPI.Intracomm, runtime: GpuRuntime, threshold: int,
-                 tracer: Tracer, direct_bytes: int) -> None:
+    def __init__(self, comm: MPI.Intracomm, runtime: GpuRuntime, config: Config,
+                 tracer: Tracer, wait: Callable[[MPI.Request], None]) -> None:
         from cupy.cuda import nccl
 
         self.tracer = tracer
@@ -42,10 +46,15 @@ class NcclBackend:
         self.mpi = comm
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.runtime = runtime
-        self.fusion = FusionBuffers(threshold, self._alloc)
-        self.fused = FusedAllreduce(self.cupy, nccl, self.fusion, direct_bytes)
+        self.config, self._wait = config, wait
+        self.fusion = FusionBuffers(config.fusion_threshold, self._alloc)
+        self.fused = FusedAllreduce(self.cupy, nccl, self.fusion, config.fusion_direct_bytes)
         self._reductions: dict[tuple[Any, ...], Reduction] = {}
+        # The communicator of each device when one transport serves every bucket (the
+        # common case: a dict lookup per bucket); empty under the "mixed" policy.
         self._comms: dict[int, Any] = {}
+        self._made: dict[tuple[str, int], Any] = {}  # (transport, device) -> communicator
+        self.transport: str | None = None  # "nccl", "ipc" or "mixed", decided at first use
         # ncclAvg divides inside the collective (no extra kernel) where NCCL has it.
         self._avg = getattr(nccl, "NCCL_AVG", None)
         self._directs: dict[tuple[str, int, bool], tuple[int, int, int] | None] = {}
@@ -63,39 +72,35 @@ class NcclBackend:
         with self.cupy.cuda.Device(int(device.split(":")[1])):
             return self.cupy.empty(max(nbytes, 0), dtype=np.uint8)
 
-    def communicator(self, device_id: int) -> Any:
-        """The NCCL communicator of ``device_id``, created once (collective over MPI)."""
-        comm = self._comms.get(device_id)
+    def communicator(self, device_id: int, nbytes: int = 0) -> Any:
+        """The communicator for a bucket of ``nbytes`` on ``device_id``, made on first use
+        (collective over MPI: every rank of the set reaches it at the same bucket)."""
+        if self.transport is None:
+            from hvdlite._gpu.placement import placement, transport
+
+            where = placement(self.mpi, self.cupy, device_id)
+            self.transport = transport(where, self.config.ipc, self.config.ipc_max_bytes)
+            self.placement = where
+        kind = self.transport
+        if kind == "mixed":
+            kind = "ipc" if nbytes <= self.config.ipc_max_bytes else "nccl"
+        comm = self._made.get((kind, device_id))
         if comm is None:
-            self._check_one_gpu_per_rank(device_id)
-            uid = self.nccl.get_unique_id() if self.rank == 0 else None
-            uid = self.mpi.bcast(uid, root=0)
-            with self.cupy.cuda.Device(device_id):
-                comm = self._comms[device_id] = self.nccl.NcclCommunicator(self.size, uid,
-                                                                           self.rank)
+            comm = self._made[kind, device_id] = self._make(kind, device_id)
+        if self.transport != "mixed":
+            self._comms[device_id] = comm
         return comm
 
-    def _check_one_gpu_per_rank(self, device_id: int) -> None:
-        """Collective (every rank of the set creates the communicator at the same bucket):
-        refuse, on every rank alike, ranks that share a GPU, which NCCL rejects with a bare
-        'invalid usage'."""
-        import socket
+    def _make(self, kind: str, device_id: int) -> Any:
+        if kind == "ipc":
+            from hvdlite._gpu.ipc import IpcCommunicator
 
-        try:
-            bus = str(self.cupy.cuda.Device(device_id).pci_bus_id)
-        except Exception:  # an old driver without the attribute: the ordinal will do
-            bus = f"device {device_id}"
-        where = self.mpi.allgather((socket.gethostname(), bus))
-        by_gpu: dict[tuple[str, str], list[int]] = {}
-        for rank, key in enumerate(where):
-            by_gpu.setdefault(tuple(key), []).append(rank)
-        shared = [(key, ranks) for key, ranks in by_gpu.items() if len(ranks) > 1]
-        if shared:
-            (host, gpu), ranks = shared[0]
-            raise BackendUnavailableError(
-                f"ranks {ranks} on host {host} share one GPU ({gpu}); NCCL needs one GPU per "
-                "rank: launch at most as many ranks per host as it has GPUs, or give each rank "
-                "its own GPU (CUDA_VISIBLE_DEVICES)")
+            return IpcCommunicator(self.mpi, self.cupy, self.nccl, device_id,
+                                   self.config.ipc_buffer_bytes, self._wait)
+        uid = self.nccl.get_unique_id() if self.rank == 0 else None
+        uid = self.mpi.bcast(uid, root=0)
+        with self.cupy.cuda.Device(device_id):
+            return self.nccl.NcclCommunicator(self.size, uid, self.rank)
 
     def run(self, bucket: list[Response], entries: list[Entry | None]) -> None:
         """Enqueue one bucket on the device and hand its completion to the runtime."""
@@ -108,7 +113,8 @@ class NcclBackend:
         live = [e for e in entries if e is not None]
         device_id = live[0].device_id if live else self.runtime.default_device
         ctx = self.runtime.context(device_id)
-        comm = self._comms.get(device_id) or self.communicator(device_id)
+        comm = self._comms.get(device_id) or self.communicator(
+            device_id, sum(nbytes(r) for r in bucket))
         self._timed: list[Any] = []
         cuda = self.cupy.cuda
         # Switch the device only when it differs (a waiting caller runs this on its own
@@ -138,7 +144,7 @@ class NcclBackend:
         """``out = allreduce(src)`` as one NCCL call on the caller's ``stream`` (the immediate
         path, see ``_control/immediate.py``: nothing else is pending, so the caller's stream
         orders the call exactly as a READY wait on hvdlite's stream would)."""
-        comm = self._comms.get(device_id) or self.communicator(device_id)
+        comm = self._comms.get(device_id) or self.communicator(device_id, src.nbytes)
         dtype, per, op = direct
         comm.allReduce(src.data.ptr, out.data.ptr, src.size * per, dtype, op, stream.ptr)
 
@@ -152,7 +158,7 @@ class NcclBackend:
                 self.runtime.async_completion:
             return False
         ctx = self.runtime.context(device_id)
-        comm = self._comms.get(device_id) or self.communicator(device_id)
+        comm = self._comms.get(device_id) or self.communicator(device_id, nbytes(resp))
         red = self._reduction(resp.dtype, resp)
         self.fused.run(ctx, comm, resp, 0, red, members, outputs, span, None, stream)
         return True
@@ -186,7 +192,7 @@ class NcclBackend:
         assert entry is not None
         device_id = entry.device_id
         ctx = self.runtime.context(device_id)
-        comm = self._comms.get(device_id) or self.communicator(device_id)
+        comm = self._comms.get(device_id) or self.communicator(device_id, nbytes(resp))
         stream = ctx.stream
         if entry.ready is not None:
             if not entry.ready_done:
@@ -212,7 +218,7 @@ class NcclBackend:
             # (an allreduce traces its copy and reduce phases itself)
             self._outputs = self._run[kind](ctx, comm, bucket, entries)
         else:
-            with self._phase(ctx, names, f"NCCL_{kind.name}"):
+            with self._phase(ctx, names, f"{transport_name(comm)}_{kind.name}"):
                 self._outputs = self._run[kind](ctx, comm, bucket, entries)
 
     # -- helpers --------------------------------------------------------------------------
@@ -309,14 +315,15 @@ class NcclBackend:
             return [out]
         # Uneven first dimensions: one broadcast per rank, fused by NCCL into one launch.
         itemsize = row.np_dtype.itemsize // per
-        self.nccl.groupStart()
+        start, end = group(self.nccl, comm)
+        start()
         offset = 0
         for r, rows in enumerate(resp.sizes):
             dst = out.data.ptr + offset * per_row * itemsize
             comm.broadcast(send.data.ptr if r == self.rank else dst, dst, rows * per_row,
                            dtype, r, ctx.stream.ptr)
             offset += rows
-        self.nccl.groupEnd()
+        end()
         return [out]
 
     def _broadcast(self, ctx: DeviceContext, comm: Any, bucket: list[Response],
@@ -344,6 +351,9 @@ class NcclBackend:
         recv_rows = splits[:, self.rank]
         out = self.cupy.empty((int(recv_rows.sum()), *trailing), dtype=row.np_dtype)
         elems = math.prod(trailing) * per
+        if transport_name(comm) == "IPC":
+            comm.allToAllv(src.data.ptr, out.data.ptr, splits, row_bytes, ctx.stream.ptr)
+            return [out]
         self.nccl.groupStart()
         s_off = r_off = 0
         for peer in range(self.size):
@@ -375,21 +385,24 @@ class NcclBackend:
             comm.reduceScatter(src.data.ptr, out.data.ptr, base * elems, dtype,
                                self._op(row, op), ctx.stream.ptr)
         else:  # uneven parts: one reduce per rank, grouped into one launch
-            self.nccl.groupStart()
+            start, end = group(self.nccl, comm)
+            start()
             offset = 0
             for r, n in enumerate(rows):
                 comm.reduce(src.data.ptr + offset * row_bytes,
                             out.data.ptr if r == self.rank else src.data.ptr, n * elems,
                             dtype, self._op(row, op), r, ctx.stream.ptr)
                 offset += n
-            self.nccl.groupEnd()
+            end()
         finish_reduce(self.cupy, out, op, self.size, 1.0, row)
         return [out]
 
     def shutdown(self) -> None:
-        """Destroy the communicators (after the background thread stopped using them)."""
-        for comm in self._comms.values():
+        """Destroy the communicators (after the background thread stopped using them; the
+        IPC ones collectively, in the order they were made, the same on every rank)."""
+        for comm in self._made.values():
             comm.destroy()
+        self._made.clear()
         self._comms.clear()
         self.fusion.release()
         self.fused.release()

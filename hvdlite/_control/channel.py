@@ -162,15 +162,14 @@ class Channel:
         self.backend(head.device).run(bucket, entries)
 
     def backend(self, device: str) -> Backend:
-        """The data plane for ``device`` memory ("cpu": MPI; "cuda": NCCL, made on first
-        use, since it imports CuPy and creates NCCL communicators over this set)."""
+        """The data plane for ``device`` memory ("cpu": MPI; "cuda": NCCL or CUDA IPC, made
+        on first use, since it imports CuPy and creates communicators over this set)."""
         backend = self.backends.get(device)
         if backend is None:
             from hvdlite._backends.nccl import NcclBackend
 
             backend = self.backends[device] = NcclBackend(
-                self.data, self._gpu(), self.config.fusion_threshold, self.tracer,
-                self.config.fusion_direct_bytes)
+                self.data, self._gpu(), self.config, self.tracer, self.mpi.wait)
         return backend
 
     # -- the end --------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from hvdlite._gpu.kernels import batched_copy
 from hvdlite._gpu.runtime import DeviceContext
 from hvdlite._ops import DType, ReduceOp, finish_reduce, scale_into
 
-__all__ = ["FusedAllreduce", "Reduction"]
+__all__ = ["FusedAllreduce", "Reduction", "group", "transport_name"]
 
 _MAX_PLANS = 256  # member plans kept (a training step has a few dozen buckets at most)
 
@@ -135,7 +135,8 @@ class FusedAllreduce:
                 op = red.nccl_op
                 if red.prescale != 1.0:
                     scale_into(self.cupy, span, span, red.prescale)
-        with _maybe(phase, "NCCL_ALLREDUCE", {"bytes": total * np.dtype(red.wire).itemsize}):
+        with _maybe(phase, f"{transport_name(comm)}_ALLREDUCE" if phase else "",
+                    {"bytes": total * np.dtype(red.wire).itemsize}):
             ptr = span.data.ptr
             comm.allReduce(ptr, ptr, total, red.dtype, op, stream.ptr)
         if red.finish:  # the results are in place: only averaging or scaling is left
@@ -169,17 +170,19 @@ class FusedAllreduce:
                              scale=red.copy_scale, divisor=1)
                 self.copy_kernels += 1
         nbytes = sum(plan.counts) * np.dtype(red.wire).itemsize
-        with _maybe(phase, "NCCL_ALLREDUCE", {"bytes": nbytes}):
+        with _maybe(phase, f"{transport_name(comm)}_ALLREDUCE" if phase else "",
+                    {"bytes": nbytes}):
             grouped = len(directs) + bool(fused) > 1
             if grouped:
-                self.nccl.groupStart()
+                start, end = group(self.nccl, comm)
+                start()
             for src, dst, n in directs:
                 comm.allReduce(src.data.ptr, dst.data.ptr, n, red.dtype, red.nccl_op, stream)
             if fused:
                 ptr = buf.data.ptr
                 comm.allReduce(ptr, ptr, plan.total, red.dtype, red.copy_op, stream)
             if grouped:
-                self.nccl.groupEnd()
+                end()
         with _maybe(phase, "MEMCPY_OUT_FUSION_BUFFER", None):
             if fused:
                 batched_copy(red.wire, plan.tables[1], len(fused), buf, plan.total, mode=1,
@@ -209,6 +212,18 @@ class FusedAllreduce:
 
     def release(self) -> None:
         self._plans.clear()
+
+
+def transport_name(comm: Any) -> str:
+    """"NCCL" or "IPC": the prefix of a communicator's timeline phases."""
+    return getattr(comm, "phase", "NCCL")
+
+
+def group(nccl: Any, comm: Any) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(start, end) of a group of calls on ``comm``: NCCL's module-level group calls, or the
+    IPC communicator's own (which packs the group into shared steps)."""
+    start = getattr(comm, "groupStart", None)
+    return (start, comm.groupEnd) if start is not None else (nccl.groupStart, nccl.groupEnd)
 
 
 def _maybe(phase: Phase | None, name: str,

@@ -1,5 +1,6 @@
 """Every collective on CuPy arrays against NumPy references built from every rank's inputs,
-fused and unfused, with async completion off and on and with the timeline on (CPU sync)."""
+fused and unfused, with async completion off and on, with the timeline on (CPU sync), and
+through CUDA IPC in small chunks (IPC is what ranks that share a GPU take anyway)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ MODES = {
     "sync": {},
     "async": {"async_completion": True},
     "timeline": {"async_completion": True, "timeline": "/tmp/hvdlite-gpu-test-timeline.json"},
+    # CUDA IPC at any rank count, in 4 KiB steps (so the larger calls move in chunks).
+    "ipc": {"ipc": "always", "ipc_buffer_bytes": 4096},
 }
 
 

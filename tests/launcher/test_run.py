@@ -276,7 +276,8 @@ def test_config_flag_with_example_files(tmp_path: Path, name: str) -> None:
 def test_every_knob_has_a_working_flag(tmp_path: Path) -> None:
     changed = {
         "fusion_threshold": ("5KiB", 5120), "fusion_direct_bytes": ("2KiB", 2048),
-        "cycle_time_ms": ("0.5", 0.5),
+        "ipc": ("off", "off"), "ipc_max_bytes": ("4KiB", 4096),
+        "ipc_buffer_bytes": ("1MiB", 1 << 20), "cycle_time_ms": ("0.5", 0.5),
         "cache_capacity": ("10", 10), "async_completion": (None, True),
         "timeline": ("/tmp/x.json", "/tmp/x.json"), "timeline_mark_cycles": (None, True),
         "stall_check": ("no", False), "stall_check_time_s": ("7", 7.0),

@@ -30,6 +30,9 @@ MIB = 1024 * 1024
 EXPECTED_DEFAULTS = {
     "fusion_threshold": 64 * MIB,
     "fusion_direct_bytes": 4 * MIB,
+    "ipc": "auto",
+    "ipc_max_bytes": 0,
+    "ipc_buffer_bytes": 16 * MIB,
     "cycle_time_ms": 1.0,
     "cache_capacity": 1024,
     "async_completion": False,
@@ -50,6 +53,9 @@ EXPECTED_DEFAULTS = {
 ENV_CASES = {
     "fusion_threshold": ("HVDLITE_FUSION_THRESHOLD", "HOROVOD_FUSION_THRESHOLD", "8MiB", 8 * MIB),
     "fusion_direct_bytes": ("HVDLITE_FUSION_DIRECT_BYTES", None, "1MiB", MIB),
+    "ipc": ("HVDLITE_IPC", None, "Always", "always"),
+    "ipc_max_bytes": ("HVDLITE_IPC_MAX_BYTES", None, "64KiB", 64 * 1024),
+    "ipc_buffer_bytes": ("HVDLITE_IPC_BUFFER_BYTES", None, "8MiB", 8 * MIB),
     "cycle_time_ms": ("HVDLITE_CYCLE_TIME_MS", "HOROVOD_CYCLE_TIME", "2.5", 2.5),
     "cache_capacity": ("HVDLITE_CACHE_CAPACITY", "HOROVOD_CACHE_CAPACITY", "0", 0),
     "async_completion": (
@@ -337,6 +343,9 @@ def _non_default_config() -> Config:
     return Config(
         fusion_threshold=12345,
         fusion_direct_bytes=4321,
+        ipc="off",
+        ipc_max_bytes=65536,
+        ipc_buffer_bytes=1 << 20,
         cycle_time_ms=0.25,
         cache_capacity=0,
         async_completion=True,

@@ -1,0 +1,170 @@
+"""The CUDA IPC transport: which transport a placement gets, the forced fallback, chunked steps,
+process sets and join on device tensors, the buffers' lifetime across peers, re-init.
+
+Ranks that share a GPU (``NP=2`` or 4 on a one-GPU host) take IPC for every device collective;
+``ipc="always"`` forces it at any rank count, so these tests also run at 1 rank.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+if cupy.cuda.runtime.getDeviceCount() == 0:
+    pytest.skip("no CUDA device", allow_module_level=True)
+
+from mpi4py import MPI  # noqa: E402
+from mpi_util import all_inputs, reference_allreduce  # noqa: E402
+
+from hvdlite._api import default_engine  # noqa: E402
+
+
+def _backend(set_id: int = 0) -> Any:
+    return default_engine().channel_for(set_id).backends["cuda"]
+
+
+def _shares_gpu() -> bool:
+    """True if some ranks of the job share a GPU (so NCCL cannot run)."""
+    import socket
+
+    me = (socket.gethostname(), cupy.cuda.Device().pci_bus_id)
+    everyone = MPI.COMM_WORLD.allgather(me)
+    return len(set(everyone)) < len(everyone)
+
+
+def _exact(got: Any, want: np.ndarray, what: str) -> None:
+    host = cupy.asnumpy(got)
+    assert host.dtype == want.dtype and host.shape == want.shape, (what, host.shape)
+    if want.dtype.kind in "biu":
+        np.testing.assert_array_equal(host, want, err_msg=what)
+    else:
+        np.testing.assert_allclose(host, want, rtol=1e-6, err_msg=what)
+
+
+def test_transport_follows_the_placement(hvd: Any) -> None:
+    hvd.allreduce(cupy.ones(4, cupy.float32), name="placement.probe", op=hvd.Sum)
+    backend = _backend()
+    assert backend.transport == ("ipc" if _shares_gpu() else "nccl")
+    assert backend.placement.one_host == (len(set(MPI.COMM_WORLD.allgather(
+        __import__("socket").gethostname()))) == 1)
+
+
+def test_ipc_off_on_a_shared_gpu_is_the_clear_error(hvd: Any, restart: Any) -> None:
+    if not _shares_gpu():
+        pytest.skip("needs ranks that share a GPU")
+    restart(ipc="off")
+    with pytest.raises(hvd.BackendUnavailableError, match=r"share one GPU.*ipc is off"):
+        hvd.allreduce(cupy.ones(4, cupy.float32), name="off.probe")
+    # Decided alike on every rank, so nothing else is lost: host collectives go on.
+    got = hvd.allreduce(np.ones(3, np.int64), name="off.host", op=hvd.Sum)
+    np.testing.assert_array_equal(got, np.full(3, hvd.size()))
+    restart()
+
+
+def test_forced_ipc_in_chunks_of_a_small_slot(hvd: Any, restart: Any) -> None:
+    restart(ipc="always", ipc_buffer_bytes="4KiB", fusion_threshold="64KiB")
+    r, n = hvd.rank(), hvd.size()
+    for dtype, count in (("float32", 5000), ("int64", 1500), ("uint8", 9000)):
+        inputs = all_inputs(41, n, (count,), dtype)
+        got = hvd.allreduce(cupy.asarray(inputs[r]), name=f"chunk.{dtype}", op=hvd.Sum)
+        _exact(got, reference_allreduce(inputs, "Sum"), f"allreduce {dtype}")
+        got = hvd.allreduce(cupy.asarray(inputs[r]), name=f"chunk.max.{dtype}", op=hvd.Max)
+        _exact(got, reference_allreduce(inputs, "Max"), f"max {dtype}")
+    assert _backend().transport == "ipc"
+    parts = [all_inputs(42 + k, n, (700 * (k + 1), 3), "float64")[k] for k in range(n)]
+    got = hvd.allgather(cupy.asarray(parts[r]), name="chunk.ag")
+    _exact(got, np.concatenate(parts), "uneven allgather in chunks")
+    big = all_inputs(43, n, (3000,), "float64")
+    got = hvd.broadcast(cupy.asarray(big[r]), n - 1, name="chunk.bc")
+    _exact(got, big[n - 1], "broadcast in chunks")
+    rows = [[(s + d) % 2 * 400 + 300 for d in range(n)] for s in range(n)]
+    data = [all_inputs(44, n, (sum(rows[s]), 2), "int32")[s] for s in range(n)]
+    got = hvd.alltoall(cupy.asarray(data[r]), splits=rows[r], name="chunk.a2a")
+    want = np.concatenate([np.split(data[s], np.cumsum(rows[s])[:-1])[r] for s in range(n)])
+    _exact(got, want, "alltoall in chunks")
+    total = 1000 * n + 1
+    inputs = all_inputs(45, n, (total, 2), "float32")
+    got = hvd.reducescatter(cupy.asarray(inputs[r]), name="chunk.rs", op=hvd.Sum)
+    full = reference_allreduce(inputs, "Sum")
+    base, extra = divmod(total, n)
+    start = r * base + min(r, extra)
+    _exact(got, full[start:start + base + (1 if r < extra else 0)], "reducescatter in chunks")
+    restart()
+
+
+def test_process_set_on_device(hvd: Any) -> None:
+    n = hvd.size()
+    if n < 2:
+        pytest.skip("needs 2 ranks")
+    members = list(range(0, n, 2)) if n > 2 else [0, 1]
+    ps = hvd.add_process_set(members)
+    try:
+        if hvd.rank() in members:
+            inputs = all_inputs(51, len(members), (37,), "int32")
+            mine = inputs[members.index(hvd.rank())]
+            got = hvd.allreduce(cupy.asarray(mine), name="ps.ar", op=hvd.Sum, process_set=ps)
+            _exact(got, reference_allreduce(inputs, "Sum"), "process set allreduce")
+            got = hvd.allgather(cupy.asarray(mine), name="ps.ag", process_set=ps)
+            _exact(got, np.concatenate(inputs), "process set allgather")
+        # The global set goes on beside it.
+        got = hvd.allreduce(cupy.full(3, hvd.rank(), cupy.int64), name="ps.global", op=hvd.Sum)
+        _exact(got, np.full(3, sum(range(n)), np.int64), "global beside the set")
+    finally:
+        hvd.remove_process_set(ps)
+
+
+def test_join_on_device(hvd: Any) -> None:
+    n = hvd.size()
+    if n < 2:
+        pytest.skip("needs 2 ranks")
+    if hvd.rank() == 0:
+        last = hvd.join()
+    else:
+        x = cupy.full(5, float(hvd.rank()), cupy.float32)
+        got = hvd.allreduce(x, name="join.ar", op=hvd.Sum)
+        _exact(got, np.full(5, float(sum(range(1, n))), np.float32), "allreduce with rank 0 joined")
+        last = hvd.join()
+    assert 0 <= last < n
+
+
+def test_buffers_live_until_every_peer_closed_them(hvd: Any) -> None:
+    """Each rank frees its staging allocation only after every peer closed its mapping: the
+    last rank to destroy holds the others' frees back."""
+    from cupy.cuda import nccl
+
+    from hvdlite._gpu.ipc import IpcCommunicator
+
+    comm = MPI.COMM_WORLD
+    r, n = comm.Get_rank(), comm.Get_size()
+    stream = cupy.cuda.Stream(non_blocking=True)
+    ipc = IpcCommunicator(comm, cupy, nccl, cupy.cuda.Device().id, 1 << 16,
+                          lambda req: req.Wait())
+    inputs = all_inputs(61, n, (1000,), "float32")
+    x = cupy.asarray(inputs[r])
+    out = cupy.empty_like(x)
+    for _ in range(5):
+        ipc.allReduce(x.data.ptr, out.data.ptr, x.size, nccl.NCCL_FLOAT32, nccl.NCCL_SUM,
+                      stream.ptr)
+    stream.synchronize()
+    _exact(out, reference_allreduce(inputs, "Sum"), "direct IpcCommunicator")
+    if r == n - 1:
+        time.sleep(0.5)
+    start = time.monotonic()
+    ipc.destroy()
+    took = time.monotonic() - start
+    if n > 1 and r != n - 1:
+        assert took > 0.4, f"rank {r} freed its buffer {took:.2f} s after starting: too soon"
+
+
+def test_shutdown_and_reinit_reopen_the_handles(hvd: Any, restart: Any) -> None:
+    r, n = hvd.rank(), hvd.size()
+    for round_ in range(3):
+        restart(ipc="always")
+        inputs = all_inputs(70 + round_, n, (129,), "float64")
+        got = hvd.allreduce(cupy.asarray(inputs[r]), name="reinit", op=hvd.Average)
+        _exact(got, reference_allreduce(inputs, "Average"), f"after re-init {round_}")
+    restart()
