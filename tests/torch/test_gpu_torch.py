@@ -117,3 +117,102 @@ def test_cuda_results_are_reused_only_once_nothing_refers_to_them(hvd: Any) -> N
     assert torch.equal(r1, torch.full_like(t, total))
     assert torch.equal(view, torch.full((4,), total, device=dev))
     assert torch.equal(r3, torch.full_like(t, _rank_sum(hvd, lambda r: r + 10)))
+
+
+# -- every collective, autograd and training on CUDA (at 2 ranks on one GPU: through CUDA IPC)
+
+def test_every_collective_on_cuda(hvd: Any) -> None:
+    dev = _device(hvd)
+    r, n = hvd.rank(), hvd.size()
+    for dtype in (torch.float32, torch.float64, torch.int32, torch.int64, torch.uint8,
+                  torch.float16):
+        x = torch.arange(12, device=dev).to(dtype).reshape(3, 4) + r
+        want = sum(torch.arange(12, device=dev).to(torch.float64) + k for k in range(n))
+        got = hvd.allreduce(x, op=hvd.Sum, name=f"every.sum.{dtype}")
+        assert got.device == dev and got.dtype == dtype
+        assert torch.equal(got.to(torch.float64).reshape(-1), want)
+        got = hvd.allreduce(x, op=hvd.Max, name=f"every.max.{dtype}")
+        assert torch.equal(got.reshape(-1).to(torch.float64),
+                           torch.arange(12, device=dev).to(torch.float64) + n - 1)
+    avg = hvd.allreduce(torch.full((5,), float(r), device=dev), name="every.avg")
+    assert torch.allclose(avg, torch.full((5,), (n - 1) / 2, device=dev))
+    grouped = hvd.grouped_allreduce([torch.full((k + 1,), float(r + k), device=dev)
+                                     for k in range(4)], op=hvd.Sum, name="every.grouped")
+    for k, t in enumerate(grouped):
+        assert torch.equal(t, torch.full((k + 1,), _rank_sum(hvd, lambda q, k=k: q + k),
+                                         device=dev))
+    ag = hvd.allgather(torch.full((r + 1, 2), r, dtype=torch.int64, device=dev), name="every.ag")
+    assert torch.equal(ag, torch.cat([torch.full((q + 1, 2), q, dtype=torch.int64, device=dev)
+                                      for q in range(n)]))
+    for root in range(n):
+        bc = hvd.broadcast(torch.full((3,), float(r), device=dev), root, name=f"every.bc.{root}")
+        assert torch.equal(bc, torch.full((3,), float(root), device=dev))
+    splits = torch.tensor([q + 1 for q in range(n)], dtype=torch.int32)
+    rows = torch.cat([torch.full((q + 1, 2), 10 * r + q, device=dev) for q in range(n)])
+    out, received = hvd.alltoall(rows, splits=splits, name="every.a2a")
+    assert torch.equal(out, torch.cat([torch.full((r + 1, 2), 10 * q + r, device=dev)
+                                       for q in range(n)]))
+    assert received.tolist() == [r + 1] * n
+    rs = hvd.reducescatter(torch.ones(2 * n, 3, device=dev) * (r + 1), op=hvd.Sum,
+                           name="every.rs")
+    assert torch.equal(rs, torch.full((2, 3), _rank_sum(hvd, lambda q: q + 1), device=dev))
+    handle = hvd.allreduce_async(torch.ones(7, device=dev), op=hvd.Sum, name="every.async")
+    assert torch.equal(hvd.synchronize(handle), torch.full((7,), float(n), device=dev))
+
+
+def test_autograd_on_cuda(hvd: Any) -> None:
+    dev = _device(hvd)
+    r, n = hvd.rank(), hvd.size()
+    x = torch.full((4,), float(r + 1), device=dev, requires_grad=True)
+    (hvd.allreduce(x, op=hvd.Sum, name="ag.grad.ar") * 2).sum().backward()
+    # The gradient of a sum allreduce is the allreduce of the upstream gradient.
+    assert torch.equal(x.grad, torch.full((4,), 2.0 * n, device=dev))
+    y = torch.full((r + 1, 2), 1.0, device=dev, requires_grad=True)
+    g = hvd.allgather(y, name="ag.grad.ag")
+    (g * torch.arange(g.shape[0], device=dev).unsqueeze(1)).sum().backward()
+    start = sum(q + 1 for q in range(r))
+    # Each rank's rows receive the average over ranks of their upstream gradient (Horovod's
+    # rule); here every rank's upstream gradient is the same.
+    want = torch.arange(start, start + r + 1, device=dev, dtype=torch.float32)
+    assert torch.equal(y.grad, want.unsqueeze(1).expand(r + 1, 2))
+
+
+def test_cuda_training_matches_one_process_on_the_whole_batch(hvd: Any) -> None:
+    """20 steps of DistributedOptimizer on CUDA: the same parameters as one process on the
+    concatenated batch, and the very same bits on every rank."""
+    dev = _device(hvd)
+    n, steps, batch = hvd.size(), 20, 8
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(),
+                                   torch.nn.Linear(12, 1)).to(dev)
+
+    def data(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(step * 7919 + rank)
+        x = torch.randn(batch, 6, generator=gen)
+        return x.to(dev), x.sum(dim=1, keepdim=True).sin().to(dev)
+
+    def flat(m: torch.nn.Module) -> torch.Tensor:
+        return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+    ref = model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.5)
+    for step in range(steps):
+        ref_opt.zero_grad()
+        xs, ys = zip(*[data(step, q) for q in range(n)], strict=True)
+        torch.nn.functional.mse_loss(ref(torch.cat(xs)), torch.cat(ys)).backward()
+        ref_opt.step()
+    mine = model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(mine.parameters(), lr=0.1, momentum=0.5),
+                                   named_parameters=mine.named_parameters())
+    hvd.broadcast_parameters(mine.state_dict(), root_rank=0)
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = data(step, hvd.rank())
+        torch.nn.functional.mse_loss(mine(x), y).backward()
+        opt.step()
+    got, want = flat(mine), flat(ref)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+    everyone = hvd.allgather(got.unsqueeze(0), name="train.params")
+    assert all(torch.equal(everyone[0], row) for row in everyone)
