@@ -27,6 +27,9 @@ mpi() {  # mpi NP ASYNC ARGS...
     -x HVDLITE_ENABLE_ASYNC_COMPLETION "$PY" -m mpi4py -m pytest -q -p no:cacheprovider "$@"
 }
 
+export -f mpi
+export PY
+
 step() {  # step NAME LIMIT_S COMMAND...
   local name=$1 limit=$2 t0=$SECONDS rc
   shift 2
@@ -41,10 +44,10 @@ step() {  # step NAME LIMIT_S COMMAND...
 
 for s in "${STEPS[@]}"; do
   case $s in
-    np2-sync) step np2-sync 150 mpi 2 0 tests/gpu ;;
-    np2-async) step np2-async 150 mpi 2 1 tests/gpu ;;
-    torch) step torch 100 mpi 2 0 tests/torch/test_gpu_torch.py ;;
-    np4) step np4 200 mpi 4 0 tests/gpu/test_gpu_ipc.py tests/gpu/test_gpu_collectives.py \
+    np2-sync) step np2-sync 150 bash -c 'mpi "$@"' _ 2 0 tests/gpu ;;
+    np2-async) step np2-async 150 bash -c 'mpi "$@"' _ 2 1 tests/gpu ;;
+    torch) step torch 100 bash -c 'mpi "$@"' _ 2 0 tests/torch/test_gpu_torch.py ;;
+    np4) step np4 200 bash -c 'mpi "$@"' _ 4 0 tests/gpu/test_gpu_ipc.py tests/gpu/test_gpu_collectives.py \
            -k "not timeline and not scale" ;;
     death) step death 100 "$PY" -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_ipc_death.py ;;
     np1) step np1 150 mpi 1 0 tests/gpu ;;
