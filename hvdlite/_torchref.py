@@ -72,10 +72,12 @@ class _Entry:
 _views: dict[int, _Entry] = {}
 
 
-def _forget(key: int, alive: Any) -> None:
-    entry = _views.get(key)
+def _forget(key: int, alive: Any, views: dict[int, _Entry] = _views) -> None:
+    # ``views`` bound at definition: a tensor collected during interpreter teardown calls
+    # this after the module's globals were cleared.
+    entry = views.get(key)
     if entry is not None and entry.alive is alive:
-        del _views[key]
+        del views[key]
 
 
 def _lookup(t: torch.Tensor) -> _Entry | None:

@@ -47,3 +47,23 @@ def warm_up(hvd: Any, n: int) -> None:
     for size in (n, 8):
         hvd.allreduce(cupy.ones(size, dtype=cupy.float64), name=f"warm-up.{size}", op=hvd.Sum)
     cupy.cuda.Device().synchronize()
+
+
+def allreduce_phase(hvd: Any) -> str:
+    """The timeline phase of a device allreduce's transport: NCCL_ALLREDUCE, or IPC_ALLREDUCE
+    where the ranks share a GPU (or IPC is forced)."""
+    from hvdlite._api import default_engine
+
+    backend = default_engine().global_channel.backends.get("cuda")
+    return "IPC_ALLREDUCE" if backend is not None and backend.transport == "ipc" else (
+        "NCCL_ALLREDUCE")
+
+
+def one_ipc_step(hvd: Any, nbytes: int, **config: Any) -> None:
+    """Where the device data takes CUDA IPC, re-init with staging slots of ``nbytes``, so a
+    collective that large is one step: in chunks, enqueueing them costs the host more than
+    the device takes to run them, and a test of what is still running when wait() returns
+    would see nothing running."""
+    if allreduce_phase(hvd) == "IPC_ALLREDUCE":
+        hvd.shutdown()
+        hvd.init(ipc_buffer_bytes=nbytes, **config)

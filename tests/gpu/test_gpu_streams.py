@@ -13,7 +13,7 @@ cupy = pytest.importorskip("cupy")
 if cupy.cuda.runtime.getDeviceCount() == 0:
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from gpu_util import slow_fill, warm_up  # noqa: E402
+from gpu_util import one_ipc_step, slow_fill, warm_up  # noqa: E402
 
 N = 1 << 16  # elements per canary tensor
 
@@ -95,6 +95,7 @@ def test_async_completion_wait_returns_before_device(hvd: Any, completion: str) 
     collective itself is made long: 512 MiB, about 2 ms of NCCL on the device."""
     if completion != "async":
         pytest.skip("async completion only")
+    one_ipc_step(hvd, 512 << 20, async_completion=True)
     n = 1 << 26
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
