@@ -275,7 +275,29 @@ def _run_self_tests(hvd: Any, report: Report, seconds: float, cupy: Any, device:
         return False
     report.info("device test", f"ok: {done} allreduces on GPU {device} in {took:.1f} s, "
                                f"all exact")
+    report.info("device transport", _transport_line())
     return True
+
+
+_TRANSPORTS = {
+    "ipc": "CUDA IPC for every bucket",
+    "nccl": "NCCL for every bucket",
+    "mixed": "CUDA IPC for buckets up to ipc_max_bytes, NCCL above",
+}
+
+
+def _transport_line() -> str:
+    """Which transport the global set's device buckets take, and the placement behind it."""
+    from hvdlite._api import default_engine
+
+    backend: Any = default_engine().global_channel.backends.get("cuda")
+    if backend is None or backend.transport is None:
+        return "not decided (no device collective ran)"
+    where = backend.placement
+    why = ("ranks share a GPU" if where.shared else
+           "one host, peer access" if where.one_host and where.peer_access else
+           "one host, no peer access" if where.one_host else "several hosts")
+    return f"{_TRANSPORTS[backend.transport]} ({why}: {where.describe()})"
 
 
 # ---------------------------------------------------------------------------------------------

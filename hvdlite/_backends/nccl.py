@@ -25,6 +25,7 @@ from hvdlite._control.negotiation import Kind, Response, is_unit
 from hvdlite._control.replay import unit_groups
 from hvdlite._control.work import Entry
 from hvdlite._gpu.fused import FusedAllreduce, Phase, Reduction, group, transport_name
+from hvdlite._gpu.placement import Placement
 from hvdlite._gpu.runtime import DeviceContext, GpuRuntime
 from hvdlite._observe.tracer import Tracer
 from hvdlite._ops import DTYPES, DType, ReduceOp, finish_reduce, nccl_wire
@@ -55,6 +56,7 @@ class NcclBackend:
         self._comms: dict[int, Any] = {}
         self._made: dict[tuple[str, int], Any] = {}  # (transport, device) -> communicator
         self.transport: str | None = None  # "nccl", "ipc" or "mixed", decided at first use
+        self.placement: Placement | None = None
         # ncclAvg divides inside the collective (no extra kernel) where NCCL has it.
         self._avg = getattr(nccl, "NCCL_AVG", None)
         self._directs: dict[tuple[str, int, bool], tuple[int, int, int] | None] = {}

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
-from typing import Any
-
-from mpi4py import MPI
+from typing import TYPE_CHECKING, Any
 
 from hvdlite.errors import BackendUnavailableError
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 __all__ = ["Placement", "placement", "transport"]
 
