@@ -142,7 +142,7 @@ def _insert(t: torch.Tensor, what: str) -> _Entry:
         raise TypeError(f"{what}: torch tensors on device {t.device} are not supported "
                         "(cpu, cuda)")
     key = id(t)
-    alive = weakref.ref(t, lambda r, k=key: _forget(k, r))  # type: ignore[misc]
+    alive = weakref.ref(t, lambda r, k=key, forget=_forget: forget(k, r))  # type: ignore[misc]
     entry = _Entry(alive, t.data_ptr(), t.shape, t.dtype, array, ref)
     _views[key] = entry
     return entry
