@@ -169,3 +169,20 @@ def test_shutdown_and_reinit_reopen_the_handles(hvd: Any, restart: Any) -> None:
         got = hvd.allreduce(cupy.asarray(inputs[r]), name="reinit", op=hvd.Average)
         _exact(got, reference_allreduce(inputs, "Average"), f"after re-init {round_}")
     restart()
+
+
+def test_mixed_policy_picks_per_bucket_size(hvd: Any, restart: Any) -> None:
+    """ipc=auto with ipc_max_bytes on ranks with a GPU each (or one rank): small buckets take
+    IPC, larger ones NCCL, both exact."""
+    if _shares_gpu():
+        pytest.skip("ranks that share a GPU take IPC for every bucket")
+    restart(ipc_max_bytes="4KiB")
+    r, n = hvd.rank(), hvd.size()
+    for count in (100, 1024, 1025, 50_000):  # 400 B and 4 KiB: IPC; above: NCCL
+        inputs = all_inputs(80, n, (count,), "float32")
+        got = hvd.allreduce(cupy.asarray(inputs[r]), name=f"mixed.{count}", op=hvd.Sum)
+        _exact(got, reference_allreduce(inputs, "Sum"), f"mixed {count}")
+    backend = _backend()
+    assert backend.transport == "mixed"
+    assert {kind for kind, _ in backend._made} == {"ipc", "nccl"}
+    restart()
