@@ -286,10 +286,22 @@ class Engine:
             pending = [e for c in self._channels.values() for e in c.take_pending()]
             pending += self._queue
             self._queue = []
-        for e in pending:
+        def fail(e: Entry) -> None:
             exc = type(reason)(f"tensor {e.request.name!r}: {reason}")
             exc.__cause__ = reason.__cause__ or reason
             e.fail(exc)
+
+        for e in pending:
+            fail(e)
+        if fatal and self._gpu is not None and not isinstance(reason, ShutdownError):
+            # The NCCL watchdog: work on the device may wait for a rank that is gone. Fail
+            # it, then abort the communicators so a thread blocked on it wakes and raises.
+            self._gpu.retirer.fail_pending(fail)
+            for channel in list(self._channels.values()):
+                try:
+                    channel.abort_device()
+                except Exception:
+                    log.exception("hvdlite: aborting the NCCL communicators failed")
         self.fusion.release()
         if fatal and not isinstance(reason, ShutdownError):
             self._arm_exit(reason)

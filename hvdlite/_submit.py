@@ -139,11 +139,25 @@ def _submit(
                                              prescale, postscale, splits,
                                              outs[0] if outs is not None else None, inplace,
                                              params)
+    if stream is not None and entry.device_id >= 0:
+        _check_stream(stream, entry.device_id, kind, base)
     if lane is not None:
         engine.tracer.stats.steady["results_allocated"] += lane.allocated
         if name is not None and splits is None:
             channel.lanes.put(name, lane)
     return _enqueue(engine, channel, entry, framework, stream, block)
+
+
+def _check_stream(stream: Any, device_id: int, kind: Kind, name: str) -> None:
+    """``ValueError`` if ``stream`` belongs to another device than the tensor (CUDA would
+    refuse the READY record with a bare 'invalid resource handle')."""
+    where = getattr(stream, "device_id", None)
+    if where is None:  # a torch stream
+        where = getattr(getattr(stream, "device", None), "index", None)
+    if isinstance(where, int) and where >= 0 and where != device_id:
+        raise ValueError(f"{_what(kind, name)}: stream= is a stream of device {where}, the "
+                         f"tensor is on device {device_id}; pass a stream of the tensor's "
+                         "device, or none (its current stream)")
 
 
 def _enqueue(engine: Engine, channel: Channel, entry: Entry, framework: str, stream: Any,

@@ -276,6 +276,7 @@ def _run_self_tests(hvd: Any, report: Report, seconds: float, cupy: Any, device:
     report.info("device test", f"ok: {done} allreduces on GPU {device} in {took:.1f} s, "
                                f"all exact")
     report.info("device transport", _transport_line())
+    report.info("GPU peer access", _peer_line())
     return True
 
 
@@ -284,6 +285,22 @@ _TRANSPORTS = {
     "nccl": "NCCL for every bucket",
     "mixed": "CUDA IPC for buckets up to ipc_max_bytes, NCCL above",
 }
+
+
+def _peer_line() -> str:
+    """Whether the ranks' GPUs can map each other's memory (what CUDA IPC needs)."""
+    from hvdlite._api import default_engine
+
+    backend: Any = default_engine().global_channel.backends.get("cuda")
+    where = None if backend is None else backend.placement
+    if where is None:
+        return "not checked (no device collective ran)"
+    if not where.one_host:
+        return "not applicable: the ranks span hosts"
+    gpus = len(where.gpus)
+    if gpus == 1:
+        return "one GPU shared by every rank (IPC within it)"
+    return f"{'yes' if where.peer_access else 'NO'}, between the {gpus} GPUs of this host"
 
 
 def _transport_line() -> str:

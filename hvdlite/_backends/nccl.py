@@ -399,6 +399,19 @@ class NcclBackend:
         finish_reduce(self.cupy, out, op, self.size, 1.0, row)
         return [out]
 
+    def abort(self) -> None:
+        """The job is ending with an error: abort the NCCL communicators (``ncclCommAbort``),
+        so NCCL kernels waiting for a rank that will never come return and a thread blocked
+        on their completion wakes (the engine failed their entries first). IPC steps need
+        none: their device waits only on events recorded before a failure-aware barrier."""
+        for key, comm in list(self._made.items()):
+            if key[0] == "nccl":
+                try:
+                    comm.abort()
+                finally:
+                    del self._made[key]
+        self._comms.clear()
+
     def shutdown(self) -> None:
         """Destroy the communicators (after the background thread stopped using them; the
         IPC ones collectively, in the order they were made, the same on every rank)."""

@@ -173,6 +173,13 @@ class Channel:
         return backend
 
     # -- the end --------------------------------------------------------------------------
+    def abort_device(self) -> None:
+        """The job is ending with an error: abort this set's NCCL communicators (the NCCL
+        watchdog: see ``NcclBackend.abort``)."""
+        backend: Any = self.backends.get("cuda")
+        if backend is not None:
+            backend.abort()
+
     def take_pending(self) -> list[Entry]:
         """Every pending entry, removed (the caller fails them); names in flight forgotten."""
         pending = list(self.entries.values())

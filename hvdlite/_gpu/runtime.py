@@ -179,6 +179,15 @@ class Retirer:
             self._pending[0][0].synchronize()
             self.retire()
 
+    def fail_pending(self, fail: Callable[[Any], None]) -> None:
+        """Call ``fail(entry)`` for every live entry of the work not yet retired (the job is
+        ending: their results will never be right)."""
+        for _, _, keep in list(self._pending):
+            entries = keep[0] if isinstance(keep, tuple) and keep else ()
+            for e in entries if isinstance(entries, list) else ():
+                if e is not None:
+                    fail(e)
+
     def retire(self, wait: bool = False) -> None:
         """Run the callbacks and drop the references of everything finished (in order); with
         ``wait``, of everything (at shutdown, after the streams were synchronised)."""

@@ -44,6 +44,21 @@ OPS = ["Sum", "Average", "Min", "Max", "Product"]
 SCALES = [(1.0, 1.0), (2.0, 1.0), (1.0, 0.25), (0.5, 2.0), (2.0, 0.5)]
 
 
+@dataclass(frozen=True)
+class Memory:
+    """Where the soak's tensors live: ``put`` turns a NumPy input into the submitted tensor,
+    ``get`` a result (or input) back into NumPy; ``dtypes`` and ``ops`` are what it carries
+    (the device soak in ``tests/gpu`` passes CuPy's)."""
+
+    put: Callable[[np.ndarray], Any]
+    get: Callable[[Any], np.ndarray]
+    dtypes: tuple[str, ...]
+    op_ok: Callable[[str, str], bool]
+
+
+HOST = Memory(lambda a: a, lambda a: a, tuple(DTYPES), op_allowed)
+
+
 @dataclass
 class Op:
     """One collective of a step: how this rank submits it and what it must return."""
@@ -77,8 +92,8 @@ def _shape(rng: np.random.Generator, max_dims: int = 3) -> tuple[int, ...]:
     return tuple(int(n) for n in rng.integers(1, 5, size=int(rng.integers(0, max_dims + 1))))
 
 
-def _op_for(rng: np.random.Generator, dtype: str) -> str:
-    return str(rng.choice([op for op in OPS if op_allowed(dtype, op)]))
+def _op_for(rng: np.random.Generator, dtype: str, mem: Memory) -> str:
+    return str(rng.choice([op for op in OPS if mem.op_ok(dtype, op)]))
 
 
 def _value_range(op: str) -> tuple[int, int]:
@@ -89,8 +104,9 @@ def _value_range(op: str) -> tuple[int, int]:
 class _Step:
     """Builds one step's collectives for this rank (the mix is drawn from the shared seed)."""
 
-    def __init__(self, hvd: Any, step: int, seen: set[str]) -> None:
-        self.hvd, self.step, self.seen = hvd, step, seen
+    def __init__(self, hvd: Any, step: int, seen: set[str], mem: Memory = HOST) -> None:
+        self.hvd, self.step, self.seen, self.mem = hvd, step, seen, mem
+        self.dtypes = list(mem.dtypes)
         self.rank, self.size = hvd.rank(), hvd.size()
         self.rng = np.random.default_rng([SEED, step])  # the same on every rank
         self.ops: list[Op] = []
@@ -107,17 +123,17 @@ class _Step:
     def allreduce(self, blocking: bool = False) -> None:
         hvd, rng, rank, size = self.hvd, self.rng, self.rank, self.size
         name = self._name("allreduce")
-        dtype = str(rng.choice(DTYPES))
-        op = _op_for(rng, dtype)
+        dtype = str(rng.choice(self.dtypes))
+        op = _op_for(rng, dtype, self.mem)
         shape = _shape(rng)
         kind = np.dtype(dtype).kind
         pre, post = SCALES[int(rng.integers(len(SCALES)))] if kind in "iuf" else (1.0, 1.0)
         form = str(rng.choice(["plain", "in_place", "out"]))
         low, high = _value_range(op)
         seed = self._seed(name)
-        x = _input(seed, rank, shape, dtype, low, high)
-        before = x.copy()
-        out = np.empty_like(x) if form == "out" else None
+        before = _input(seed, rank, shape, dtype, low, high)
+        x = self.mem.put(before.copy())
+        out = self.mem.put(np.empty_like(before)) if form == "out" else None
         what = f"step {self.step} {name} {form} {dtype} {op} {shape} pre={pre} post={post}"
         want = _reference(seed, size, shape, dtype, op, low, high, pre, post)
         kwargs = {"name": name, "op": getattr(hvd, op), "prescale_factor": pre,
@@ -130,11 +146,12 @@ class _Step:
             return call(x, out=out, **kwargs)
 
         def check(got: Any) -> None:
-            _exact(got, want, what)
+            _exact(self.mem.get(got), want, what)
             if form == "in_place":
                 assert got is x, f"{what}: the in-place result is not the input"
             else:
-                np.testing.assert_array_equal(x, before, err_msg=f"{what}: input modified")
+                np.testing.assert_array_equal(self.mem.get(x), before,
+                                              err_msg=f"{what}: input modified")
                 if form == "out":
                     assert got is out, f"{what}: the result is not out="
 
@@ -146,13 +163,14 @@ class _Step:
     def grouped(self) -> None:
         hvd, rng, rank, size = self.hvd, self.rng, self.rank, self.size
         name = self._name("grouped")
-        dtype = str(rng.choice(DTYPES))
-        op = _op_for(rng, dtype)
+        dtype = str(rng.choice(self.dtypes))
+        op = _op_for(rng, dtype, self.mem)
         shapes = [_shape(rng, 2) for _ in range(int(rng.integers(2, 5)))]
         in_place = bool(rng.integers(2))
         low, high = _value_range(op)
         seeds = [self._seed(f"{name}.{i}") for i in range(len(shapes))]
-        xs = [_input(s, rank, sh, dtype, low, high) for s, sh in zip(seeds, shapes, strict=True)]
+        xs = [self.mem.put(_input(s, rank, sh, dtype, low, high))
+              for s, sh in zip(seeds, shapes, strict=True)]
         wants = [_reference(s, size, sh, dtype, op, low, high)
                  for s, sh in zip(seeds, shapes, strict=True)]  # fmt: skip
         what = f"step {self.step} {name} in_place={in_place} {dtype} {op} {shapes}"
@@ -164,7 +182,7 @@ class _Step:
         def check(got: Any) -> None:
             assert isinstance(got, list) and len(got) == len(wants), f"{what}: got {got!r}"
             for i, (g, w) in enumerate(zip(got, wants, strict=True)):
-                _exact(g, w, f"{what} part {i}")
+                _exact(self.mem.get(g), w, f"{what} part {i}")
                 if in_place:
                     assert g is xs[i], f"{what} part {i}: the in-place result is not the input"
 
@@ -174,7 +192,7 @@ class _Step:
     def allgather(self) -> None:
         hvd, rng, rank, size = self.hvd, self.rng, self.rank, self.size
         name = self._name("allgather")
-        dtype = str(rng.choice(DTYPES))
+        dtype = str(rng.choice(self.dtypes))
         trailing = _shape(rng, 2)
         rows = [int(n) for n in rng.integers(0, 4, size=size)]
         seed = self._seed(name)
@@ -182,19 +200,20 @@ class _Step:
         want = np.concatenate(inputs)
         what = f"step {self.step} {name} {dtype} rows={rows} trailing={trailing}"
         self.seen.update({"allgather", *(["allgather.zero_rows"] if 0 in rows else [])})
-        self.ops.append(Op(name, lambda: hvd.allgather_async(inputs[rank], name=name),
-                           lambda got: _exact(got, want, what)))
+        mine = self.mem.put(inputs[rank])
+        self.ops.append(Op(name, lambda: hvd.allgather_async(mine, name=name),
+                           lambda got: _exact(self.mem.get(got), want, what)))
 
     def broadcast(self) -> None:
         hvd, rng, rank = self.hvd, self.rng, self.rank
         name = self._name("broadcast")
-        dtype = str(rng.choice(DTYPES))
+        dtype = str(rng.choice(self.dtypes))
         shape = _shape(rng)
         root = int(rng.integers(self.size))
         in_place = bool(rng.integers(2))
         seed = self._seed(name)
-        x = _input(seed, rank, shape, dtype)
-        before = x.copy()
+        before = _input(seed, rank, shape, dtype)
+        x = self.mem.put(before.copy())
         want = _input(seed, root, shape, dtype)
         what = f"step {self.step} {name} in_place={in_place} {dtype} {shape} root={root}"
 
@@ -203,11 +222,12 @@ class _Step:
             return call(x, root, name=name)
 
         def check(got: Any) -> None:
-            _exact(got, want, what)
+            _exact(self.mem.get(got), want, what)
             if in_place:
                 assert got is x, f"{what}: the in-place result is not the input"
             else:
-                np.testing.assert_array_equal(x, before, err_msg=f"{what}: input modified")
+                np.testing.assert_array_equal(self.mem.get(x), before,
+                                              err_msg=f"{what}: input modified")
 
         self.seen.update({f"broadcast.root.{root}", f"broadcast.in_place.{in_place}"})
         self.ops.append(Op(name, submit, check))
@@ -215,7 +235,7 @@ class _Step:
     def alltoall(self) -> None:
         hvd, rng, rank, size = self.hvd, self.rng, self.rank, self.size
         name = self._name("alltoall")
-        dtype = str(rng.choice(DTYPES))
+        dtype = str(rng.choice(self.dtypes))
         trailing = _shape(rng, 2)
         default = bool(rng.integers(4) == 0)
         if default:
@@ -232,15 +252,16 @@ class _Step:
         want = np.concatenate(parts)
         what = f"step {self.step} {name} {dtype} splits={splits} trailing={trailing}"
         mine = None if default else splits[rank]
+        x = self.mem.put(inputs[rank])
         self.seen.add(f"alltoall.default_splits.{default}")
-        self.ops.append(Op(name, lambda: hvd.alltoall_async(inputs[rank], mine, name=name),
-                           lambda got: _exact(got, want, what)))
+        self.ops.append(Op(name, lambda: hvd.alltoall_async(x, mine, name=name),
+                           lambda got: _exact(self.mem.get(got), want, what)))
 
     def reducescatter(self) -> None:
         hvd, rng, rank, size = self.hvd, self.rng, self.rank, self.size
         name = self._name("reducescatter")
-        dtype = str(rng.choice(DTYPES))
-        op = _op_for(rng, dtype)
+        dtype = str(rng.choice(self.dtypes))
+        op = _op_for(rng, dtype, self.mem)
         shape = (int(rng.integers(size, 3 * size + 2)), *_shape(rng, 2))
         low, high = _value_range(op)
         seed = self._seed(name)
@@ -249,11 +270,11 @@ class _Step:
         rows = [base + (1 if r < extra else 0) for r in range(size)]
         start = sum(rows[:rank])
         want = full[start : start + rows[rank]]
-        x = _input(seed, rank, shape, dtype, low, high)
+        x = self.mem.put(_input(seed, rank, shape, dtype, low, high))
         what = f"step {self.step} {name} {dtype} {op} {shape}"
         self.seen.update({f"reducescatter.op.{op}", f"reducescatter.uneven.{bool(extra)}"})
         self.ops.append(Op(name, lambda: hvd.reducescatter_async(x, name=name, op=getattr(hvd, op)),
-                           lambda got: _exact(got, want, what)))
+                           lambda got: _exact(self.mem.get(got), want, what)))
 
     def barrier(self) -> None:
         name = self._name("barrier")
@@ -276,13 +297,13 @@ class _Step:
         return self.ops
 
 
-def _required(size: int) -> set[str]:
+def _required(size: int, mem: Memory) -> set[str]:
     """What the soak must have covered by its end (the draws are seeded: no flakiness)."""
     flags = ("True", "False")
     return {
         *(f"allreduce.op.{op}" for op in OPS),
         *(f"allreduce.form.{form}" for form in ("plain", "in_place", "out")),
-        *(f"allreduce.dtype.{dtype}" for dtype in DTYPES),
+        *(f"allreduce.dtype.{dtype}" for dtype in mem.dtypes),
         *(f"allreduce.{what}.{flag}" for what in ("blocking", "scaled") for flag in flags),
         *(f"grouped.op.{op}" for op in OPS),
         *(f"grouped.in_place.{flag}" for flag in flags),
@@ -314,13 +335,18 @@ def _wait(hvd: Any, handle: Any, how: int) -> Any:
 def test_random_order_soak(hvd: Any) -> None:
     """Every collective, per-rank submission and wait orders, results exact, for STEPS[size]
     steps; the total count and time are printed (run with -s to see them)."""
+    run_soak(hvd, STEPS.get(hvd.size(), 40), HOST)
+
+
+def run_soak(hvd: Any, steps: int, mem: Memory, first_step: int = 0) -> int:
+    """``steps`` soak steps from ``first_step`` in ``mem``; returns the collectives run.
+    Checks every result, and (when ``first_step`` is 0) that every form was covered."""
     rank, size = hvd.rank(), hvd.size()
-    steps = STEPS.get(size, 40)
     start = time.monotonic()
     total = 0
     seen: set[str] = set()
-    for step in range(steps):
-        ops = _Step(hvd, step, seen).build()
+    for step in range(first_step, first_step + steps):
+        ops = _Step(hvd, step, seen, mem).build()
         mine = np.random.default_rng([SEED, rank, step])
         submit_order = mine.permutation(len(ops)).tolist()
         wait_order = mine.permutation(len(ops)).tolist()
@@ -335,10 +361,12 @@ def test_random_order_soak(hvd: Any) -> None:
             ops[i].check(_wait(hvd, handles[i], (n + rank + step) % 4))
         total += len(ops)
     wall = time.monotonic() - start
-    missing = _required(size) - seen
-    assert not missing, f"the soak never ran: {sorted(missing)}"
+    if first_step == 0:
+        missing = _required(size, mem) - seen
+        assert not missing, f"the soak never ran: {sorted(missing)}"
     counts = allgather_ints(total, "comparing soak collective counts")
     assert len(set(counts)) == 1, f"ranks ran different numbers of collectives: {counts}"
     if rank == 0:
         print(f"\nsoak: {size} rank(s), {steps} steps, {total} collectives per rank, "
               f"{wall:.1f} s ({1e3 * wall / steps:.1f} ms/step)")
+    return total
