@@ -6,7 +6,7 @@ pass over the bytes. Each block owns a contiguous slice of the fused buffer, fin
 tensor once by binary search and walks forward, so loads and stores stay coalesced.
 
 Scaling is fused in: copy-in multiplies by the prescale factor; copy-out divides by the
-contributor count (Average; floor division for integers) and multiplies by the postscale
+contributor count (Average; integers truncated toward zero) and multiplies by the postscale
 factor, with the same rules as the host path (integers scale in double, truncated).
 """
 
@@ -39,13 +39,10 @@ template <> __device__ __forceinline__ __half scale_in<__half>(__half x, double 
 }
 
 template <typename T> __device__ __forceinline__ T finish(T x, long long d, double f, bool sgn) {
-    if (d > 1 && sgn) {  // signed integer Average: floor division, as numpy.floor_divide
-        long long v = (long long)x, q = v / d;
-        if (v % d != 0 && v < 0) q -= 1;
-        x = (T)q;
-    } else if (d > 1) {
-        x = (T)(x / (T)d);
-    }
+    // Average: C's integer division truncates toward zero, the contract's rule for integers
+    // (finish_reduce on the host); ``sgn`` is kept for the signature of the wire types.
+    (void)sgn;
+    if (d > 1) x = (T)(x / (T)d);
     return f == 1.0 ? x : (T)((double)x * f);
 }
 template <>

@@ -165,6 +165,11 @@ def _array(t: torch.Tensor, what: str) -> Any:
     return array_of(check_tensor(t, what), what)
 
 
+def _named(what: str, name: str | None) -> str:
+    """How errors name the call: "allreduce of tensor 'grad.w'" when it has a name."""
+    return what if name is None else f"{what} of tensor {name!r}"
+
+
 def _fast(tensors: list[Any], op: ReduceOp, pre: Any, post: Any, group: bool, what: str,
           process_set: Any) -> tuple[Plan, Any, int] | None:
     """(plan, the core's array or list of arrays, CUDA ordinal or -1), or None when the
@@ -277,7 +282,7 @@ def allreduce_async(tensors: list[Any], name: str | None, op: ReduceOp, pre: Any
     matches on the array object) and torch's current stream for CUDA tensors; a tensor's new
     result is one of a few output tensors kept per input and handed out again once nothing
     refers to them (:class:`Outputs`), as the core recycles its own."""
-    fast = _fast(tensors, op, pre, post, group, what, process_set)
+    fast = _fast(tensors, op, pre, post, group, _named(what, name), process_set)
     if fast is None:
         return _general(tensors, name, op, pre, post, inplace, group, what, process_set)
     plan, arrays, device = fast
@@ -311,7 +316,7 @@ def allreduce_now(tensors: list[Any], name: str | None, op: ReduceOp, pre: Any, 
     blocking form, whose caller runs the negotiation itself (no thread hand-off); with
     asynchronous completion torch's current stream is made CuPy's for the call, so the stream
     the core orders after the collective is torch's."""
-    fast = _fast(tensors, op, pre, post, group, what, process_set)
+    fast = _fast(tensors, op, pre, post, group, _named(what, name), process_set)
     if fast is None or (group and fast[2] >= 0 and not inplace):
         return allreduce_async(tensors, name, op, pre, post, inplace, group, what,
                                process_set).wait()
