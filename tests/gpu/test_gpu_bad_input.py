@@ -139,3 +139,16 @@ def test_stream_of_another_device(hvd: Any) -> None:
     x = cupy.ones(4, cupy.float32)
     _raises(hvd, "stream", lambda: hvd.allreduce(x, name="bad.stream", stream=stream),
             ValueError, "'bad.stream'", f"stream of device {other}", "tensor's device")
+
+
+@pytest.mark.skipif(not TWO_DEVICES, reason="needs a second GPU visible to the rank")
+def test_tensor_on_another_device_than_the_ranks(hvd: Any) -> None:
+    """A tensor on another GPU than the rank's: the collective runs on the tensor's device
+    (every rank passing the same device), its result on that device."""
+    other = (cupy.cuda.Device().id + 1) % cupy.cuda.runtime.getDeviceCount()
+    with cupy.cuda.Device(other):
+        x = cupy.full(5, float(hvd.rank() + 1), cupy.float32)
+    got = hvd.allreduce(x, name="other.device", op=hvd.Sum)
+    assert got.data.device_id == other
+    assert float(got.min()) == float(sum(range(1, hvd.size() + 1))) == float(got.max())
+    _next_collective_works(hvd, "other.device")
