@@ -47,7 +47,7 @@ from hvdlite._collectives import (
     synchronize,
 )
 from hvdlite._handles import Handle
-from hvdlite._ops import Average, Max, Min, Product, ReduceOp, Sum
+from hvdlite._ops import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from hvdlite._sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from hvdlite.errors import (
     BackendUnavailableError,
@@ -73,6 +73,7 @@ __all__ = [
     "NotInitializedError",
     "ProcessSet",
     "Product",
+    "Adasum",
     "ReduceOp",
     "ShutdownError",
     "StallError",

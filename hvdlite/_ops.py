@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ReduceOp", "Sum", "Average", "Min", "Max", "Product", "DType", "DTYPES", "lookup_dtype"]
+__all__ = ["ReduceOp", "Sum", "Average", "Min", "Max", "Product", "Adasum", "DType", "DTYPES",
+           "lookup_dtype"]
 
 
 class ReduceOp(enum.IntEnum):
@@ -30,6 +31,9 @@ class ReduceOp(enum.IntEnum):
     MIN = 2
     MAX = 3
     PRODUCT = 4
+    #: Adaptive summation (float16/32/64 allreduce over a power-of-two number of ranks; see
+    #: ``hvdlite/_adasum.py``): parallel gradients average, orthogonal ones add.
+    ADASUM = 5
 
 
 Average = ReduceOp.AVERAGE
@@ -37,8 +41,10 @@ Sum = ReduceOp.SUM
 Min = ReduceOp.MIN
 Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
+Adasum = ReduceOp.ADASUM
 
-_ALL_OPS = frozenset(ReduceOp)
+_ALL_OPS = frozenset(ReduceOp) - {ReduceOp.ADASUM}
+_FLOAT_OPS = frozenset(ReduceOp)  # Adasum: floating point only
 _NO_ORDER = frozenset({ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.PRODUCT})
 _LOGICAL = frozenset({ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT})
 
@@ -55,7 +61,7 @@ class DType:
 
     def identity(self, op: ReduceOp) -> object:
         """The value a rank that has joined contributes, so it changes no result."""
-        if op in (ReduceOp.SUM, ReduceOp.AVERAGE):
+        if op in (ReduceOp.SUM, ReduceOp.AVERAGE, ReduceOp.ADASUM):  # Adasum(a, 0) = a
             return self.np_dtype.type(0)
         if op is ReduceOp.PRODUCT:
             return self.np_dtype.type(1)
@@ -68,7 +74,7 @@ class DType:
 
 
 def _row(name: str, kind: str, nccl: str | None) -> DType:
-    ops = {"bool": _LOGICAL, "complex": _NO_ORDER}.get(kind, _ALL_OPS)
+    ops = {"bool": _LOGICAL, "complex": _NO_ORDER, "float": _FLOAT_OPS}.get(kind, _ALL_OPS)
     return DType(name, np.dtype(name), kind, ops, nccl)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from hvdlite._adasum import check_size
 from hvdlite._control.channel import Channel
 from hvdlite._control.negotiation import SPECS, Kind, Request
 from hvdlite._control.replay import Lane, Results, span_of
@@ -108,6 +109,8 @@ def _submit(
     channel = (
         engine.global_channel if process_set is None else engine.channel_for(set_id_of(process_set))
     )
+    if op is ReduceOp.ADASUM:
+        check_size(channel.size, kind.name.lower() if name is None else _what(kind, name))
     if not tensors:  # barrier, join: nothing to move, only an agreement
         _check_name(name)
         base = name if name is not None else engine.auto_name(kind.name.lower(), channel.id)
@@ -337,6 +340,8 @@ def _check_reduction(
     reduces = SPECS[kind].reduces
     if reduces:
         opv = int(check_op(row, op, what))
+        if opv == ReduceOp.ADASUM and kind is not Kind.ALLREDUCE:
+            raise TypeError(f"{what}: op Adasum is an allreduce op; use Sum or Average here")
         prescale = _check_factor(prescale, "prescale_factor", row, what)
         postscale = _check_factor(postscale, "postscale_factor", row, what)
     if is_cuda:

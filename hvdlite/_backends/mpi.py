@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from hvdlite._adasum import adasum
 from hvdlite._control.failures import FailureChannel
 from hvdlite._control.fusion import FusionBuffers
 from hvdlite._control.negotiation import Kind, Response, is_unit
@@ -51,6 +52,7 @@ _HALF_REDUCES = (MPI.FLOAT16_T != MPI.DATATYPE_NULL
 
 
 _OPS = {
+    ReduceOp.ADASUM: MPI.SUM,  # (never used as such: Adasum runs hvdlite/_adasum.py)
     ReduceOp.SUM: MPI.SUM,
     ReduceOp.AVERAGE: MPI.SUM,
     ReduceOp.MIN: MPI.MIN,
@@ -76,6 +78,8 @@ def _rows_split(total: int, parts: int) -> list[int]:
 
 
 _Spec = tuple[DType, ReduceOp, MPI.Datatype, np.dtype, MPI.Op, bool]
+_MPI_FLOAT = {2: MPI.UINT16_T, 4: MPI.FLOAT, 8: MPI.DOUBLE}  # Adasum moves raw halves
+_ADASUM_TAG = 7_200  # + level: the set's data communicator carries no other tagged traffic
 _NO_NAMES: list[str] = []
 _SPECS: dict[tuple[str, int], _Spec] = {}
 
@@ -85,7 +89,8 @@ def _spec(dtype: str, opv: int) -> _Spec:
     row = DTYPES[dtype]
     op = ReduceOp(opv)
     mtype, wire = mpi_datatype(row)
-    spec = _SPECS[(dtype, opv)] = (row, op, mtype, wire, mpi_op(row, op), wire == row.np_dtype)
+    native = wire == row.np_dtype and op is not ReduceOp.ADASUM  # (Adasum: _reduce only)
+    spec = _SPECS[(dtype, opv)] = (row, op, mtype, wire, mpi_op(row, op), native)
     return spec
 
 
@@ -236,8 +241,12 @@ class MPIBackend:
                 if copy_in:
                     np.concatenate([a.reshape(-1) for a in srcs], out=region, casting="unsafe")
                 scale_into(np, region, region, head.prescale)
-        with self.tracer.phase(names, "MPI_ALLREDUCE", {"bytes": region.nbytes}):
-            self.wait(self.comm.Iallreduce(MPI.IN_PLACE, [region, mtype], op=mop))
+        if op is ReduceOp.ADASUM:
+            with self.tracer.phase(names, "MPI_ADASUM_ALLREDUCE", {"bytes": region.nbytes}):
+                self._adasum(region, counts)
+        else:
+            with self.tracer.phase(names, "MPI_ALLREDUCE", {"bytes": region.nbytes}):
+                self.wait(self.comm.Iallreduce(MPI.IN_PLACE, [region, mtype], op=mop))
         if region is span and op is not ReduceOp.AVERAGE and head.postscale == 1.0:
             return  # the results are in place: nothing to scale, nothing to copy out
         with self.tracer.phase(names, "MEMCPY_OUT_FUSION_BUFFER"):
@@ -248,6 +257,30 @@ class MPIBackend:
                 for dst, n in zip(dsts, counts, strict=True):
                     np.copyto(dst.reshape(-1), region[offset:offset + n], casting="unsafe")
                     offset += n
+
+    def _adasum(self, region: np.ndarray, counts: Sequence[int]) -> None:
+        """Adasum of ``region`` across the set (``hvdlite/_adasum.py``): point-to-point
+        halves with the partner of each level, per-tensor dot products summed per block."""
+        rank, size = self.rank, self.size
+        dtype = _MPI_FLOAT[region.dtype.itemsize]
+
+        def exchange(send: np.ndarray, recv: np.ndarray, partner: int, level: int,
+                     halving: bool) -> None:
+            rreq = self.comm.Irecv([recv, dtype], source=partner, tag=_ADASUM_TAG + level)
+            sreq = self.comm.Isend([send, dtype], dest=partner, tag=_ADASUM_TAG + level)
+            self.wait(rreq)
+            self.wait(sreq)
+
+        def block_sum(partials: np.ndarray, level: int) -> np.ndarray:
+            # Every rank's partials in its block's slot, one allreduce over the set: no
+            # communicator per level to create (and free) collectively.
+            block = rank >> (level + 1)
+            slots = np.zeros((size >> (level + 1), *partials.shape), dtype=np.float64)
+            slots[block] = partials
+            self.wait(self.comm.Iallreduce(MPI.IN_PLACE, [slots, MPI.DOUBLE], op=MPI.SUM))
+            return slots[block]
+
+        adasum(np, region, counts, rank, size, exchange, block_sum)
 
     # -- the other collectives (never fused) --------------------------------------------
     def _allgather(self, bucket: list[Response], entries: list[Entry | None]) -> Any:

@@ -157,7 +157,7 @@ class NcclBackend:
         the stream is synchronised before anything else can use the plan). False if it is
         not a single-dtype unit with a span."""
         if span is None or type(resp.dtype) is not str or resp.joined or \
-                self.runtime.async_completion:
+                self.runtime.async_completion or resp.op == ReduceOp.ADASUM:
             return False
         ctx = self.runtime.context(device_id)
         comm = self._comms.get(device_id) or self.communicator(device_id, nbytes(resp))
@@ -168,7 +168,8 @@ class NcclBackend:
     def _direct_op(self, resp: Response) -> tuple[int, int, int] | None:
         """(NCCL dtype, elements per value, NCCL op) when ``resp`` is one NCCL call and
         nothing else (an unscaled allreduce whose op NCCL computes itself), else None."""
-        if resp.kind is not Kind.ALLREDUCE or resp.prescale != 1.0 or resp.postscale != 1.0:
+        if (resp.kind is not Kind.ALLREDUCE or resp.prescale != 1.0 or resp.postscale != 1.0
+                or resp.op == ReduceOp.ADASUM):
             return None
         key = (resp.dtype, resp.op, bool(resp.joined))
         hit = self._directs.get(key, False)
@@ -257,6 +258,8 @@ class NcclBackend:
     def _allreduce(self, ctx: DeviceContext, comm: Any, bucket: list[Response],
                    entries: list[Entry | None]) -> list[Any]:
         head = bucket[0]
+        if head.op == ReduceOp.ADASUM:
+            return self._adasum(ctx, comm, bucket, entries)
         phase = self._phases(ctx, bucket)
         if is_unit(head):
             entry = entries[0]
@@ -280,6 +283,81 @@ class NcclBackend:
         owner = head if len(bucket) == 1 else bucket
         self.fused.run(ctx, comm, owner, 0, red, srcs, dsts, None, phase)
         return [None if e is None else e.output for e in entries]
+
+    def _adasum(self, ctx: DeviceContext, comm: Any, bucket: list[Response],
+                entries: list[Entry | None]) -> list[Any]:
+        """Adasum of the bucket (``hvdlite/_adasum.py``) on hvdlite's stream: members packed
+        into one buffer, halves exchanged with each level's partner, per-tensor dot products
+        summed per block by one float64 allreduce; nothing waits for the device."""
+        from hvdlite._adasum import adasum
+
+        cupy, head = self.cupy, bucket[0]
+        row = DTYPES[head.dtype]
+        members: list[tuple[Any, Any]] = []  # (source, destination) per tensor
+        if is_unit(head):
+            entry = entries[0]
+            for _, srcs, dsts, _ in unit_groups(head, entry, cupy):
+                members.extend(zip(srcs, dsts, strict=True))
+        else:
+            for resp, e in zip(bucket, entries, strict=True):
+                zero = None if e is not None else cupy.zeros(resp.shape, row.np_dtype)
+                members.append((zero, zero) if e is None else (e.array, e.output))
+        counts = [int(src.size) for src, _ in members]
+        buf = cupy.concatenate([src.reshape(-1) for src, _ in members]) if members else (
+            cupy.empty(0, row.np_dtype))
+        if head.prescale != 1.0:
+            buf *= head.prescale
+        stream = ctx.stream.ptr
+        dtype, _ = self._wire(row)
+        f64 = self.nccl.NCCL_FLOAT64
+        exchange = self._exchanger(comm, dtype, buf.dtype.itemsize, buf.size, stream)
+
+        def block_sum(partials: Any, level: int) -> Any:
+            block = self.rank >> (level + 1)
+            slots = cupy.zeros((self.size >> (level + 1), *partials.shape), dtype=np.float64)
+            slots[block] = partials
+            comm.allReduce(slots.data.ptr, slots.data.ptr, slots.size, f64,
+                           self.nccl.NCCL_SUM, stream)
+            return slots[block]
+
+        names = [r.name for r in bucket]
+        with self._phase(ctx, names, f"{transport_name(comm)}_ADASUM_ALLREDUCE",
+                         {"bytes": buf.nbytes}) if self.tracer.on else contextlib.nullcontext():
+            adasum(cupy, buf, counts, self.rank, self.size, exchange, block_sum)
+        if head.postscale != 1.0:
+            buf *= head.postscale
+        offset = 0
+        for (_, dst), n in zip(members, counts, strict=True):
+            dst.reshape(-1)[...] = buf[offset:offset + n]
+            offset += n
+        if is_unit(head):
+            return [None if entries[0] is None else entries[0].outputs]
+        return [None if e is None else e.output for e in entries]
+
+    def _exchanger(self, comm: Any, dtype: int, itemsize: int, n: int,
+                   stream: int) -> Callable[[Any, Any, int, int, bool], None]:
+        """Adasum's pairwise exchange on ``comm``: NCCL send/recv in one group, or (IPC) an
+        all-to-all in which only the pairs move data, its splits known to every rank."""
+        if transport_name(comm) != "IPC":
+            def nccl_exchange(send: Any, recv: Any, partner: int, level: int,
+                              halving: bool) -> None:
+                self.nccl.groupStart()
+                comm.send(send.data.ptr, send.size, dtype, partner, stream)
+                comm.recv(recv.data.ptr, recv.size, dtype, partner, stream)
+                self.nccl.groupEnd()
+            return nccl_exchange
+        from hvdlite._adasum import schedule
+
+        plans = [schedule(n, self.size, r) for r in range(self.size)]
+
+        def ipc_exchange(send: Any, recv: Any, partner: int, level: int, halving: bool) -> None:
+            splits = np.zeros((self.size, self.size), dtype=np.int64)
+            for r, steps in enumerate(plans):
+                _, peer, keep, give, _ = steps[level]
+                lo, hi = give if halving else keep
+                splits[r, peer] = hi - lo
+            comm.allToAllv(send.data.ptr, recv.data.ptr, splits, itemsize, stream)
+        return ipc_exchange
 
     def _phases(self, ctx: DeviceContext, bucket: list[Response]) -> Phase | None:
         if not self.tracer.on:

@@ -7,7 +7,6 @@ no Gloo, oneCCL, DDL or ROCm support.
 
 from __future__ import annotations
 
-import enum
 import importlib.util
 import os
 import warnings
@@ -52,13 +51,9 @@ Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
 
 
-class _Adasum(enum.IntEnum):
-    ADASUM = 100
-
-
-#: Horovod's Adasum op. Accepted as a value; every collective refuses it with
-#: ``NotImplementedError``.
-Adasum = _Adasum.ADASUM
+#: Horovod's Adasum op (adaptive summation: ``hvdlite/_adasum.py``); float tensors, a
+#: power-of-two number of ranks.
+Adasum = ReduceOp.ADASUM
 
 _homogeneous: dict[str, bool] = {}
 
@@ -66,7 +61,7 @@ _homogeneous: dict[str, bool] = {}
 def resolve_op(op: Any, average: Any, what: str) -> ReduceOp:
     """Horovod's op rules: ``op`` wins; the deprecated ``average`` (True -> Average, False ->
     Sum) is accepted alone; neither -> Average. ``ValueError`` if both are given, ``TypeError``
-    for an unknown op, ``NotImplementedError`` for Adasum."""
+    for an unknown op."""
     if op is not None and average is not None:
         raise ValueError(f"{what}: the op parameter supersedes average; pass only one of them")
     if average is not None:
@@ -75,12 +70,8 @@ def resolve_op(op: Any, average: Any, what: str) -> ReduceOp:
         return Average if average else Sum
     if op is None:
         return Average
-    if op is Adasum or (isinstance(op, _Adasum)):
-        raise NotImplementedError(
-            f"{what}: op=Adasum is not supported by hvdlite; use op=hvd.Average (the usual "
-            "data-parallel gradient average) or op=hvd.Sum with a scaled learning rate")
     if not isinstance(op, ReduceOp):
-        raise TypeError(f"{what}: op must be one of hvd.Average, Sum, Min, Max, Product; "
+        raise TypeError(f"{what}: op must be one of hvd.Average, Sum, Min, Max, Product, Adasum; "
                         f"got {op!r}")
     return op
 

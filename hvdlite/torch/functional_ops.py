@@ -67,7 +67,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
     Horovod's deprecated flag. ``compression`` compresses before and restores after the
     reduction. The input's scaled by ``prescale_factor`` before and the result by
     ``postscale_factor`` after. ``TypeError``/``ValueError`` for bad arguments,
-    ``NotImplementedError`` for Adasum, ``HorovodInternalError`` if the collective fails.
+    ``HorovodInternalError`` if the collective fails.
     """
     if op is None and average is None:
         op = Average

@@ -19,7 +19,7 @@ import hvdlite
 from hvdlite import _sets
 from hvdlite.torch import _reduce, mpi_ops
 from hvdlite.torch._buckets import Bucket, auto_buckets
-from hvdlite.torch.basics import Average, InvalidArgumentError, resolve_op
+from hvdlite.torch.basics import Adasum, Average, InvalidArgumentError, resolve_op, size
 from hvdlite.torch.compression import Compression, Compressor
 from hvdlite.torch.functions import broadcast_object
 from hvdlite.torch.process_sets import global_process_set, resolve
@@ -379,8 +379,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     Returns an instance of a subclass of ``optimizer``'s class sharing its param groups.
     ``named_parameters``: ``model.named_parameters()`` (names key the allreduces; default
     positional names). ``compression``: ``Compression.none``/``fp16``/``bf16``.
-    ``backward_passes_per_step``: local accumulation steps per allreduce. ``op``: Average or
-    Sum. ``gradient_predivide_factor``: divide before the sum and multiply after (Average
+    ``backward_passes_per_step``: local accumulation steps per allreduce. ``op``: Average, Sum
+    or Adasum. ``gradient_predivide_factor``: divide before the sum and multiply after (Average
     only). ``groups``: an int (that many fused groups) or a list of lists of parameters
     reduced together; ``num_groups`` is its deprecated name. ``sparse_as_dense``: densify
     sparse gradients instead of gathering them. ``process_set``: a registered set whose
@@ -396,7 +396,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     (the gradients stay views, never None), a ``.grad`` you replace or set to None is copied
     back into (or zeroed in) its view when its bucket is reduced, and ``p.grad.detach_()``
     raises (a view). Needs ``Compression.none``; otherwise it is ignored.
-    ``ValueError``/``TypeError`` for bad arguments; ``NotImplementedError`` for Adasum.
+    ``op=Adasum`` (more than one rank): Horovod's delta optimizer (each parameter's update,
+    not its gradient, is combined with Adasum; see ``docs/horovod.md``); global set only
+    (``NotImplementedError`` otherwise, as in Horovod). ``ValueError``/``TypeError`` for bad
+    arguments.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"DistributedOptimizer expects a torch.optim.Optimizer, got "
@@ -442,6 +445,16 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                                        "hvd.add_process_set first")
         if process_set.included():
             resolve(process_set, "DistributedOptimizer")  # still registered (not stale)?
+    if op is Adasum and size() > 1:
+        if process_set is not global_process_set:
+            raise NotImplementedError("DistributedOptimizer: op=Adasum reduces over the "
+                                      "global process set only (as in Horovod)")
+        from hvdlite.torch._adasum_optimizer import _DistributedAdasumOptimizer
+
+        adasum_cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+                          dict(_DistributedAdasumOptimizer.__dict__))
+        return adasum_cls(optimizer.param_groups, named_parameters, compression,
+                          backward_passes_per_step)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
                dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression,

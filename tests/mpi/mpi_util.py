@@ -13,6 +13,7 @@ import sys
 import time
 import zlib
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -168,3 +169,26 @@ def bcast_text(text: str | None, what: str, limit: int = 1024) -> str:
         buf[: len(data)] = data
     wait_or_abort(comm.Ibcast(buf, root=0), what)
     return bytes(buf).rstrip(b"\0").decode()
+
+
+def reference_adasum(inputs: Sequence[np.ndarray]) -> np.ndarray:
+    """Adasum of one tensor over ranks (``inputs`` in rank order, a power of two of them): the
+    binary tree of Horovod's pairwise rule, ranks [0, n/2) against [n/2, n), in float64."""
+    if len(inputs) == 1:
+        return np.asarray(inputs[0], dtype=np.float64)
+    half = len(inputs) // 2
+    a = reference_adasum(inputs[:half]).ravel()
+    b = reference_adasum(inputs[half:]).ravel()
+    dot, asq, bsq = float(a @ b), float(a @ a), float(b @ b)
+    tiny = float(np.sqrt(np.finfo(np.float64).tiny))
+    ac = 1.0 - dot / asq * 0.5 if asq >= tiny else 1.0
+    bc = 1.0 - dot / bsq * 0.5 if bsq >= tiny else 1.0
+    return (ac * a + bc * b).reshape(np.shape(inputs[0]))
+
+
+def adasum_close(got: np.ndarray, want: np.ndarray, dtype: Any, what: str) -> None:
+    """Horovod's Adasum tolerance: relative norm of the difference within 100 epsilons."""
+    got64, want64 = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    norm = float(np.linalg.norm(want64)) or 1.0
+    ratio = float(np.linalg.norm(got64 - want64)) / norm
+    assert ratio < 100 * float(np.finfo(dtype).eps), f"{what}: off by {ratio:.3g} (relative)"

@@ -108,11 +108,11 @@ def test_allreduce_forms(hvd: Any) -> None:
 
 def test_argument_errors(hvd: Any) -> None:
     t = torch.ones(3)
-    with pytest.raises(NotImplementedError, match="Average"):
-        hvd.allreduce(t, op=hvd.Adasum)
-    with pytest.raises(NotImplementedError):
+    with pytest.raises(TypeError, match="Adasum"):
+        hvd.allreduce(torch.ones(3, dtype=torch.int32), op=hvd.Adasum)
+    with pytest.raises(ValueError, match="gradient_predivide_factor"):
         hvd.DistributedOptimizer(torch.optim.SGD([torch.nn.Parameter(t)], lr=0.1),
-                                 op=hvd.Adasum)
+                                 op=hvd.Adasum, gradient_predivide_factor=2.0)
     with pytest.raises(ValueError, match="supersedes"):
         hvd.allreduce(t, average=True, op=hvd.Sum)
     with pytest.raises(TypeError):
