@@ -10,16 +10,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
-    "Instant", "Pairing", "Span", "Trace", "TraceError", "attribute", "clock_refs", "comm_phase",
-    "compute_phase", "intersect_length", "load", "merge_continued", "nesting_errors", "pair",
-    "percentile", "track_names", "union_length",
+    "OP_SPANS", "Instant", "Pairing", "Span", "Trace", "TraceError", "attribute", "clock_refs",
+    "comm_phase", "compute_phase", "intersect_length", "load", "merge_continued",
+    "nesting_errors", "pair", "percentile", "track_names", "union_length",
 ]
 
 _SPAN_PHASES = frozenset("BEX")
 _TIMED_PHASES = frozenset("BEXiIn")
 _COMM_RE = re.compile(
-    r"(?!NEGOTIATE_)[A-Z][A-Z0-9]*_(ALLREDUCE|ALLGATHER|BROADCAST|ALLTOALL|REDUCESCATTER|"
-    r"REDUCE_SCATTER|BARRIER|JOIN)")
+    r"(?!NEGOTIATE_)[A-Z][A-Z0-9]*_(ALLREDUCE|ALLGATHER|BROADCAST|BCAST|ALLTOALL|"
+    r"REDUCESCATTER|REDUCE_SCATTER|BARRIER|JOIN)")
+# Horovod's top-level span of an op (the response type), around the op's activities.
+OP_SPANS = frozenset(
+    {"ALLREDUCE", "ALLGATHER", "BROADCAST", "ALLTOALL", "REDUCESCATTER", "ADASUM", "ERROR"})
 
 
 class TraceError(ValueError):

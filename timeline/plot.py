@@ -4,8 +4,9 @@
 
 Needs matplotlib (``pip install 'hvdlite[plot]'``). The busiest window is the W-long interval,
 starting at some span's start, that holds the most time of working spans (every phase except
-NEGOTIATE_*, QUEUE and WAIT_FOR_DATA); W defaults to a tenth of the trace, at least 1 ms. The
-chart shows every span in that window on the N tracks with the most time in it.
+NEGOTIATE_*, QUEUE, WAIT_FOR_DATA and the top-level op spans); W defaults to a tenth of the
+trace, at least 1 ms. The chart shows every span in that window on the N tracks with the
+most time in it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from timeline._trace import Span, TraceError, load, merge_continued, pair
+from timeline._trace import OP_SPANS, Span, TraceError, load, merge_continued, pair
 
 __all__ = ["busiest_window", "main", "plot"]
 
@@ -26,8 +27,10 @@ _MAX_PHASES_IN_HISTOGRAM = 8
 
 
 def waiting_phase(name: str) -> bool:
-    """Phases that wait rather than work: they do not make a window busy."""
-    return name.startswith("NEGOTIATE") or name in ("QUEUE", "WAIT_FOR_DATA")
+    """Phases that wait rather than work (and an op's top-level span, which holds its
+    waiting and its work): they do not make a window busy."""
+    return (name.startswith("NEGOTIATE") or name in ("QUEUE", "WAIT_FOR_DATA")
+            or name in OP_SPANS)
 
 
 def busiest_window(spans: list[Span], width_us: float) -> tuple[float, float]:

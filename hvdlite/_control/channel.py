@@ -115,6 +115,9 @@ class Channel:
                 if isinstance(exc, BackendUnavailableError):
                     continue  # decided alike on every rank (collectively): the rest goes on
                 raise
+            finally:
+                if self.tracer.timeline is not None:  # the op's top-level span ends
+                    self.tracer.executed([r.name for r in bucket], bucket[0])
 
     def plan(self, responses: list[Response],
              threshold: int) -> list[tuple[list[Response], int]]:

@@ -216,6 +216,8 @@ class Driver:
         stopping, expecting = eng._stop_requested, eng._expecting_stall > 0
         channels = eng._channels
         tracer = eng.tracer
+        if tracer.timeline is not None:
+            tracer.cycle()  # Horovod's CYCLE_START: one per cycle, at its start
         for channel in list(channels.values()):  # a set added now runs from the next cycle
             if channel.id not in channels:
                 continue  # removed earlier in this cycle (the same on every member)
@@ -227,7 +229,6 @@ class Driver:
                 tracer.stats.record_negotiation(time.perf_counter() - t0)
             if tracer.timeline is not None:
                 tracer.negotiated(cycle.responses, channel.entries)
-                tracer.cycle()
             if cycle.responses:
                 channel.execute(cycle.responses, eng._lock)
             if cycle.stop is not None:

@@ -218,8 +218,15 @@ class Timeline:
         """A whole span known after the fact, e.g. timed by a CUDA event pair."""
         self._put(("X", tensor, phase, start_us, args, dur_us))
 
+    def handoff(self, items: Sequence[tuple[str, str, str | None]],
+                ts_us: float | None = None) -> None:
+        """Negotiated tensors at one timestamp (one queue slot for a whole cycle): per
+        ``(tensor, negotiate_phase, op_phase)`` the negotiation span ends, the op's top-level
+        span (unless ``None``) and ``QUEUE`` inside it begin."""
+        self._put(("N", items, "", self.now_us() if ts_us is None else ts_us, None, 0.0))
+
     def mark_cycle(self, ts_us: float | None = None) -> None:
-        """A CYCLE_START mark on the process track; no-op unless ``mark_cycles``."""
+        """A global CYCLE_START mark (Horovod's); no-op unless ``mark_cycles``."""
         if self.mark_cycles:
             self._put(("C", None, "CYCLE_START", self.now_us() if ts_us is None else ts_us,
                        None, 0.0))
@@ -334,19 +341,23 @@ class Timeline:
         """Queue the record(s) of one item. A bucket's item (``BA``/``EA``) shares its name,
         timestamp and args among its tensors: those parts are encoded once."""
         kind, tensor, name, ts, args, dur = item
+        if kind == "N":
+            stamp = f"{ts:.3f}"
+            queue = self._head("QUEUE", "B") + stamp
+            for one, neg, top in tensor:
+                self._record("E", one, neg, ts, self._head(neg, "E") + stamp, "}")
+                if top is not None:
+                    self._record("B", one, top, ts, self._head(top, "B") + stamp, "}")
+                self._record("B", one, "QUEUE", ts, queue, "}")
+            return
         ph = "i" if kind == "C" else kind[0]
-        head = self._heads.get((name, ph))
-        if head is None:
-            if len(self._heads) >= _MEMO_MAX:
-                self._heads.clear()
-            head = self._heads[(name, ph)] = f'{{"name":{_dumps(name)},"ph":"{ph}","ts":'
-        head = f"{head}{ts:.3f}"
+        head = f"{self._head(name, ph)}{ts:.3f}"
         if kind == "X":
             tail = f',"dur":{dur:.3f}'
         elif kind == "i":
             tail = ',"s":"t"'
         elif kind == "C":
-            tail = ',"s":"p"'
+            tail = ',"s":"g"'
         else:
             tail = ""
         tail += self._args_json(args) + "}"
@@ -355,6 +366,15 @@ class Timeline:
                 self._record(ph, one, name, ts, head, tail)
         else:
             self._record(kind, tensor, name, ts, head, tail)
+
+    def _head(self, name: str, ph: str) -> str:
+        """``{"name":..,"ph":..,"ts":`` for ``name`` and ``ph``, memoised."""
+        head = self._heads.get((name, ph))
+        if head is None:
+            if len(self._heads) >= _MEMO_MAX:
+                self._heads.clear()
+            head = self._heads[(name, ph)] = f'{{"name":{_dumps(name)},"ph":"{ph}","ts":'
+        return head
 
     def _args_json(self, args: dict[str, Any] | None) -> str:
         """``,"args":{...}`` (empty without args), memoised: the engine sends the same few

@@ -11,11 +11,11 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+from hvdlite._control.negotiation import Kind, Response
 from hvdlite._observe import nvtx as _nvtx
 from hvdlite._observe.stats import Stats
 
 if TYPE_CHECKING:
-    from hvdlite._control.negotiation import Response
     from hvdlite._control.work import Entry
     from hvdlite._observe.timeline import Timeline
 
@@ -40,8 +40,19 @@ def open_timeline(path: str, rank: int, mark_cycles: bool, max_bytes: int = 0,
                     clock_offset_us=clock_offset_us)
 
 
-def _negotiate_phase(entry: Entry) -> str:
-    return f"NEGOTIATE_{entry.request.kind.name}"
+# Horovod's timeline names (horovod/common/timeline.cc, common.h). A negotiation is
+# NEGOTIATE_<REQUEST TYPE>; once negotiated, a tensor's data-moving op gets a top-level span
+# named after the response type (ALLREDUCE, ..., or ERROR) around its activities. Horovod
+# writes none for a barrier or a join (nor has hvdlite's process-set changes).
+_NEGOTIATE = {kind: f"NEGOTIATE_{kind.name}" for kind in Kind}
+_TOP: dict[Kind, str | None] = {kind: None if kind in (Kind.BARRIER, Kind.JOIN, Kind.PROCESS_SET)
+                                else kind.name for kind in Kind}
+# Activities hvdlite names <TRANSPORT>_<OP> that Horovod spells differently.
+_ACTIVITY = {f"{t}_BROADCAST": f"{t}_BCAST" for t in ("MPI", "NCCL", "IPC")}
+
+
+def _top_phase(resp: Response) -> str | None:
+    return "ERROR" if resp.error else _TOP[resp.kind]
 
 
 class Tracer:
@@ -51,6 +62,7 @@ class Tracer:
         self.timeline = timeline
         self.nvtx = nvtx
         self.stats = Stats()
+        self._done_us = 0.0  # when the last activity of the running bucket ended
 
     @property
     def on(self) -> bool:
@@ -68,7 +80,7 @@ class Tracer:
         for e in entries:
             req = e.request
             args = {"dtype": req.dtype, "shape": req.shape, "bytes": e.nbytes()}
-            tl.begin(req.name, _negotiate_phase(e), args, ts_us=e.enqueued_at * 1e6)
+            tl.begin(req.name, _NEGOTIATE[req.kind], args, ts_us=e.enqueued_at * 1e6)
 
     def ready_tick(self, rank: int, names: Sequence[str], cached: bool = False) -> None:
         tl = self.timeline
@@ -81,16 +93,27 @@ class Tracer:
         tl = self.timeline
         if tl is None:
             return
-        now = tl.now_us()
+        items = []
         for resp in responses:
             e = entries.get(resp.name)
             if e is not None:
-                tl.end(resp.name, _negotiate_phase(e), ts_us=now)
-                tl.begin(resp.name, "QUEUE", ts_us=now)
+                items.append((resp.name, _NEGOTIATE[e.request.kind], _top_phase(resp)))
+        if items:  # one queue slot for the cycle
+            tl.handoff(items)
 
     def dequeued(self, names: Sequence[str], bucket_id: int, threshold: int) -> None:
-        if self.timeline is not None:
-            self.timeline.end_all(names, "QUEUE", {"bucket": bucket_id, "threshold": threshold})
+        tl = self.timeline
+        if tl is not None:
+            self._done_us = ts = tl.now_us()
+            tl.end_all(names, "QUEUE", {"bucket": bucket_id, "threshold": threshold}, ts)
+
+    def executed(self, names: Sequence[str], head: Response) -> None:
+        """The bucket's op is done (or failed): its top-level span ends, at the end of its
+        last activity. Backends complete the handles after that activity ends, so a caller
+        that submits the name again at once begins its next negotiation no earlier."""
+        top = _top_phase(head)
+        if self.timeline is not None and top is not None:
+            self.timeline.end_all(names, top, ts_us=self._done_us)
 
     def phase(self, names: Sequence[str], phase: str, args: dict[str, Any] | None = None,
               sync: Callable[[], None] | None = None) -> contextlib.AbstractContextManager[None]:
@@ -104,6 +127,7 @@ class Tracer:
     def _phase(self, names: Sequence[str], phase: str, args: dict[str, Any] | None,
                sync: Callable[[], None] | None) -> Iterator[None]:
         tl = self.timeline
+        phase = _ACTIVITY.get(phase, phase)
         if tl is not None:
             tl.begin_all(names, phase, args)
         label = (f"{phase} {names[0]}" + (f" +{len(names) - 1}" if len(names) > 1 else "")
@@ -113,7 +137,8 @@ class Tracer:
             if sync is not None and tl is not None:
                 sync()
         if tl is not None:
-            tl.end_all(names, phase)
+            self._done_us = ts = tl.now_us()
+            tl.end_all(names, phase, ts_us=ts)
 
     def device_spans(self, timed: Sequence[Any]) -> None:
         """Event-timed device phases, once their DONE event completed (at retirement).
@@ -132,6 +157,7 @@ class Tracer:
         first = timed[0][2]
         origin = tl.now_us() - elapsed(first, timed[-1][3]) * 1e3
         for names, phase, start, end, args in timed:
+            phase = _ACTIVITY.get(phase, phase)
             begin_us = origin + elapsed(first, start) * 1e3
             dur_us = elapsed(start, end) * 1e3
             for name in names:

@@ -23,7 +23,7 @@ def _spans(path: Path) -> dict[str, list[Span]]:
     for span in pair(load(str(path))).spans:
         spans[span.track].append(span)
     for phases in spans.values():
-        phases.sort(key=lambda s: s.start)
+        phases.sort(key=lambda s: (s.start, s.depth))
     return spans
 
 
@@ -35,33 +35,59 @@ def test_every_tensor_has_each_phase_once_in_order(hvd: Any, tmp_path: Path) -> 
     hvd.allreduce(np.ones(3), name="tl.single", op=hvd.Sum)
     hvd.allgather(np.ones((2, 2)), name="tl.gather")
     hvd.broadcast(np.ones(2), 0, name="tl.bcast")
+    hvd.barrier_async(name="tl.barrier").wait()
     hvd.stop_timeline()
     mine = Path(str(path).replace("{rank}", str(hvd.rank())))
     spans = _spans(mine)
-    assert any(ev.get("name") == "CYCLE_START" for ev in json.loads(mine.read_text()))
-    fused = [
-        "NEGOTIATE_ALLREDUCE",
-        "QUEUE",
-        "MEMCPY_IN_FUSION_BUFFER",
-        "MPI_ALLREDUCE",
-        "MEMCPY_OUT_FUSION_BUFFER",
-    ]
+    # Horovod's cycle marks: global instants on the process track.
+    marks = [ev for ev in json.loads(mine.read_text()) if ev.get("name") == "CYCLE_START"]
+    assert marks and all(m["ph"] == "i" and m["s"] == "g" for m in marks), marks
+    # Horovod's layout: NEGOTIATE_<OP>, then a top-level <OP> span (the response type) holding
+    # the activities; none for a barrier (as Horovod).
+    fused = ["MEMCPY_IN_FUSION_BUFFER", "MPI_ALLREDUCE", "MEMCPY_OUT_FUSION_BUFFER"]
     # A grouped call is one unit, reduced in its own result buffer: no copy out.
-    want = {"tl.group": fused[:-1]}
-    want["tl.single"] = ["NEGOTIATE_ALLREDUCE", "QUEUE", "MPI_ALLREDUCE"]
-    want["tl.gather"] = ["NEGOTIATE_ALLGATHER", "QUEUE", "MPI_ALLGATHER"]
-    want["tl.bcast"] = ["NEGOTIATE_BROADCAST", "QUEUE", "MPI_BROADCAST"]
+    want = {"tl.group": ("ALLREDUCE", fused[:-1]),
+            "tl.single": ("ALLREDUCE", ["MPI_ALLREDUCE"]),
+            "tl.gather": ("ALLGATHER", ["MPI_ALLGATHER"]),
+            "tl.bcast": ("BROADCAST", ["MPI_BCAST"]),
+            "tl.barrier": ("BARRIER", [])}
     assert set(spans) == set(want)
-    for name, phases in want.items():
+    for name, (op, activities) in want.items():
         got = spans[name]
-        assert [s.name for s in got] == phases, (name, got)
-        for s0, s1 in zip(got, got[1:], strict=False):
+        neg, rest = got[0], got[1:]
+        assert neg.name == f"NEGOTIATE_{op}" and neg.depth == 0, (name, got)
+        if op == "BARRIER":
+            assert [s.name for s in rest] == ["QUEUE"] and rest[0].depth == 0, (name, got)
+            continue
+        top, inner = rest[0], rest[1:]
+        assert top.name == op and top.depth == 0, (name, got)
+        assert [s.name for s in inner] == ["QUEUE", *activities], (name, got)
+        assert all(s.depth == 1 for s in inner), (name, got)
+        assert abs(neg.end - top.start) < 1e-3 and abs(inner[0].start - top.start) < 1e-3
+        assert abs(top.end - inner[-1].end) < 1e-3, (name, got)  # ends with its last activity
+        for s0, s1 in zip(inner, inner[1:], strict=False):
             assert s0.end <= s1.start + 1e-3, (name, got)  # each phase ends before the next
         assert all(s.end >= s.start for s in got), (name, got)
     # The buffer each bucket could fill (QUEUE's end): the threshold when fused, else its size
     # (a grouped call's own: its payload).
-    room = {name: got[1].end_args["threshold"] for name, got in spans.items()}
+    room = {name: got[2].end_args["threshold"] for name, got in spans.items()
+            if name != "tl.barrier"}
     assert room["tl.group"] == 4 * 5 * 4 and room["tl.single"] == 3 * 8, room
+
+
+def test_repeated_calls_nest_properly(hvd: Any, tmp_path: Path) -> None:
+    """A name called again as soon as its handle completes: its next negotiation begins
+    after its top-level span ended (check passes, every span once per call)."""
+    path = tmp_path / "again_{rank}.json"
+    hvd.start_timeline(str(path))
+    for _ in range(30):
+        hvd.allreduce(np.ones(4), name="tl.again")
+        hvd.allreduce_async(np.ones(4), name="tl.again.async").wait()
+    hvd.stop_timeline()
+    spans = _spans(Path(str(path).replace("{rank}", str(hvd.rank()))))
+    for name in ("tl.again", "tl.again.async"):
+        names = [s.name for s in spans[name]]
+        assert names.count("ALLREDUCE") == names.count("NEGOTIATE_ALLREDUCE") == 30, names
 
 
 def test_runtime_start_stop(hvd: Any, tmp_path: Path) -> None:

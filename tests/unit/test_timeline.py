@@ -122,7 +122,26 @@ def test_cycle_marks_only_when_asked(tmp_path: Path) -> None:
         tl.close()
         marks = [ev for ev in _timed(_events(path)) if ev["name"] == "CYCLE_START"]
         assert [(m["ts"], m["tid"], m["s"]) for m in marks] == (
-            [(1.0, 0, "p"), (2.0, 0, "p")] if enabled else [])
+            [(1.0, 0, "g"), (2.0, 0, "g")] if enabled else [])
+
+
+def test_handoff_ends_negotiation_and_opens_the_op(tmp_path: Path) -> None:
+    """One handoff item per cycle: per tensor, NEGOTIATE_<OP> ends and Horovod's top-level
+    <OP> span (none for a barrier) and QUEUE inside it begin, all at one timestamp."""
+    path = tmp_path / "h.json"
+    tl = Timeline(str(path), 0, hook_signals=False)
+    tl.begin("a", "NEGOTIATE_ALLREDUCE", ts_us=1.0)
+    tl.begin("b", "NEGOTIATE_BARRIER", ts_us=1.0)
+    tl.handoff([("a", "NEGOTIATE_ALLREDUCE", "ALLREDUCE"), ("b", "NEGOTIATE_BARRIER", None)],
+               ts_us=2.0)
+    tl.end_all(["a", "b"], "QUEUE", ts_us=3.0)
+    tl.end("a", "ALLREDUCE", ts_us=4.0)
+    tl.close()
+    assert check_file(str(path)).ok
+    spans = {(s.track, s.name): (s.start, s.end, s.depth) for s in pair(load(str(path))).spans}
+    assert spans == {("a", "NEGOTIATE_ALLREDUCE"): (1.0, 2.0, 0),
+                     ("a", "ALLREDUCE"): (2.0, 4.0, 0), ("a", "QUEUE"): (2.0, 3.0, 1),
+                     ("b", "NEGOTIATE_BARRIER"): (1.0, 2.0, 0), ("b", "QUEUE"): (2.0, 3.0, 0)}
 
 
 def test_valid_json_after_every_flush(tmp_path: Path) -> None:

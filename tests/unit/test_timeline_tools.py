@@ -504,14 +504,16 @@ def _run_two_ranks(script: Path, *argv: str) -> str:
 
 
 def _sequence_ok(names: list[str], op: str) -> int:
-    """Count submissions in a track's top-level span names; fail on any other order."""
+    """Count submissions in a track's span names (in start order, outer first); fail on any
+    other order. Each is Horovod's: NEGOTIATE_<OP>, then <OP> around QUEUE and the rest."""
     n, i = 0, 0
+    wire = "MPI_BCAST" if op == "BROADCAST" else f"MPI_{op}"
     while i < len(names):
-        assert names[i:i + 2] == [f"NEGOTIATE_{op}", "QUEUE"], names[i:i + 6]
-        i += 2
+        assert names[i:i + 3] == [f"NEGOTIATE_{op}", op, "QUEUE"], names[i:i + 6]
+        i += 3
         fused = names[i] == "MEMCPY_IN_FUSION_BUFFER"
-        want = ["MEMCPY_IN_FUSION_BUFFER", f"MPI_{op}", "MEMCPY_OUT_FUSION_BUFFER"] if fused \
-            else [f"MPI_{op}"]
+        want = ["MEMCPY_IN_FUSION_BUFFER", wire, "MEMCPY_OUT_FUSION_BUFFER"] if fused \
+            else [wire]
         assert names[i:i + len(want)] == want, names[i - 2:i + 3]
         i += len(want)
         n += 1
@@ -544,7 +546,8 @@ def test_tools_on_a_real_two_rank_trace(tmp_path: Path) -> None:
     rep = summarize.summarize([load(str(p)) for p in paths])
     ph = rep["phases"]
     assert ph["NEGOTIATE_ALLREDUCE"]["count"] == ph["MPI_ALLREDUCE"]["count"] == 2 * 4 * steps
-    assert ph["MPI_ALLGATHER"]["count"] == ph["MPI_BROADCAST"]["count"] == 2 * steps
+    assert ph["MPI_ALLGATHER"]["count"] == ph["MPI_BCAST"]["count"] == 2 * steps
+    assert ph["ALLREDUCE"]["count"] == 2 * 4 * steps and ph["BROADCAST"]["count"] == 2 * steps
     assert ph["MPI_ALLREDUCE"]["bytes"] == 2 * steps * sum(64 * (i + 1) * 4 for i in range(4))
     assert ph["MPI_ALLGATHER"]["bytes"] == 2 * steps * 3 * 8
     assert ph["QUEUE"]["count"] == 2 * 6 * steps
