@@ -165,6 +165,16 @@ def _array(t: torch.Tensor, what: str) -> Any:
     return array_of(check_tensor(t, what), what)
 
 
+def horovod_name(op: str, name: Any) -> Any:
+    """The name the core gets for a user's ``name``: horovod.torch's ``<op>.<name>`` (its
+    ``GetOpName``), so timeline rows, errors and stall reports read as Horovod's. None and
+    "" stay unnamed (the core numbers them ``<op>.noname.N``, as Horovod does); a name that is
+    not a str goes on for the core to refuse."""
+    if type(name) is str:
+        return f"{op}.{name}" if name else None
+    return name
+
+
 def _named(what: str, name: str | None) -> str:
     """How errors name the call: "allreduce of tensor 'grad.w'" when it has a name."""
     return what if name is None else f"{what} of tensor {name!r}"
@@ -232,6 +242,8 @@ def allreduce_one(t: Any, name: str | None, op: ReduceOp, pre: Any, post: Any,
 def _one(t: torch.Tensor, entry: Any, name: str | None, plan: Plan, inplace: bool,
          blocking: bool) -> Any:
     """The steady state of :func:`allreduce_one`: ``t``'s cached ``entry`` and ``plan``."""
+    if type(name) is str:
+        name = f"allreduce.{name}" if name else None
     if entry.device >= 0:
         return _one_cuda(t, entry, name, plan, inplace, blocking)
     core, array = plan.core_set, entry.array
@@ -253,6 +265,7 @@ def _one(t: torch.Tensor, entry: Any, name: str | None, plan: Plan, inplace: boo
 
 def _one_cuda(t: torch.Tensor, entry: Any, name: str | None, plan: Plan, inplace: bool,
               blocking: bool) -> Any:
+    name = horovod_name("allreduce", name)
     stream = stream_of(entry.device)
     order = stream if plan.ordered else None
     kw: dict[str, Any] = {"stream": stream, "process_set": plan.core_set}
@@ -286,6 +299,7 @@ def allreduce_async(tensors: list[Any], name: str | None, op: ReduceOp, pre: Any
     if fast is None:
         return _general(tensors, name, op, pre, post, inplace, group, what, process_set)
     plan, arrays, device = fast
+    name = horovod_name("grouped_allreduce" if group else "allreduce", name)
     stream = stream_of(device) if device >= 0 else None
     order = stream if plan.ordered else None
     kw = {"stream": stream, "process_set": plan.core_set}
@@ -321,6 +335,7 @@ def allreduce_now(tensors: list[Any], name: str | None, op: ReduceOp, pre: Any, 
         return allreduce_async(tensors, name, op, pre, post, inplace, group, what,
                                process_set).wait()
     plan, arrays, device = fast
+    name = horovod_name("grouped_allreduce" if group else "allreduce", name)
     fn: Callable[..., Any]
     if group:
         fn = hvdlite.grouped_allreduce_ if inplace else hvdlite.grouped_allreduce
@@ -398,6 +413,7 @@ def _general(tensors: list[Any], name: str | None, op: ReduceOp, pre: Any, post:
     core_pre, core_post = (1.0, 1.0) if in_torch else (plan.pre, plan.post)
     sends = [_send(t, plan.pre, inplace) for t in tensors] if in_torch else tensors
     core_inplace = inplace or in_torch
+    name = horovod_name("grouped_allreduce" if group else "allreduce", name)
     fn: Callable[..., Any]
     try:
         if group:
@@ -454,8 +470,9 @@ def bucket_async(arrays: list[Any], views: list[torch.Tensor], name: str, op: Re
         return allreduce_async(list(views), name, op, pre, post, True, True, what, process_set)
     stream = stream_of(first.get_device()) if first.is_cuda else None
     try:
-        part = hvdlite.grouped_allreduce_async_(arrays, name, plan.op, plan.pre, plan.post,
-                                                stream=stream, process_set=plan.core_set)
+        part = hvdlite.grouped_allreduce_async_(arrays, horovod_name("grouped_allreduce", name),
+                                                plan.op, plan.pre, plan.post, stream=stream,
+                                                process_set=plan.core_set)
     except ValueError as exc:
         raise invalid(exc) from None
     return InPlaceHandle(part, views, stream if plan.ordered else None)

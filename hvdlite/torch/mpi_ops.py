@@ -31,7 +31,7 @@ from hvdlite._ops import ReduceOp
 from hvdlite.torch import _reduce
 from hvdlite.torch._handles import Handle, SparseHandle
 from hvdlite.torch._reduce import check_tensor as _check_tensor
-from hvdlite.torch._reduce import scale
+from hvdlite.torch._reduce import horovod_name, scale
 from hvdlite.torch.basics import Average, InvalidArgumentError, Sum, resolve_op
 from hvdlite.torch.process_sets import Resolved, global_process_set, resolve
 
@@ -156,8 +156,11 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
                                  postscale_factor, True, True, what, process_set)
 
 
-def _member_name(name: str | None, i: int) -> str | None:
-    return None if name is None else f"{name}.{i}"
+def _member_name(op: str, name: str | None, i: int, n: int) -> str | None:
+    """Member ``i`` of ``n`` of a grouped call: Horovod's ``grouped_<op>.<name>_<i+1>of<n>``."""
+    if type(name) is not str or not name:
+        return horovod_name(op, name)
+    return f"grouped_{op}.{name}_{i + 1}of{n}"
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
@@ -170,7 +173,8 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                             process_set: Any = global_process_set) -> Handle:
     """Start an allgather of each tensor in the list; the result is the list of gathered
-    tensors. Member ``i`` is named ``f"{name}.{i}"``."""
+    tensors. Member ``i`` of ``n`` is named ``grouped_allgather.<name>_<i+1>of<n>`` (Horovod's
+    name)."""
     what = "grouped_allgather_async"
     return _allgather(_check_tensors(tensors, what), name, True, process_set)
 
@@ -178,8 +182,9 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
 def _allgather(tensors: list[torch.Tensor], name: str | None, group: bool,
                process_set: Any) -> Handle:
     ps = resolve(process_set, "allgather")
-    parts = [_core(hvdlite.allgather_async, _raw(t), _member_name(name, i) if group else name,
-                   process_set=ps.core)
+    n = len(tensors)
+    parts = [_core(hvdlite.allgather_async, _raw(t), _member_name("allgather", name, i, n)
+                   if group else horovod_name("allgather", name), process_set=ps.core)
              for i, t in enumerate(tensors)]
 
     def finish(results: list[Any]) -> Any:
@@ -214,7 +219,8 @@ def _broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, inplace: 
                process_set: Any) -> Handle:
     ps = resolve(process_set, "broadcast")
     fn = hvdlite.broadcast_async_ if inplace else hvdlite.broadcast_async
-    part = _core(fn, _raw(tensor), root_rank, name, process_set=ps.core)
+    part = _core(fn, _raw(tensor), root_rank, horovod_name("broadcast", name),
+                 process_set=ps.core)
     if inplace:
         return Handle([part], lambda _results: tensor)
     return Handle([part], lambda results: _unraw(results[0], tensor.dtype))
@@ -258,6 +264,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
         raise InvalidArgumentError(f"{what}: splits must be {n} non-negative ints summing to "
                                    f"dim 0 ({rows}), got {split_list}")
     sent = torch.tensor(split_list, dtype=torch.int32)
+    name = horovod_name("alltoall", name)
     counts = _core(hvdlite.alltoall_async, sent, None, None if name is None else f"{name}.splits",
                    process_set=ps.core)
     data = _core(hvdlite.alltoall_async, _raw(tensor), split_list, name, process_set=ps.core)
@@ -282,7 +289,9 @@ def _reducescatter(tensors: list[torch.Tensor], name: str | None, op: Any, pre: 
     for t in tensors[1:]:
         _reduce.plan_for(t.dtype, op, pre, post, process_set, what)
     core_op, pre, post = plan.op, plan.pre, plan.post
-    parts = [_rs_one(t, _member_name(name, i) if group else name, core_op, pre, ps)
+    n = len(tensors)
+    parts = [_rs_one(t, _member_name("reducescatter", name, i, n) if group
+                     else horovod_name("reducescatter", name), core_op, pre, ps)
              for i, t in enumerate(tensors)]
 
     def finish(results: list[Any]) -> Any:
@@ -329,10 +338,12 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: Any,
     ps = resolve(process_set, what)
     indices = tensor._indices().t().contiguous()
     values = tensor._values().contiguous()
-    ih = _core(hvdlite.allgather_async, indices, None if name is None else f"{name}.indices",
+    ih = _core(hvdlite.allgather_async, indices,
+               None if name is None else horovod_name("allgather", f"{name}.indices"),
                process_set=ps.core)
     vh = _core(hvdlite.allgather_async, _raw(values),
-               None if name is None else f"{name}.values", process_set=ps.core)
+               None if name is None else horovod_name("allgather", f"{name}.values"),
+               process_set=ps.core)
     n = ps.size
 
     def finish(results: list[Any]) -> torch.Tensor:
