@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The CUDA IPC validation of issue 18 on a ONE-GPU host, in one command: the GPU suite at 2 ranks
-# sharing the GPU (so IPC) in both completion modes, tests/torch on CUDA at 2 ranks, the
-# allreduce/allgather/broadcast/alltoall tests and the IPC tests at 4 ranks, the bounded-death
-# jobs, and the suite at 1 rank (NCCL) as the regression check. Each step under `timeout`;
-# one summary line per step at the end; logs in $OUT (default /tmp/hvdlite_ipc_out).
+# The CUDA IPC and device-failure validation (issues 18, 19) on a ONE-GPU host, in one command:
+# the GPU suite at 2 ranks sharing the GPU (so IPC) in both completion modes (it includes the
+# device bad-input matrix, the device soak with its memory checks, Adasum and the watchdog's
+# 1-rank test), tests/torch on CUDA at 2 ranks, the allreduce/allgather/broadcast/alltoall and
+# IPC tests at 4 ranks, the bounded-death jobs, and the suite at 1 rank (NCCL) as the regression
+# check. Each step under `timeout`; one summary line per step at the end; logs (with the tests'
+# printed numbers: `-s`) in $OUT (default /tmp/hvdlite_ipc_out).
 #
 #   scripts/gpu/ipc_suite.sh [STEP...]   # steps: np2-sync np2-async torch np4 death np1
 set -uo pipefail
@@ -24,7 +26,7 @@ mpi() {  # mpi NP ASYNC ARGS...
   HVDLITE_ENABLE_ASYNC_COMPLETION=$async mpirun --allow-run-as-root --oversubscribe \
     --bind-to none -n "$np" -x PATH -x LD_LIBRARY_PATH -x PYTHONPATH -x NCCL_NVLS_ENABLE \
     -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS -x PYTHONUNBUFFERED \
-    -x HVDLITE_ENABLE_ASYNC_COMPLETION "$PY" -m mpi4py -m pytest -q -p no:cacheprovider "$@"
+    -x HVDLITE_ENABLE_ASYNC_COMPLETION "$PY" -m mpi4py -m pytest -q -s -p no:cacheprovider "$@"
 }
 
 export -f mpi
