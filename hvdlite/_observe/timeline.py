@@ -220,9 +220,8 @@ class Timeline:
 
     def handoff(self, items: Sequence[tuple[str, str, str | None]],
                 ts_us: float | None = None) -> None:
-        """Negotiated tensors at one timestamp (one queue slot for a whole cycle): per
-        ``(tensor, negotiate_phase, op_phase)`` the negotiation span ends, the op's top-level
-        span (unless ``None``) and ``QUEUE`` inside it begin."""
+        """A cycle's negotiated tensors in one queue slot: per ``(tensor, negotiate_phase,
+        op_phase)`` negotiation ends, the op's span (unless None) and QUEUE in it begin."""
         self._put(("N", items, "", self.now_us() if ts_us is None else ts_us, None, 0.0))
 
     def mark_cycle(self, ts_us: float | None = None) -> None:
@@ -469,7 +468,9 @@ class Timeline:
             self._meta("clock_sync", {"wall_time_ns": wall, "perf_counter_us": (before + after) / 2,
                                       "segment": self._segment, "rank": self.rank,
                                       "version": TRACE_VERSION}),
-            self._meta("process_name", {"name": f"rank {self.rank}"}),
+            self._meta("process_name", {"name": f"rank {self.rank}",  # + Horovod's arg:
+                                        "start_time_since_epoch_in_micros":  # wall us at ts 0
+                                            round(wall / 1000 - (before + after) / 2)}),
             self._meta("process_sort_index", {"sort_index": self.rank}),
         ]
 

@@ -54,7 +54,12 @@ def test_layout_tracks_and_metadata(tmp_path: Path) -> None:
     tl.close()
     events = _events(tmp_path / "t3.json")
     assert {ev["pid"] for ev in events} == {3}
-    assert _meta(events, "process_name")[0]["args"] == {"name": "rank 3"}
+    proc = _meta(events, "process_name")[0]["args"]
+    sync = _meta(events, "clock_sync")[0]["args"]
+    assert proc["name"] == "rank 3"
+    # Horovod's header arg: the wall clock at ts 0, from the clock_sync pair.
+    assert proc["start_time_since_epoch_in_micros"] == pytest.approx(
+        sync["wall_time_ns"] / 1000 - sync["perf_counter_us"], abs=1)
     names = {ev["tid"]: ev["args"]["name"] for ev in _meta(events, "thread_name")}
     assert sorted(names.values()) == ["grad/a", "grad/b"]  # once per tensor
     tid = {v: k for k, v in names.items()}
