@@ -1,0 +1,475 @@
+"""T1/T2: synthetic training with hvdlite.torch's DistributedOptimizer against torch DDP and one
+GPU without communication, all in one launch, on the same model, initial weights and batch.
+
+Per rank: a synthetic model (torchvision ResNet-50 by default; ``--model tiny``, a small CNN,
+for a CPU smoke test; ``--model g4``, G4's stack of 24 x Linear(4096, 4096) without bias, the
+layer shape BENCHMARKS.md names for T2), one fixed random batch of ``--batch-size`` (32) that
+differs per rank, plain SGD. Variants, each its own copy of the model from the same initial
+weights:
+
+- one GPU, no communication (plain torch: the scaling limit and T2's compute-only step);
+- hvdlite ``DistributedOptimizer``, ``gradient_as_bucket_view=False`` and ``=True``;
+- torch DDP (NCCL on the GPU, gloo with ``--no-cuda``; DDP's defaults otherwise).
+
+Correctness first: 10 steps (``--check-steps``) of each distributed variant from the same
+initial weights and batches, with deterministic cuDNN; hvdlite's parameters must equal DDP's
+within ``--atol + --rtol x max|param|`` (the max abs difference is reported), be bit-identical
+on every rank, and differ from the initial weights. Refused (exit 2) otherwise, and if the launch
+does not have ``--np`` ranks.
+
+Timing (cuDNN autotuning on): ``--warmup`` steps per variant, then ``--iters`` rounds; a round
+runs ``--batches-per-iter`` steps of each variant in turn (barrier, host clock, the steps, a
+device synchronise); a round's time is the slowest rank's; images/s per GPU from the median
+round (Horovod's synthetic benchmark's shape). Comm alone: one hvdlite ``grouped_allreduce`` of
+tensors of every gradient's shape, and one ``torch.distributed.all_reduce`` of one flat buffer of
+all of them (the fused limit), median of ``--comm-reps``, checked exact first.
+
+Reported: images/s per GPU and in all, the ratio to DDP, scaling efficiency (images/s per GPU
+over the one-GPU variant's), step time per batch, exposed communication = (step - one-GPU step)
+/ comm alone (the faster of the two comm-alone times: the stricter denominator). Targets at 2 or
+more ranks (BENCHMARKS.md T1, T2 as worded in issue 21, on this model): hvdlite >= 1.05x DDP
+images/s; scaling efficiency >= 0.92; exposed <= 20% of comm alone; step <= DDP's. At 1 rank no
+target applies (DistributedOptimizer registers no hooks at size 1; DDP at size 1 still runs its
+reducer): the table shows the overhead of each wrapper over plain torch.
+
+    mpirun -n 2 python3 scripts/gpu/bench_t1.py --json t1.json
+    mpiexec -n 2 python scripts/gpu/bench_t1.py --no-cuda --model tiny --quick   # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import hashlib
+import json
+import os
+import platform
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import _gpulib as gl
+import numpy as np
+from mpi4py import MPI
+
+BASE = "one GPU, no communication"
+HVD_OFF = "hvdlite DistributedOptimizer, bucket views off"
+HVD_ON = "hvdlite DistributedOptimizer, bucket views on"
+DDP = "torch DDP"
+DISTRIBUTED = (HVD_OFF, HVD_ON, DDP)
+COMM_HVD = "comm alone: hvdlite grouped_allreduce of every gradient"
+COMM_TORCH = "comm alone: torch.distributed all_reduce, one flat buffer"
+X_DDP, MIN_EFF, MAX_EXPOSED = 1.05, 0.92, 0.20
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = gl.base_parser(__doc__.splitlines()[0])
+    p.add_argument("--model", default="resnet50",
+                   help="a torchvision.models name, 'tiny' (small CNN) or 'g4' (24 x "
+                        "Linear(4096, 4096))")
+    p.add_argument("--batch-size", type=int, default=32, help="per rank (rows for g4)")
+    p.add_argument("--image-size", type=int, default=224)
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps per variant")
+    p.add_argument("--batches-per-iter", type=int, default=10)
+    p.add_argument("--iters", type=int, default=10, help="timed rounds")
+    p.add_argument("--check-steps", type=int, default=10)
+    p.add_argument("--comm-reps", type=int, default=20)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0,
+                   help="hvdlite's bucket size (DDP's default is 25 MB as well)")
+    p.add_argument("--atol", type=float, default=1e-5)
+    p.add_argument("--rtol", type=float, default=1e-4)
+    p.add_argument("--no-cuda", action="store_true", help="CPU: gloo for DDP, MPI for hvdlite")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.warmup, args.batches_per_iter, args.iters, args.comm_reps = 2, 2, 3, 3
+        if args.model == "tiny":
+            args.image_size = min(args.image_size, 64)
+    if min(args.batch_size, args.batches_per_iter, args.iters, args.check_steps,
+           args.comm_reps) < 1 or args.warmup < 0:
+        p.error("sizes and counts must be positive")
+    return args
+
+
+# -- model and data ------------------------------------------------------------------------
+def build_model(torch: Any, name: str) -> Any:
+    """The model by name (same weights on every rank: built right after seeding)."""
+    nn = torch.nn
+    if name == "tiny":
+        return nn.Sequential(nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16),
+                             nn.ReLU(), nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.ReLU(),
+                             nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 1000))
+    if name == "g4":
+        return nn.Sequential(*[nn.Linear(4096, 4096, bias=False) for _ in range(24)])
+    from torchvision import models
+
+    return getattr(models, name)()
+
+
+def make_batch(torch: Any, args: argparse.Namespace, rank: int, device: Any) -> tuple[Any, Any]:
+    """This rank's fixed batch (differs per rank, the same every run)."""
+    g = torch.Generator().manual_seed(args.seed * 1000 + rank + 1)
+    if args.model == "g4":
+        x = torch.randn(args.batch_size, 4096, generator=g)
+        y = torch.randn(args.batch_size, 4096, generator=g)
+    else:
+        x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g)
+        y = torch.randint(0, 1000, (args.batch_size,), generator=g)
+    return x.to(device), y.to(device)
+
+
+class Runner:
+    """One variant: its own model from the initial weights, optimizer and step."""
+
+    def __init__(self, env: Env, kind: str) -> None:
+        torch, args = env.torch, env.args
+        self.env, self.kind = env, kind
+        self.model = build_model(torch, args.model).to(env.device)
+        self.model.load_state_dict(env.init_state)
+        self.model.train()
+        self.forward = self.model
+        if kind == DDP:
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [env.device.index] if env.cuda else None
+            self.forward = DistributedDataParallel(self.model, device_ids=ids)
+        opt = torch.optim.SGD(self.model.parameters(), lr=args.lr)
+        if kind in (HVD_OFF, HVD_ON):
+            tag = "on" if kind == HVD_ON else "off"
+            opt = env.hvd.DistributedOptimizer(
+                opt, named_parameters=[(f"t1{tag}.{n}", p)
+                                       for n, p in self.model.named_parameters()],
+                gradient_as_bucket_view=kind == HVD_ON, bucket_cap_mb=args.bucket_cap_mb)
+        self.opt = opt
+        mse = args.model == "g4"
+        self.loss = torch.nn.functional.mse_loss if mse else torch.nn.functional.cross_entropy
+
+    def step(self) -> None:
+        self.opt.zero_grad()
+        out = self.forward(self.env.x)
+        self.loss(out, self.env.y).backward()
+        self.opt.step()
+
+    def flat(self) -> Any:
+        return self.env.torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
+
+
+class Env:
+    """The launch: MPI, torch device, torch.distributed, hvdlite.torch, initial weights."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        gl.install_abort_hook()
+        self.args = args
+        self.comm = MPI.COMM_WORLD.Dup()
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        if self.size != args.np:
+            gl.refuse(self.comm, f"launched with {self.size} ranks but --np {args.np} was "
+                                 f"asked (a launcher/MPI mismatch gives N singletons of size 1)")
+        local = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
+        local.Free()
+        import torch
+
+        self.torch = torch
+        self.cuda = not args.no_cuda
+        why = ""
+        if args.model not in ("tiny", "g4"):
+            try:
+                import torchvision  # noqa: F401
+            except ImportError:
+                why = f"--model {args.model} needs torchvision (or pass --model tiny)"
+        if self.cuda and not why:
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if count < self.local_size:
+                why = (f"{count} CUDA devices visible for {self.local_size} ranks on this host "
+                       "(NCCL and DDP need one GPU per rank; --no-cuda runs on the CPU)")
+        gl.check_all(self.comm, not why, "setup", why)
+        if self.cuda:
+            self.device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.local_size))
+        self._dist_init()
+        import hvdlite.torch as hvd
+
+        self.hvd = hvd
+        knobs: dict[str, Any] = dict.fromkeys(gl.shortcut_knobs(), False)
+        hvd.init(self.comm, **knobs)
+        gl.check_all(self.comm, hvd.size() == self.size, "hvdlite size",
+                     f"hvd.size() {hvd.size()} != MPI size {self.size}")
+        torch.manual_seed(args.seed)
+        model = build_model(torch, args.model).to(self.device)
+        self.init_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.grad_shapes = [tuple(p.shape) for p in model.parameters()]
+        init = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        del model
+        digests = self.comm.allgather(digest(init))
+        gl.check_all(self.comm, len(set(digests)) == 1, "initial weights equal on every rank",
+                     f"digests {digests}")
+        self.init_flat = init
+        self.x, self.y = make_batch(torch, args, self.rank, self.device)
+
+    def _dist_init(self) -> None:
+        torch = self.torch
+        port = self.comm.bcast(gl.free_port() if self.rank == 0 else None, root=0)
+        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                           "RANK": str(self.rank), "WORLD_SIZE": str(self.size),
+                           "LOCAL_RANK": str(self.local_rank)})
+        why = ""
+        try:
+            torch.distributed.init_process_group(
+                "nccl" if self.cuda else "gloo", init_method="env://", rank=self.rank,
+                world_size=self.size, timeout=_dt.timedelta(seconds=60))
+            t = torch.full((4,), float(self.rank + 1), device=self.device)
+            torch.distributed.all_reduce(t)
+            want = float(self.size * (self.size + 1) // 2)
+            if not bool((t == want).all()):
+                why = f"all_reduce check: got {t.tolist()}, expected {want}"
+        except Exception as exc:  # DDP is a required baseline: refuse with the reason
+            why = f"torch.distributed unusable: {exc!r}"
+        gl.check_all(self.comm, not why, "torch.distributed", why)
+
+    def sync(self) -> None:
+        if self.cuda:
+            self.torch.cuda.synchronize(self.device)
+
+    def max_over_ranks(self, value: float) -> float:
+        return float(self.comm.allreduce(value, op=MPI.MAX))
+
+
+def digest(t: Any) -> str:
+    return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+# -- correctness -------------------------------------------------------------------------------
+def check_correctness(env: Env) -> dict[str, Any]:
+    """10 steps of each distributed variant from the same start; hvdlite == DDP (tolerance),
+    identical on every rank, moved from the start. Refuses otherwise."""
+    torch, args = env.torch, env.args
+    cudnn = torch.backends.cudnn
+    cudnn.deterministic, cudnn.benchmark = True, False
+    flats: dict[str, Any] = {}
+    for kind in DISTRIBUTED:
+        r = Runner(env, kind)
+        for _ in range(args.check_steps):
+            r.step()
+        env.sync()
+        flats[kind] = r.flat()
+        del r
+    out: dict[str, Any] = {"steps": args.check_steps, "atol": args.atol, "rtol": args.rtol}
+    scale = env.max_over_ranks(float(flats[DDP].abs().max()))
+    bound = args.atol + args.rtol * scale
+    out["max_abs_param"] = scale
+    out["bound"] = bound
+    for kind, flat in flats.items():
+        moved = env.max_over_ranks(float((flat - env.init_flat).abs().max()))
+        gl.check_all(env.comm, moved > 0, f"{kind}: parameters moved in {args.check_steps} "
+                     "steps", "the parameters equal the initial weights")
+        digests = env.comm.allgather(digest(flat))
+        gl.check_all(env.comm, len(set(digests)) == 1,
+                     f"{kind}: parameters identical on every rank", f"digests {digests}")
+        out[f"{kind}: max abs change from init"] = moved
+    for kind in (HVD_OFF, HVD_ON):
+        diff = env.max_over_ranks(float((flats[kind] - flats[DDP]).abs().max()))
+        out[f"{kind}: max abs diff vs DDP"] = diff
+        gl.check_all(env.comm, diff <= bound, f"{kind}: parameters equal DDP's after "
+                     f"{args.check_steps} steps", f"max abs diff {diff:.3g} > {bound:.3g}")
+    del flats
+    if env.cuda:
+        torch.cuda.empty_cache()
+    return out
+
+
+# -- timing ------------------------------------------------------------------------------------
+def time_training(env: Env) -> dict[str, np.ndarray]:
+    """Per-round seconds (slowest rank) of ``--batches-per-iter`` steps, per variant."""
+    torch, args = env.torch, env.args
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = False, True
+    runners = {k: Runner(env, k) for k in (BASE, *DISTRIBUTED)}
+    for r in runners.values():
+        for _ in range(args.warmup):
+            r.step()
+    env.sync()
+    times = {k: np.empty(args.iters) for k in runners}
+    for i in range(args.iters):
+        for k, r in runners.items():
+            env.comm.Barrier()
+            t0 = time.perf_counter()
+            for _ in range(args.batches_per_iter):
+                r.step()
+            env.sync()
+            times[k][i] = time.perf_counter() - t0
+    del runners
+    if env.cuda:
+        torch.cuda.empty_cache()
+    return {k: gl.max_over_ranks(env.comm, v) for k, v in times.items()}
+
+
+def time_comm(env: Env) -> dict[str, np.ndarray]:
+    """Comm alone: hvdlite grouped_allreduce of every gradient's shape; torch all_reduce of
+    one flat buffer of them all. Checked exact (rank + 1 summed) before timing."""
+    torch, hvd, args = env.torch, env.hvd, env.args
+    want = float(env.size * (env.size + 1) // 2)
+    ts = [torch.full(s, float(env.rank + 1), device=env.device) for s in env.grad_shapes]
+    flat = torch.full((env.n_params,), float(env.rank + 1), device=env.device)
+    got = hvd.grouped_allreduce(ts, name="t1.comm", op=hvd.Sum)
+    env.sync()
+    bad = next((i for i, g in enumerate(got) if not bool((g == want).all())), None)
+    gl.check_all(env.comm, bad is None, "hvdlite grouped_allreduce", f"tensor {bad} wrong")
+    torch.distributed.all_reduce(flat)
+    env.sync()
+    gl.check_all(env.comm, bool((flat == want).all()), "torch all_reduce (flat)", "wrong sum")
+    fns: dict[str, Callable[[], object]] = {
+        COMM_HVD: lambda: hvd.grouped_allreduce(ts, name="t1.comm", op=hvd.Sum),
+        COMM_TORCH: lambda: torch.distributed.all_reduce(flat),
+    }
+    for fn in fns.values():
+        for _ in range(3):
+            fn()
+    env.sync()
+    times = {k: np.empty(args.comm_reps) for k in fns}
+    for i in range(args.comm_reps):
+        for k, fn in fns.items():
+            env.comm.Barrier()
+            t0 = time.perf_counter()
+            fn()
+            env.sync()
+            times[k][i] = time.perf_counter() - t0
+    return {k: gl.max_over_ranks(env.comm, v) for k, v in times.items()}
+
+
+# -- report ------------------------------------------------------------------------------------
+def ge_target(name: str, value: float, limit: float, unit: str = "") -> dict[str, Any]:
+    """A target line met when ``value >= limit`` (the name says so)."""
+    return {"target": name, "value": value, "limit": limit, "unit": unit, "op": ">=",
+            "met": bool(value >= limit)}
+
+
+def report(env: Env, check: dict[str, Any], train: dict[str, np.ndarray],
+           comm: dict[str, np.ndarray]) -> None:
+    args = env.args
+    per_round = args.batch_size * args.batches_per_iter
+    res: dict[str, Any] = {"correctness": check, "training": {}, "comm_alone": {}}
+    ips = {k: per_round / float(np.median(v)) for k, v in train.items()}
+    step = {k: float(np.median(v)) / args.batches_per_iter for k, v in train.items()}
+    comm_med = {k: float(np.median(v)) for k, v in comm.items()}
+    comm_alone = min(comm_med.values())
+    for k, v in comm.items():
+        res["comm_alone"][k] = gl.stats(v)
+    rows = []
+    for k, v in train.items():
+        d: dict[str, Any] = {
+            "rounds_s": gl.stats(v),
+            "images_per_s_per_gpu": round(ips[k], 1),
+            "images_per_s_total": round(ips[k] * env.size, 1),
+            "images_per_s_per_round": [round(per_round / t, 1) for t in v],
+            "step_ms": gl.ms(step[k]),
+            "scaling_efficiency": gl.ratio(ips[k], ips[BASE]),
+        }
+        if k != BASE:
+            d["vs_ddp"] = gl.ratio(ips[k], ips[DDP])
+            d["exposed_over_comm_alone"] = gl.ratio(step[k] - step[BASE], comm_alone)
+        res["training"][k] = d
+        per = d["images_per_s_per_round"]
+        rows.append([k, d["images_per_s_per_gpu"], f"{min(per):.0f}-{max(per):.0f}",
+                     d["images_per_s_total"], d.get("vs_ddp"), d["scaling_efficiency"],
+                     d["step_ms"], d.get("exposed_over_comm_alone")])
+    table = gl.format_table(
+        ["variant", "img/s per GPU", "rounds", "img/s total", "vs DDP", "scaling eff",
+         "step ms", "exposed / comm alone"], rows)
+    table += "\n" + gl.format_table(
+        ["comm alone", "median ms", "p99 ms"],
+        [[k, gl.ms(s["median_s"]), gl.ms(s["p99_s"])] for k, s in res["comm_alone"].items()])
+    table += "\n" + gl.format_table(
+        ["correctness (before timing)", "value"],
+        [[k, v] for k, v in check.items()])
+    targets: list[dict[str, Any]] = []
+    notes = [f"{args.model}, batch {args.batch_size} per rank, SGD lr {args.lr}, "
+             f"{'CUDA' if env.cuda else 'CPU'}; median of {args.iters} rounds x "
+             f"{args.batches_per_iter} steps after {args.warmup} warm-up steps per variant; "
+             "rounds interleave the variants; a round's time is the slowest rank's",
+             f"exposed = (step - '{BASE}' step) / comm alone ({gl.ms(comm_alone)} ms: the "
+             "faster of the two comm-alone times)",
+             "the one-GPU variant runs on every rank at once (each rank its own device), in "
+             "the same processes as hvdlite's background thread"]
+    if env.size >= 2:
+        for k in (HVD_OFF, HVD_ON):
+            t = res["training"][k]
+            targets.append(ge_target(f"T1 {k}: img/s >= {X_DDP}x DDP", t["vs_ddp"], X_DDP, "x"))
+            targets.append(ge_target(f"T1 {k}: scaling efficiency >= {MIN_EFF}",
+                                     t["scaling_efficiency"], MIN_EFF))
+            targets.append(gl.target(f"T1/T2 {k}: exposed <= {MAX_EXPOSED} of comm alone",
+                                     t["exposed_over_comm_alone"], MAX_EXPOSED))
+            targets.append(gl.target(f"T1/T2 {k}: step <= DDP's step", gl.ratio(step[k],
+                                     step[DDP]), 1.0, "x"))
+        if args.model != "resnet50":
+            notes.append(f"T1's targets are set for ResNet-50; this run used {args.model}")
+    else:
+        notes.append("1 rank: no target applies (T1/T2 are 2-GPU targets); "
+                     "DistributedOptimizer registers no hooks at size 1")
+    if not env.cuda:
+        notes.append("CPU run (--no-cuda): a smoke test of the code path, no GPU claim")
+    if env.rank != 0:
+        return
+    text = "\n".join([*(f"note: {n}" for n in notes), gl.format_targets(targets), table])
+    meta = metadata(env)
+    payload = {"benchmark": "T1 (torch training)", "meta": meta, "results": res,
+               "targets": targets, "notes": notes, "table": text}
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+    print(f"\n== T1 ({env.size} ranks, {meta['gpu']}, commit {meta['git_commit']})", flush=True)
+    print(text, flush=True)
+
+
+def metadata(env: Env) -> dict[str, Any]:
+    torch = env.torch
+    named = os.environ.get("HVDLITE_BENCH_COMMIT")
+    meta: dict[str, Any] = {
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
+        "ranks": env.size,
+        "gpu": torch.cuda.get_device_name(env.device) if env.cuda else "CPU",
+        "torch": torch.__version__,
+        "git_commit": named or gl._git("rev-parse", "--short", "HEAD"),
+        "git_dirty": None if named else bool(gl._git("status", "--porcelain",
+                                                     "--untracked-files=no")),
+        "commit_source": "HVDLITE_BENCH_COMMIT" if named else "git",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "args": vars(env.args),
+        "size1_shortcut_knobs_turned_off": gl.shortcut_knobs(),
+    }
+    if env.cuda:
+        meta["nccl_torch"] = ".".join(map(str, torch.cuda.nccl.version()))
+        meta["cudnn"] = torch.backends.cudnn.version()
+    try:
+        import torchvision
+
+        meta["torchvision"] = torchvision.__version__
+    except ImportError:
+        meta["torchvision"] = None
+    return meta
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    env = Env(args)
+    check = check_correctness(env)
+    train = time_training(env)
+    comm = time_comm(env)
+    report(env, check, train, comm)
+    env.hvd.shutdown()
+    env.torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
