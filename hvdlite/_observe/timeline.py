@@ -6,8 +6,8 @@ events and appends them to the file with one ``pwrite`` per batch that always le
 a complete JSON array: every batch overwrites the closing ``"\\n]\\n"`` of the previous one. A
 process killed at any moment therefore leaves a loadable file holding every batch written so far.
 The writer wakes every ``flush_interval_s`` (50 ms) and as soon as ``flush_events`` (1024)
-events are waiting, and writes at most ``_BATCH`` (1024) records per ``pwrite``, so an event is
-on disk within about 100 ms of being recorded, and SIGKILL loses at most that much.
+events are waiting, and writes ``_BATCH`` (1024) records per ``pwrite`` (plus the rest of the
+item that crossed it), so an event is on disk within about 100 ms of being recorded.
 
 Signals. A writer made on the main thread hooks SIGTERM (and SIGINT when its handler is not
 Python's default ``KeyboardInterrupt`` one, which already ends through ``atexit``): the hook
