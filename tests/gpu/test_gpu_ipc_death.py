@@ -1,12 +1,27 @@
-"""A rank that dies or raises while its peers stream collectives through CUDA IPC: every
-survivor ends within 15 s, the rank named, no traceback from hvdlite's code.
+"""A rank that dies or raises while its peers stream device collectives: every survivor ends
+within 15 s, the rank named, no traceback from hvdlite's code (for SIGKILL).
 
-Real ``hvdliterun`` jobs of 2 ranks on one GPU (so they share it: IPC). Run it outside any MPI
-launcher (it launches its own jobs): ``python3 -m pytest tests/gpu/test_gpu_ipc_death.py``.
+Real ``hvdliterun`` jobs of 2 ranks. The transport they must take is
+``HVDLITE_TEST_EXPECT_TRANSPORT`` (``ipc`` or ``nccl``); by default ``nccl`` where this host has
+two GPUs or more (each rank gets its own: NCCL under the default policy) and ``ipc`` on one
+GPU (the ranks share it). The job checks the transport its engine picked before anything else.
+
+- ipc: rank 1 goes between two rounds of streamed allreduces, while rank 0 submits the next.
+- nccl (the NCCL watchdog of the GPU-failures issue): rank 1 goes *inside* an NCCL collective.
+  At round 300 rank 1 first queues ~1-2 s of matmuls on its stream that produce the input of
+  one more allreduce, submits it, waits until hvdlite enqueued it on the device (so both
+  ranks' NCCL kernels are queued, rank 0's already spinning for rank 1's, which waits behind
+  the matmuls), then goes. Rank 0 is then blocked on an NCCL kernel that can never finish:
+  the launcher (SIGKILL) or hvdlite's failure notice (raise: ``Engine._finish`` ->
+  ``Channel.abort_device`` -> ``NcclBackend.abort``, ``ncclCommAbort``) must end it.
+
+Run it outside any MPI launcher (it launches its own jobs):
+``python3 -m pytest tests/gpu/test_gpu_ipc_death.py``.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import textwrap
@@ -24,6 +39,11 @@ if under_mpi_launcher():
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
 
+EXPECT = os.environ.get("HVDLITE_TEST_EXPECT_TRANSPORT") or (
+    "nccl" if cupy.cuda.runtime.getDeviceCount() >= 2 else "ipc")
+if EXPECT not in ("ipc", "nccl"):
+    raise ValueError(f"HVDLITE_TEST_EXPECT_TRANSPORT must be ipc or nccl, got {EXPECT!r}")
+
 HVDLITE_FRAME = re.compile(r'File "[^"]*/hvdlite/')
 
 _STREAM = """
@@ -35,8 +55,29 @@ hvd.init()
 cupy.cuda.Device(hvd.local_rank() % cupy.cuda.runtime.getDeviceCount()).use()
 xs = [cupy.full(4096 * (k + 1), 1.0, cupy.float32) for k in range(8)]
 hvd.allreduce(xs[0], name="warm-up")
-assert default_engine().global_channel.backends["cuda"].transport == "ipc"
+transport = default_engine().global_channel.backends["cuda"].transport
+assert transport == {expect!r}, f"transport {{transport!r}}, expected {expect!r}"
+inside = {inside!r}
+if inside:
+    # Everything allocated and warmed now: a fresh cudaMalloc issued while the matmuls run
+    # could wait for them (and let the collective complete before rank 1 goes).
+    a = cupy.full((8192, 8192), 1e-4, cupy.float32)
+    b = cupy.matmul(a, a)
+    y = cupy.ones(1 << 22, cupy.float32)
+    hvd.allreduce(y, name="inside", op=hvd.Sum)  # the pool keeps a block of the result's size
+    cupy.cuda.Stream.null.synchronize()
 for i in range(1_000_000):
+    if inside and i == 300:
+        if hvd.rank() == 1:
+            for _ in range(100):  # ~1-2 s of device work before the input is ready
+                cupy.matmul(a, a, out=b)
+            y[...] = b.ravel()[:1 << 22]  # no allocation
+        h = hvd.allreduce_async(y, name="inside", op=hvd.Sum)
+        if hvd.rank() == 1:
+            while not h._resolved:  # enqueued on the device behind the matmuls
+                time.sleep(1e-4)
+        else:
+            h.wait()
     if hvd.rank() == 1 and i == 300:
         with open(sys.argv[1], "w") as f:
             f.write(repr(time.time()))
@@ -55,7 +96,8 @@ HOW = {
 @pytest.mark.parametrize("how", list(HOW))
 def test_a_rank_gone_mid_stream_ends_the_job(tmp_path: Path, how: str) -> None:
     script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(_STREAM.format(how=HOW[how])), encoding="utf-8")
+    job = _STREAM.format(how=HOW[how], expect=EXPECT, inside=EXPECT == "nccl")
+    script.write_text(textwrap.dedent(job), encoding="utf-8")
     stamp = tmp_path / "gone"
     code, out = run_group([sys.executable, "-m", "hvdlite.run", "-np", "2", "--",
                            sys.executable, str(script), str(stamp)], clean_env(), 90.0)
@@ -63,7 +105,7 @@ def test_a_rank_gone_mid_stream_ends_the_job(tmp_path: Path, how: str) -> None:
     assert code is not None and code != 0, out
     assert stamp.exists(), f"rank 1 never reached the failure point:\n{out}"
     took = ended - float(stamp.read_text())
-    print(f"{how}: the job ended {took:.1f} s after rank 1 went", flush=True)
+    print(f"{how} ({EXPECT}): the job ended {took:.1f} s after rank 1 went", flush=True)
     assert took < 15, f"the job took {took:.1f} s to end after rank 1 went:\n{out}"
     assert "rank 1" in out, out
     if how == "SIGKILL":  # (a raising rank prints its own traceback, as Python does)
