@@ -190,6 +190,8 @@ class Env:
         if self.cuda:
             self.device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(self.device)
+            if args.model == "g4":  # G4's reference: float32 with TF32 matmuls
+                torch.backends.cuda.matmul.allow_tf32 = True
         else:
             self.device = torch.device("cpu")
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.local_size))
@@ -412,6 +414,8 @@ def report(env: Env, check: dict[str, Any], train: dict[str, np.ndarray],
     else:
         notes.append("1 rank: no target applies (T1/T2 are 2-GPU targets); "
                      "DistributedOptimizer registers no hooks at size 1")
+    if env.cuda and args.model == "g4":
+        notes.append("g4: TF32 matmuls (as G4), loss = MSE against a random target")
     if not env.cuda:
         notes.append("CPU run (--no-cuda): a smoke test of the code path, no GPU claim")
     if env.rank != 0:
@@ -449,7 +453,8 @@ def metadata(env: Env) -> dict[str, Any]:
         "size1_shortcut_knobs_turned_off": gl.shortcut_knobs(),
     }
     if env.cuda:
-        meta["nccl_torch"] = ".".join(map(str, torch.cuda.nccl.version()))
+        v = torch.cuda.nccl.version()
+        meta["nccl_torch"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
         meta["cudnn"] = torch.backends.cudnn.version()
     try:
         import torchvision
