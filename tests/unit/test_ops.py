@@ -41,9 +41,9 @@ EXPECTED: dict[str, tuple[str, set[ReduceOp], tuple[str, int] | None]] = {
     "uint16": ("int", ALL, None),
     "uint32": ("int", ALL, ("uint32", 1)),
     "uint64": ("int", ALL, ("uint64", 1)),
-    "float16": ("float", ALL, ("float16", 1)),
-    "float32": ("float", ALL, ("float32", 1)),
-    "float64": ("float", ALL, ("float64", 1)),
+    "float16": ("float", ALL | {ReduceOp.ADASUM}, ("float16", 1)),
+    "float32": ("float", ALL | {ReduceOp.ADASUM}, ("float32", 1)),
+    "float64": ("float", ALL | {ReduceOp.ADASUM}, ("float64", 1)),
     "complex64": ("complex", {Sum, Average, Product}, ("float32", 2)),
     "complex128": ("complex", {Sum, Average, Product}, ("float64", 2)),
 }
@@ -128,8 +128,18 @@ def test_check_op_messages_list_allowed_ops() -> None:
 # -- identities -------------------------------------------------------------------------------
 
 # How the ranks' values combine, per op (NumPy's add/multiply on bool are or/and).
+def _adasum_pair(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Horovod's pairwise Adasum rule, in float64 (a coefficient stays 1 at a zero norm)."""
+    a64, b64 = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+    dot, asq, bsq = float(a64 @ b64), float(a64 @ a64), float(b64 @ b64)
+    ac = 1.0 - dot / asq * 0.5 if asq > 0 else 1.0
+    bc = 1.0 - dot / bsq * 0.5 if bsq > 0 else 1.0
+    return (ac * a64 + bc * b64).astype(a.dtype).reshape(a.shape)
+
+
 COMBINE: dict[ReduceOp, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     Sum: np.add, Average: np.add, Product: np.multiply, Min: np.minimum, Max: np.maximum,
+    ReduceOp.ADASUM: _adasum_pair,
 }
 
 
@@ -150,6 +160,8 @@ def test_identity_changes_nothing(name: str) -> None:
     row = DTYPES[name]
     x = _samples(row)
     for op in sorted(row.ops):
+        if op is ReduceOp.ADASUM:  # norms and dot products of infinities are not numbers
+            x = x[np.isfinite(x)]
         ident = np.full_like(x, row.identity(op))
         with np.errstate(over="raise", invalid="raise"):
             got = COMBINE[op](x, ident)
