@@ -246,9 +246,18 @@ class IpcCommunicator:
 
     # -- steps ----------------------------------------------------------------------------
     def _run(self, pieces: list[_Piece], stream: int) -> None:
-        with self.cupy.cuda.Device(self.device_id):
-            for step in self._pack(pieces):
-                self._do_step(step, stream)
+        # Leaving CuPy's stream context for the reduce kernels (``with ExternalStream``) makes
+        # the null stream current, not the caller's: every later CuPy call of the caller (or
+        # of the backend, Adasum's dot products) would then run unordered with a non-blocking
+        # stream. So the caller's current stream is put back, whatever happens.
+        cuda = self.cupy.cuda
+        with cuda.Device(self.device_id):
+            current = cuda.get_current_stream()
+            try:
+                for step in self._pack(pieces):
+                    self._do_step(step, stream)
+            finally:
+                current.use()
 
     def _pack(self, pieces: list[_Piece]) -> Iterator[list[_Piece]]:
         """Pieces split to fit a slot, then packed into steps; every rank computes the same

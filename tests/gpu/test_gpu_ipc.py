@@ -186,3 +186,29 @@ def test_mixed_policy_picks_per_bucket_size(hvd: Any, restart: Any) -> None:
     assert backend.transport == "mixed"
     assert {kind for kind, _ in backend._made} == {"ipc", "nccl"}
     restart()
+
+
+def test_the_callers_current_stream_is_kept(hvd: Any, restart: Any) -> None:
+    """An IPC collective leaves the caller's current CuPy stream current (the reduce kernels
+    enter and leave a stream context of their own; leaving one made the null stream current,
+    so the caller's next kernels ran unordered with its non-blocking stream)."""
+    from cupy.cuda import nccl
+
+    from hvdlite._gpu.ipc import IpcCommunicator
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    x = cupy.ones(64, cupy.float32)
+    with stream:
+        ipc = IpcCommunicator(MPI.COMM_WORLD, cupy, nccl, cupy.cuda.Device().id, 1 << 16,
+                              lambda req: req.Wait())
+        for _ in range(3):
+            ipc.allReduce(x.data.ptr, x.data.ptr, x.size, nccl.NCCL_FLOAT32, nccl.NCCL_SUM,
+                          stream.ptr)
+            assert cupy.cuda.get_current_stream().ptr == stream.ptr
+        stream.synchronize()
+        ipc.destroy()
+        restart(ipc="always")
+        for i in range(3):  # the blocking repeat runs on this thread (the immediate path)
+            hvd.allreduce(x, name="keep.stream", op=hvd.Sum)
+            assert cupy.cuda.get_current_stream().ptr == stream.ptr, f"call {i}"
+    restart()
