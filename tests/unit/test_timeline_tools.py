@@ -143,7 +143,8 @@ def test_check_truncated_tail(two_ranks: list[Path], tmp_path: Path,
                               capsys: pytest.CaptureFixture[str]) -> None:
     text = two_ranks[0].read_text()
     cut = tmp_path / "cut.json"
-    cut.write_text(text[: len(text) * 2 // 3])  # mid-record, closing bracket gone
+    # Inside a record (a few bytes into one), closing bracket gone: wherever 2/3 falls.
+    cut.write_text(text[: text.index("{", len(text) * 2 // 3) + 5])
     assert check.main([str(cut)]) == 1
     assert "not valid JSON" in capsys.readouterr().out
     assert check.main(["--lenient", str(cut)]) == 0
