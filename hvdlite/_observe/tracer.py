@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from hvdlite._control.negotiation import Kind, Response
 from hvdlite._observe import nvtx as _nvtx
 from hvdlite._observe.stats import Stats
+from hvdlite._ops import ReduceOp
 
 if TYPE_CHECKING:
     from hvdlite._control.work import Entry
@@ -51,8 +52,19 @@ _TOP: dict[Kind, str | None] = {kind: None if kind in (Kind.BARRIER, Kind.JOIN, 
 _ACTIVITY = {f"{t}_BROADCAST": f"{t}_BCAST" for t in ("MPI", "NCCL", "IPC")}
 
 
+def _negotiate(req: Any) -> str:
+    # Horovod's request type for an allreduce with op Adasum is ADASUM.
+    if req.kind is Kind.ALLREDUCE and req.op == ReduceOp.ADASUM:
+        return "NEGOTIATE_ADASUM"
+    return _NEGOTIATE[req.kind]
+
+
 def _top_phase(resp: Response) -> str | None:
-    return "ERROR" if resp.error else _TOP[resp.kind]
+    if resp.error:
+        return "ERROR"
+    if resp.kind is Kind.ALLREDUCE and resp.op == ReduceOp.ADASUM:
+        return "ADASUM"
+    return _TOP[resp.kind]
 
 
 class Tracer:
@@ -80,7 +92,7 @@ class Tracer:
         for e in entries:
             req = e.request
             args = {"dtype": req.dtype, "shape": req.shape, "bytes": e.nbytes()}
-            tl.begin(req.name, _NEGOTIATE[req.kind], args, ts_us=e.enqueued_at * 1e6)
+            tl.begin(req.name, _negotiate(req), args, ts_us=e.enqueued_at * 1e6)
 
     def ready_tick(self, rank: int, names: Sequence[str], cached: bool = False) -> None:
         tl = self.timeline
@@ -97,7 +109,7 @@ class Tracer:
         for resp in responses:
             e = entries.get(resp.name)
             if e is not None:
-                items.append((resp.name, _NEGOTIATE[e.request.kind], _top_phase(resp)))
+                items.append((resp.name, _negotiate(e.request), _top_phase(resp)))
         if items:  # one queue slot for the cycle
             tl.handoff(items)
 

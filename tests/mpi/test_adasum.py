@@ -92,3 +92,27 @@ def test_errors(hvd: Any) -> None:
             hvd.remove_process_set(ps)
     got = hvd.allreduce(np.ones(2), name="ada.after", op=hvd.Sum)
     np.testing.assert_array_equal(got, np.full(2, float(n)))
+
+
+def test_timeline_names_adasum_as_horovod(hvd: Any, restart: Any, tmp_path_factory: Any) -> None:
+    """Horovod's request and response type for an Adasum allreduce is ADASUM: the timeline has
+    NEGOTIATE_ADASUM, then an ADASUM span around the exchange (MPI_ADASUM_ALLREDUCE)."""
+    import json
+    from pathlib import Path
+
+    from mpi4py import MPI
+
+    base = MPI.COMM_WORLD.bcast(str(tmp_path_factory.mktemp("ada")) if hvd.rank() == 0
+                                else None)
+    path = f"{base}/trace.{{rank}}.json"
+    restart(timeline=path)
+    hvd.allreduce(np.ones(8), name="ada.traced", op=hvd.Adasum)
+    hvd.allreduce(np.ones(8), name="sum.traced", op=hvd.Sum)
+    restart()
+    events = json.loads(Path(path.format(rank=hvd.rank())).read_text(encoding="utf-8"))
+    tracks = {e["tid"]: e["args"]["name"] for e in events
+              if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    begun = {(tracks.get(e["tid"]), e["name"]) for e in events if e.get("ph") == "B"}
+    assert {("ada.traced", "NEGOTIATE_ADASUM"), ("ada.traced", "ADASUM"),
+            ("ada.traced", "MPI_ADASUM_ALLREDUCE")} <= begun, sorted(begun)
+    assert ("sum.traced", "NEGOTIATE_ALLREDUCE") in begun
