@@ -102,6 +102,26 @@ def print0(comm: MPI.Comm, text: str) -> None:
         print(text, flush=True)
 
 
+def join_launch(obj: Any, args: argparse.Namespace) -> None:
+    """Set ``obj.args``, ``comm`` (a duplicate of COMM_WORLD), ``rank``, ``size``,
+    ``local_rank`` and ``local_size``; refuse (every rank exits 2) unless the launch has
+    ``args.np`` ranks."""
+    install_abort_hook()
+    obj.args = args
+    obj.comm = MPI.COMM_WORLD.Dup()
+    obj.rank, obj.size = obj.comm.Get_rank(), obj.comm.Get_size()
+    if obj.size != args.np:
+        refuse(
+            obj.comm,
+            f"launched with {obj.size} ranks but --np {args.np} was asked "
+            f"(a launcher/MPI mismatch gives N singletons of size 1); run it as: "
+            f"mpirun -n {args.np} python3 {' '.join(sys.argv)}",
+        )
+    local = obj.comm.Split_type(MPI.COMM_TYPE_SHARED, key=obj.rank)
+    obj.local_rank, obj.local_size = local.Get_rank(), local.Get_size()
+    local.Free()
+
+
 class Gpu:
     """One rank's view of the launch: the communicator, its GPU and its compute stream.
 
@@ -111,20 +131,7 @@ class Gpu:
     """
 
     def __init__(self, args: argparse.Namespace) -> None:
-        install_abort_hook()
-        self.args = args
-        self.comm = MPI.COMM_WORLD.Dup()
-        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
-        if self.size != args.np:
-            refuse(
-                self.comm,
-                f"launched with {self.size} ranks but --np {args.np} was asked "
-                f"(a launcher/MPI mismatch gives N singletons of size 1); run it as: "
-                f"mpirun -n {args.np} python3 {' '.join(sys.argv)}",
-            )
-        local = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-        self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
-        local.Free()
+        join_launch(self, args)
         self.cupy = _import_cupy(self.comm)
         count = self.cupy.cuda.runtime.getDeviceCount()
         check_all(

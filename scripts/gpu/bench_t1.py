@@ -161,16 +161,7 @@ class Env:
     """The launch: MPI, torch device, torch.distributed, hvdlite.torch, initial weights."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        gl.install_abort_hook()
-        self.args = args
-        self.comm = MPI.COMM_WORLD.Dup()
-        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
-        if self.size != args.np:
-            gl.refuse(self.comm, f"launched with {self.size} ranks but --np {args.np} was "
-                                 f"asked (a launcher/MPI mismatch gives N singletons of size 1)")
-        local = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-        self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
-        local.Free()
+        gl.join_launch(self, args)
         import torch
 
         self.torch = torch
