@@ -51,6 +51,8 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from hvdlite._gpu.kernels import ipc_reduce
+
 __all__ = ["IpcCommunicator"]
 
 _ALIGN = 256  # every piece starts on a 256-byte boundary of its slot
@@ -107,7 +109,6 @@ class IpcCommunicator:
                      nccl.NCCL_MIN: "min"}
         if hasattr(nccl, "NCCL_AVG"):
             self._ops[nccl.NCCL_AVG] = "avg"
-        self._kernels: dict[tuple[str, int], Any] = {}
         self._group: list[_Piece] | None = None
         self._group_stream = 0
         self._streams: dict[int, Any] = {}  # CuPy objects for raw stream pointers
@@ -323,40 +324,11 @@ class IpcCommunicator:
         count = piece.nbytes // dtype.itemsize
         if count == 0:
             return
-        cupy = self.cupy
-        ins = [self._array(self._slots[r][slot] + piece.offsets[r], count, dtype)
-               for r in range(self.size)]
-        out = self._array(pull.dst, count, dtype)
         target = self._streams.get(stream)
         if target is None:
-            target = self._streams[stream] = cupy.cuda.ExternalStream(stream, self.device_id)
-        with target:
-            self._kernel(self._ops[op])(*ins, out)
-
-    def _array(self, ptr: int, count: int, dtype: np.dtype) -> Any:
-        cuda = self.cupy.cuda
-        mem = cuda.UnownedMemory(ptr, count * dtype.itemsize, self, self.device_id)
-        return self.cupy.ndarray((count,), dtype, cuda.MemoryPointer(mem, 0))
-
-    def _kernel(self, op: str) -> Any:
-        """``y = a0 op a1 op ...`` over every rank's copy, in rank order on every rank (so
-        all ranks compute the same bits); one launch, templated on the element type."""
-        key = (op, self.size)
-        kern = self._kernels.get(key)
-        if kern is None:
-            n = self.size
-            args = ", ".join(f"T a{i}" for i in range(n))
-            if op in ("sum", "avg", "prod"):
-                sym = "*" if op == "prod" else "+"
-                body = "y = " + f" {sym} ".join(f"a{i}" for i in range(n)) + ";"
-                if op == "avg":
-                    body = f"y = (T)(({' + '.join(f'a{i}' for i in range(n))}) / (T){n});"
-                    if n == 1:
-                        body = "y = a0;"
-            else:
-                cmp = ">" if op == "max" else "<"
-                body = "T v = a0; " + " ".join(
-                    f"if (a{i} {cmp} v) v = a{i};" for i in range(1, n)) + " y = v;"
-            kern = self._kernels[key] = self.cupy.ElementwiseKernel(
-                args, "T y", body, f"hvdlite_ipc_{op}_{n}")
-        return kern
+            target = self._streams[stream] = self.cupy.cuda.ExternalStream(stream,
+                                                                           self.device_id)
+        with target:  # (the caller's current stream is put back by _run)
+            ipc_reduce(self._ops[op], dtype.name,
+                       [self._slots[r][slot] + piece.offsets[r] for r in range(self.size)],
+                       pull.dst, count)

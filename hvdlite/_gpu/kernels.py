@@ -149,3 +149,59 @@ def batched_copy(wire: str, meta: Any, n: int, fused: Any, total: int, *, mode: 
     _kernel(wire)((blocks,), (_THREADS,),
                   (meta, cupy.int32(n), fused, cupy.int64(_PER_BLOCK), cupy.float64(scale),
                    cupy.int64(divisor), cupy.int32(mode), cupy.int32(wire in _SIGNED)))
+
+
+# -- CUDA IPC: one rank-ordered reduction over every rank's staging slot ---------------------------
+# ``y[i] = a0[i] op a1[i] op ...`` left to right (every rank computes the same bits), each step
+# rounded to the element type (float16 through float, as NumPy's float16 arithmetic). Built per
+# (op, ranks, type) from raw pointers, so a call creates no array objects.
+_IPC_STEP = {
+    "sum": "v = L(F(v) + F(a{i}[k]));",
+    "avg": "v = L(F(v) + F(a{i}[k]));",
+    "prod": "v = L(F(v) * F(a{i}[k]));",
+    "max": "if (F(a{i}[k]) > F(v)) v = a{i}[k];",
+    "min": "if (F(a{i}[k]) < F(v)) v = a{i}[k];",
+}
+
+
+@functools.cache
+def _ipc_kernel(op: str, ranks: int, wire: str) -> Any:
+    import cupy
+
+    ctype = CTYPES[wire]
+    # F widens to the type the step computes in, L narrows back (identity but for float16).
+    half = wire == "float16"
+    widen = "__half2float" if half else ""
+    narrow = "__float2half" if half else f"({ctype})"
+    args = ", ".join(f"const {ctype}* __restrict__ a{i}" for i in range(ranks))
+    steps = "\n        ".join(_IPC_STEP[op].format(i=i) for i in range(1, ranks))
+    finish = (f"v = L(F(v) / ({'float' if half else ctype}){ranks});"
+              if op == "avg" and ranks > 1 else "")
+    name = f"hvd_ipc_{op}_{ranks}_{wire}"
+    code = f"""
+#include <cuda_fp16.h>
+#define F(x) {widen}(x)
+#define L(x) {narrow}(x)
+extern "C" __global__ void {name}({args}, {ctype}* __restrict__ y, long long n) {{
+    for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < n;
+         k += (long long)blockDim.x * gridDim.x) {{
+        {ctype} v = a0[k];
+        {steps}
+        {finish}
+        y[k] = v;
+    }}
+}}
+"""
+    return cupy.RawKernel(code, name)
+
+
+def ipc_reduce(op: str, wire: str, inputs: list[int], out: int, count: int) -> None:
+    """``out = inputs[0] op inputs[1] op ...`` over ``count`` elements of type ``wire``
+    (device pointers), on the current stream."""
+    import cupy
+    import numpy as np
+
+    blocks = min((count + _THREADS - 1) // _THREADS, 4096)
+    _ipc_kernel(op, len(inputs), wire)(
+        (blocks,), (_THREADS,), (*[np.uint64(p) for p in inputs], np.uint64(out),
+                                 cupy.int64(count)))
