@@ -332,6 +332,9 @@ def test_bad_arguments(tmp_path: Path) -> None:
 _CHILD = """
 import os, signal, sys, time
 from hvdlite._observe.timeline import Timeline
+# Python's own SIGINT handling, whatever this process inherited: a shell without job control
+# starts background commands with SIGINT ignored, and an ignored SIGINT would never end it.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 path, mode = sys.argv[1], sys.argv[2]
 tl = Timeline(path, 0, flush_interval_s=0.05)
 if mode == "handler":
