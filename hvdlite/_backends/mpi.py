@@ -52,7 +52,6 @@ _HALF_REDUCES = (MPI.FLOAT16_T != MPI.DATATYPE_NULL
 
 
 _OPS = {
-    ReduceOp.ADASUM: MPI.SUM,  # (never used as such: Adasum runs hvdlite/_adasum.py)
     ReduceOp.SUM: MPI.SUM,
     ReduceOp.AVERAGE: MPI.SUM,
     ReduceOp.MIN: MPI.MIN,
@@ -78,7 +77,6 @@ def _rows_split(total: int, parts: int) -> list[int]:
 
 
 _Spec = tuple[DType, ReduceOp, MPI.Datatype, np.dtype, MPI.Op, bool]
-_MPI_FLOAT = {2: MPI.UINT16_T, 4: MPI.FLOAT, 8: MPI.DOUBLE}  # Adasum moves raw halves
 _ADASUM_TAG = 7_200  # + level: the set's data communicator carries no other tagged traffic
 _NO_NAMES: list[str] = []
 _SPECS: dict[tuple[str, int], _Spec] = {}
@@ -89,8 +87,11 @@ def _spec(dtype: str, opv: int) -> _Spec:
     row = DTYPES[dtype]
     op = ReduceOp(opv)
     mtype, wire = mpi_datatype(row)
-    native = wire == row.np_dtype and op is not ReduceOp.ADASUM  # (Adasum: _reduce only)
-    spec = _SPECS[(dtype, opv)] = (row, op, mtype, wire, mpi_op(row, op), native)
+    # Adasum has no MPI op: _reduce runs hvdlite/_adasum.py on the region (never "native").
+    adasum_op = op is ReduceOp.ADASUM
+    spec: _Spec = (row, op, mtype, wire, MPI.OP_NULL if adasum_op else mpi_op(row, op),
+                   wire == row.np_dtype and not adasum_op)
+    _SPECS[(dtype, opv)] = spec
     return spec
 
 
@@ -262,12 +263,12 @@ class MPIBackend:
         """Adasum of ``region`` across the set (``hvdlite/_adasum.py``): point-to-point
         halves with the partner of each level, per-tensor dot products summed per block."""
         rank, size = self.rank, self.size
-        dtype = _MPI_FLOAT[region.dtype.itemsize]
 
         def exchange(send: np.ndarray, recv: np.ndarray, partner: int, level: int,
                      halving: bool) -> None:
-            rreq = self.comm.Irecv([recv, dtype], source=partner, tag=_ADASUM_TAG + level)
-            sreq = self.comm.Isend([send, dtype], dest=partner, tag=_ADASUM_TAG + level)
+            # Raw bytes: the values move unchanged, whatever their type.
+            rreq = self.comm.Irecv([recv, MPI.BYTE], source=partner, tag=_ADASUM_TAG + level)
+            sreq = self.comm.Isend([send, MPI.BYTE], dest=partner, tag=_ADASUM_TAG + level)
             self.wait(rreq)
             self.wait(sreq)
 
