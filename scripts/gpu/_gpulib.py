@@ -28,7 +28,7 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType, TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -102,24 +102,23 @@ def print0(comm: MPI.Comm, text: str) -> None:
         print(text, flush=True)
 
 
-def join_launch(obj: Any, args: argparse.Namespace) -> None:
-    """Set ``obj.args``, ``comm`` (a duplicate of COMM_WORLD), ``rank``, ``size``,
-    ``local_rank`` and ``local_size``; refuse (every rank exits 2) unless the launch has
-    ``args.np`` ranks."""
+def join_launch(args: argparse.Namespace) -> tuple[MPI.Intracomm, int, int, int, int]:
+    """(a duplicate of COMM_WORLD, rank, size, local rank, local size); refuse (every rank
+    exits 2) unless the launch has ``args.np`` ranks."""
     install_abort_hook()
-    obj.args = args
-    obj.comm = MPI.COMM_WORLD.Dup()
-    obj.rank, obj.size = obj.comm.Get_rank(), obj.comm.Get_size()
-    if obj.size != args.np:
+    comm = MPI.COMM_WORLD.Dup()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size != args.np:
         refuse(
-            obj.comm,
-            f"launched with {obj.size} ranks but --np {args.np} was asked "
+            comm,
+            f"launched with {size} ranks but --np {args.np} was asked "
             f"(a launcher/MPI mismatch gives N singletons of size 1); run it as: "
             f"mpirun -n {args.np} python3 {' '.join(sys.argv)}",
         )
-    local = obj.comm.Split_type(MPI.COMM_TYPE_SHARED, key=obj.rank)
-    obj.local_rank, obj.local_size = local.Get_rank(), local.Get_size()
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    local_rank, local_size = local.Get_rank(), local.Get_size()
     local.Free()
+    return comm, rank, size, local_rank, local_size
 
 
 class Gpu:
@@ -131,7 +130,8 @@ class Gpu:
     """
 
     def __init__(self, args: argparse.Namespace) -> None:
-        join_launch(self, args)
+        self.args = args
+        self.comm, self.rank, self.size, self.local_rank, self.local_size = join_launch(args)
         self.cupy = _import_cupy(self.comm)
         count = self.cupy.cuda.runtime.getDeviceCount()
         check_all(
@@ -424,8 +424,16 @@ def max_over_ranks(comm: MPI.Comm, values: np.ndarray) -> np.ndarray:
     return out
 
 
+class Launched(Protocol):
+    """What the timing helpers need of a launch (a :class:`Gpu`, or a benchmark's own)."""
+
+    comm: MPI.Intracomm
+
+    def barrier(self) -> None: ...
+
+
 def time_round_robin(
-    gpu: Gpu,
+    gpu: Launched,
     fns: Mapping[str, Callable[[], object]],
     reps: int,
     warmup: int,

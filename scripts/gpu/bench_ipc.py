@@ -70,7 +70,8 @@ class Launch(gl.Gpu):
     """gl.Gpu, except that ranks may share a GPU (``shared``: then NCCL cannot run)."""
 
     def __init__(self, args: argparse.Namespace) -> None:  # no super(): it refuses sharing
-        gl.join_launch(self, args)
+        self.args = args
+        self.comm, self.rank, self.size, self.local_rank, self.local_size = gl.join_launch(args)
         self.cupy = gl._import_cupy(self.comm)
         count = self.cupy.cuda.runtime.getDeviceCount()
         gl.check_all(self.comm, count >= 1, "GPU count", "no CUDA device")

@@ -46,7 +46,6 @@ import os
 import platform
 import socket
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -161,7 +160,8 @@ class Env:
     """The launch: MPI, torch device, torch.distributed, hvdlite.torch, initial weights."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        gl.join_launch(self, args)
+        self.args = args
+        self.comm, self.rank, self.size, self.local_rank, self.local_size = gl.join_launch(args)
         import torch
 
         self.torch = torch
@@ -227,6 +227,9 @@ class Env:
             why = f"torch.distributed unusable: {exc!r}"
         gl.check_all(self.comm, not why, "torch.distributed", why)
 
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
     def sync(self) -> None:
         if self.cuda:
             self.torch.cuda.synchronize(self.device)
@@ -288,19 +291,19 @@ def time_training(env: Env) -> dict[str, np.ndarray]:
         for _ in range(args.warmup):
             r.step()
     env.sync()
-    times = {k: np.empty(args.iters) for k in runners}
-    for i in range(args.iters):
-        for k, r in runners.items():
-            env.comm.Barrier()
-            t0 = time.perf_counter()
+
+    def rounds(r: Runner) -> Callable[[], None]:
+        def run() -> None:
             for _ in range(args.batches_per_iter):
                 r.step()
             env.sync()
-            times[k][i] = time.perf_counter() - t0
+        return run
+
+    times = gl.time_round_robin(env, {k: rounds(r) for k, r in runners.items()}, args.iters, 0)
     del runners
     if env.cuda:
         torch.cuda.empty_cache()
-    return {k: gl.max_over_ranks(env.comm, v) for k, v in times.items()}
+    return times
 
 
 def time_comm(env: Env) -> dict[str, np.ndarray]:
@@ -321,19 +324,14 @@ def time_comm(env: Env) -> dict[str, np.ndarray]:
         COMM_HVD: lambda: hvd.grouped_allreduce(ts, name="t1.comm", op=hvd.Sum),
         COMM_TORCH: lambda: torch.distributed.all_reduce(flat),
     }
-    for fn in fns.values():
-        for _ in range(3):
-            fn()
-    env.sync()
-    times = {k: np.empty(args.comm_reps) for k in fns}
-    for i in range(args.comm_reps):
-        for k, fn in fns.items():
-            env.comm.Barrier()
-            t0 = time.perf_counter()
+    def synced(fn: Callable[[], object]) -> Callable[[], None]:
+        def run() -> None:
             fn()
             env.sync()
-            times[k][i] = time.perf_counter() - t0
-    return {k: gl.max_over_ranks(env.comm, v) for k, v in times.items()}
+        return run
+
+    return gl.time_round_robin(env, {k: synced(fn) for k, fn in fns.items()}, args.comm_reps,
+                               3)
 
 
 # -- report ------------------------------------------------------------------------------------
