@@ -247,10 +247,11 @@ class IpcCommunicator:
 
     # -- steps ----------------------------------------------------------------------------
     def _run(self, pieces: list[_Piece], stream: int) -> None:
-        # Leaving CuPy's stream context for the reduce kernels (``with ExternalStream``) makes
-        # the null stream current, not the caller's: every later CuPy call of the caller (or
-        # of the backend, Adasum's dot products) would then run unordered with a non-blocking
-        # stream. So the caller's current stream is put back, whatever happens.
+        # After a call (it enters and leaves a device context, and a stream context for its
+        # reduce kernels) CuPy's current stream was the null stream, not the caller's: every
+        # later CuPy call of the caller (or of the backend: Adasum's dot products) would then
+        # run unordered with a non-blocking stream. So the caller's current stream is put
+        # back, whatever happens.
         cuda = self.cupy.cuda
         with cuda.Device(self.device_id):
             current = cuda.get_current_stream()

@@ -190,7 +190,7 @@ def test_mixed_policy_picks_per_bucket_size(hvd: Any, restart: Any) -> None:
 
 def test_the_callers_current_stream_is_kept(hvd: Any, restart: Any) -> None:
     """An IPC collective leaves the caller's current CuPy stream current (the reduce kernels
-    enter and leave a stream context of their own; leaving one made the null stream current,
+    enter and leave a stream context of their own; afterwards the null stream was current,
     so the caller's next kernels ran unordered with its non-blocking stream)."""
     from cupy.cuda import nccl
 
