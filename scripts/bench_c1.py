@@ -202,7 +202,7 @@ def main() -> None:
     ref = reference(args.seed, comm.Get_size(), case.fused_in.size, case.average)
     check(case, ref, "before timing")
     steps = {name: step for name, (step, _) in case.variants().items()}
-    times = bl.time_interleaved(comm, steps, args.reps, args.warmup)
+    times = bl.time_round_robin(comm, steps, args.reps, args.warmup)
     check(case, ref, "after timing")
     res = summarise(times, nbytes)
     tl = targets(res, comm.Get_size())
@@ -236,7 +236,7 @@ def main() -> None:
         f"op={args.op}, {comm.Get_size()} ranks, {args.reps} reps (max over ranks)"
     )
     tlines = bl.format_targets(tl)
-    bl.print_rank0(comm, f"{title}\n{note}\n{tlines}\n{bl.format_table(heads, rows)}")
+    bl.print0(comm, f"{title}\n{note}\n{tlines}\n{bl.format_table(heads, rows)}")
     hvd.shutdown()
 
 

@@ -222,7 +222,7 @@ def run_block(
         "pool_used_bytes_after_check": int(pool.used_bytes()),
         "pool_total_bytes_after_check": int(pool.total_bytes()),
     }
-    times = gl.time_round_robin(gpu, fns, gpu.args.repeats, gpu.args.warmup)
+    times = gl.time_round_robin(gpu.comm, fns, gpu.args.repeats, gpu.args.warmup)
     mem["pool_used_bytes_after_timing"] = int(pool.used_bytes())
     mem["steady_state"] = hvd.stats()["steady_state"]  # lane hits, immediate calls, ...
     mem["pool_total_bytes_after_timing"] = int(pool.total_bytes())
@@ -234,7 +234,7 @@ def run_alone(gpu: gl.Gpu, raw: gl.RawNccl, torch: Any, g: GradSet) -> dict[str,
     """The baselines checked and timed before hvdlite starts."""
     fns = baseline_variants(gpu, raw, torch, g)
     check(gpu, torch, fns, g, "hvdlite not started")
-    times = gl.time_round_robin(gpu, fns, gpu.args.repeats, gpu.args.warmup)
+    times = gl.time_round_robin(gpu.comm, fns, gpu.args.repeats, gpu.args.warmup)
     return {k + gl.ALONE: gl.stats(v) for k, v in times.items()}
 
 

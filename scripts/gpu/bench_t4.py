@@ -76,7 +76,7 @@ def main() -> None:
         fns[DIST_ASYNC] = lambda: _dist_async(dist, copies, gpu)
         fns[DIST_LOOP] = lambda: _dist_loop(dist, copies, gpu)
     _check(gpu, {k: fns[k] for k in (TORCH_T, CUPY_A)}, want, "before timing")
-    times = gl.time_round_robin(gpu, fns, args.reps, warmup=3)
+    times = gl.time_round_robin(gpu.comm, fns, args.reps, warmup=3)
     _check(gpu, {k: fns[k] for k in (TORCH_T, CUPY_A)}, want, "after timing")
     t4 = torch.full((1,), float(gpu.rank + 1), device=dev)
     c4 = cp.asarray(t4.clone())
@@ -86,7 +86,7 @@ def main() -> None:
     for name, fn in sync_fns.items():
         got = float(np.asarray(fn().tolist() if name == SYNC_T else cp.asnumpy(fn()))[0])
         gl.check_all(gpu.comm, got == want4, name, f"got {got}, expected {want4}")
-    times.update(gl.time_round_robin(gpu, sync_fns, args.sync_reps, warmup=50, after=gpu.sync))
+    times.update(gl.time_round_robin(gpu.comm, sync_fns, args.sync_reps, warmup=50, after=gpu.sync))
     gl.torch_close(dist)
     hvdlite.shutdown()
     _report(gpu, args, {k: gl.stats(v) for k, v in times.items()}, len(shapes), why)

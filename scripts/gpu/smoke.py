@@ -1,4 +1,4 @@
-"""GPU smoke run: every device collective once, in both completion modes, with stack dumps on a hang.
+"""GPU smoke run: every device collective once in both completion modes; stacks dumped on a hang.
 
 Run: mpirun -n N python scripts/gpu/smoke.py  (N = 1 or 2, one GPU per rank).
 """
