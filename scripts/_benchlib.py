@@ -288,14 +288,17 @@ def time_round_robin(
     reps: int,
     warmup: int,
     after: Callable[[], object] | None = None,
+    block: int = 1,
 ) -> dict[str, np.ndarray]:
-    """Time each variant ``reps`` times, one repeat of each in turn, so drift hits all alike.
+    """Time each variant ``reps`` times, taking turns, so drift hits all alike.
 
-    Each variant is warmed up ``warmup`` times first. A repeat is: barrier, host clock,
-    ``fn()``, host clock; ``fn`` must leave nothing pending that its result depends on (a GPU
-    variant synchronises inside it where its semantics do not already). ``after`` runs untimed
-    after every repeat (e.g. a stream synchronise for variants timed to "result usable").
-    Returns per-variant per-repeat seconds, the slowest rank's.
+    Each variant is warmed up ``warmup`` times first. Variants take turns in blocks of
+    ``block`` repeats (1: one repeat each in turn; more where switching variants costs a
+    re-warm). A repeat is: barrier, host clock, ``fn()``, host clock; ``fn`` must leave
+    nothing pending that its result depends on (a GPU variant synchronises inside it where
+    its semantics do not already). ``after`` runs untimed after every repeat (e.g. a stream
+    synchronise for variants timed to "result usable"). Returns per-variant per-repeat
+    seconds, the slowest rank's.
     """
     for fn in fns.values():
         for _ in range(warmup):
@@ -304,14 +307,15 @@ def time_round_robin(
                 after()
     times = {name: np.empty(reps, dtype=np.float64) for name in fns}
     clock = time.perf_counter
-    for i in range(reps):
+    for start in range(0, reps, block):
         for name, fn in fns.items():
-            comm.Barrier()
-            t0 = clock()
-            fn()
-            times[name][i] = clock() - t0
-            if after is not None:
-                after()
+            for i in range(start, min(start + block, reps)):
+                comm.Barrier()
+                t0 = clock()
+                fn()
+                times[name][i] = clock() - t0
+                if after is not None:
+                    after()
     return {name: max_over_ranks(comm, t) for name, t in times.items()}
 
 

@@ -23,7 +23,6 @@ NumPy API per tensor.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -132,25 +131,6 @@ def resnet_case(args: Any) -> Case:
     return case
 
 
-def measure(case: Case, steps: int, block: int) -> dict[str, np.ndarray]:
-    """Per-step seconds of every variant (slowest rank per step), in alternating blocks."""
-    comm = MPI.COMM_WORLD
-    samples: dict[str, list[float]] = {k: [] for k in case.variants}
-    for step in case.variants.values():  # warm-up: lanes, caches, plans
-        for _ in range(2):
-            step()
-    while min(len(v) for v in samples.values()) < steps:
-        for name, step in case.variants.items():
-            times = np.empty(block)
-            for i in range(block):
-                comm.Barrier()
-                t0 = time.perf_counter()
-                step()
-                times[i] = time.perf_counter() - t0
-            samples[name].extend(bl.max_over_ranks(comm, times).tolist())
-    return {k: np.asarray(v) for k, v in samples.items()}
-
-
 def main() -> None:
     bl.install_abort_hook()
     p = bl.base_parser(__doc__.splitlines()[0])
@@ -172,7 +152,7 @@ def main() -> None:
     counts: dict[str, int] = {}
     for case, steps, block in plan:
         case.check("before timing")
-        samples = measure(case, steps, block)
+        samples = bl.time_round_robin(comm, case.variants, steps, warmup=2, block=block)
         case.check("after timing")
         results[case.label] = {k: bl.stats(v) for k, v in samples.items()}
         counts[case.label] = len(case.tensors)
