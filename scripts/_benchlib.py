@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import socket
@@ -91,6 +92,31 @@ def check_all(comm: MPI.Comm, ok: bool, what: str, detail: str = "") -> None:
     if bad:
         lines = "; ".join(f"rank {r}: {d}" for r, d in bad)
         refuse(comm, f"correctness check failed for {what}: {lines}")
+
+
+def load_shapes(name: str, limit: int | None = None) -> list[tuple[str, tuple[int, ...]]]:
+    """(tensor name, shape) of a gradient set in ``scripts/data`` (``resnet50``, ``bert_large``),
+    checked against the file's element count; the first ``limit`` tensors when given."""
+    path = DATA_DIR / f"{name}_grads.json"
+    spec = json.loads(path.read_text(encoding="utf-8"))
+    if spec.get("dtype", "float32") != "float32":
+        raise ValueError(f"{path}: expected float32 tensors, file says {spec['dtype']}")
+    shapes = [(t["name"], tuple(int(d) for d in t["shape"])) for t in spec["tensors"]]
+    total = sum(math.prod(s) for _, s in shapes)
+    if total != spec["total_elements"]:
+        raise ValueError(f"{path}: shapes sum to {total}, file says {spec['total_elements']}")
+    return shapes[:limit]
+
+
+def split(flat: Any, shapes: Sequence[tuple[str, tuple[int, ...]]]) -> list[Any]:
+    """Separate, contiguous per-tensor copies of consecutive slices of a flat NumPy or CuPy
+    buffer (like framework gradients)."""
+    out, off = [], 0
+    for _, shape in shapes:
+        n = math.prod(shape)
+        out.append(flat[off : off + n].reshape(shape).copy())
+        off += n
+    return out
 
 
 def rank_rng(seed: int, rank: int, salt: int = 0) -> np.random.Generator:

@@ -22,7 +22,6 @@ NumPy API per tensor.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -115,11 +114,7 @@ def sync_case(args: Any) -> Case:
 
 
 def resnet_case(args: Any) -> Case:
-    with open(bl.DATA_DIR / "resnet50_grads.json", encoding="utf-8") as f:
-        data = json.load(f)
-    shapes = [tuple(int(d) for d in entry["shape"]) for entry in data["tensors"]]
-    if args.quick:
-        shapes = shapes[:16]
+    shapes = [s for _, s in bl.load_shapes("resnet50", 16 if args.quick else None)]
     case = Case(f"resnet50 ({len(shapes)} tensors)", shapes, args, 3)
     names = [f"t4.r50.{i}" for i in range(len(shapes))]
     case.variants = {

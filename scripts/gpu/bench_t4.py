@@ -55,10 +55,7 @@ def main() -> None:
     dist, why = gl.torch_dist(gpu)
     gl.hvd_start(hvdlite, gpu)
     cp = gpu.cupy
-    with open(gl.DATA_DIR / "resnet50_grads.json", encoding="utf-8") as f:
-        shapes = [tuple(int(d) for d in e["shape"]) for e in json.load(f)["tensors"]]
-    if args.quick:
-        shapes = shapes[:20]
+    shapes = [s for _, s in gl.load_shapes("resnet50", 20 if args.quick else None)]
     dev = torch.device("cuda", gpu.device_id)
     ts = [torch.full(s, float(((k % 7) + 2 * gpu.rank) * 2), device=dev)
           for k, s in enumerate(shapes)]
@@ -131,11 +128,12 @@ def _check(gpu: gl.Gpu, fns: dict[str, Callable[[], list[Any]]], want: list[floa
 
 def _report(gpu: gl.Gpu, args: Any, st: dict[str, dict[str, float]], n: int, why: str) -> None:
     med = {k: v["median_s"] for k, v in st.items()}
-    rows, verdicts = [], []
-    torch_best = min((k for k in (DIST_ASYNC, DIST_LOOP) if k in med), key=med.get,
+    rows: list[tuple[str, float, float]] = []
+    verdicts: list[dict[str, Any]] = []
+    torch_best = min((k for k in (DIST_ASYNC, DIST_LOOP) if k in med), key=med.__getitem__,
                      default=None)
     for k, v in st.items():
-        rows.append([k, gl.ms(v["median_s"]), gl.ms(v["p99_s"])])
+        rows.append((k, gl.ms(v["median_s"]), gl.ms(v["p99_s"])))
     checks = [(f"ResNet-50 set: {TORCH_T} <= {X_CUPY}x {CUPY_A}", med[TORCH_T] / med[CUPY_A],
                X_CUPY),
               (f"4 B sync: {SYNC_T} <= {X_CUPY}x {SYNC_C}", med[SYNC_T] / med[SYNC_C], X_CUPY)]
