@@ -299,7 +299,7 @@ def time_training(env: Env) -> dict[str, np.ndarray]:
             env.sync()
         return run
 
-    times = gl.time_round_robin(env, {k: rounds(r) for k, r in runners.items()}, args.iters, 0)
+    times = gl.time_round_robin(env.comm, {k: rounds(r) for k, r in runners.items()}, args.iters, 0)
     del runners
     if env.cuda:
         torch.cuda.empty_cache()
@@ -330,7 +330,7 @@ def time_comm(env: Env) -> dict[str, np.ndarray]:
             env.sync()
         return run
 
-    return gl.time_round_robin(env, {k: synced(fn) for k, fn in fns.items()}, args.comm_reps,
+    return gl.time_round_robin(env.comm, {k: synced(fn) for k, fn in fns.items()}, args.comm_reps,
                                3)
 
 
