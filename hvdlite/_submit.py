@@ -341,9 +341,10 @@ def _check_reduction(
     opv = 0
     reduces = SPECS[kind].reduces
     if reduces:
+        if op is ReduceOp.ADASUM and kind is not Kind.ALLREDUCE:  # whatever the dtype
+            raise NotImplementedError(f"{what}: op Adasum is implemented for allreduce only "
+                                      "(as in Horovod); use Sum or Average here")
         opv = int(check_op(row, op, what))
-        if opv == ReduceOp.ADASUM and kind is not Kind.ALLREDUCE:
-            raise TypeError(f"{what}: op Adasum is an allreduce op; use Sum or Average here")
         prescale = _check_factor(prescale, "prescale_factor", row, what)
         postscale = _check_factor(postscale, "postscale_factor", row, what)
     if is_cuda:

@@ -56,13 +56,14 @@ class Channel:
         self.backends: dict[str, Backend] = {"cpu": self.mpi}
         self.entries: dict[str, Entry] = {}
         self.in_flight: set[str] = set()
-        # Per tensor name, each at most cache_capacity names (hvdlite/_lru.py), and a name
-        # leaves both when the response cache lets it go (forget): the last request (a call
-        # whose parameters did not change reuses it, so the cache matches it by identity,
-        # see ResponseCache.lookup) and the steady state of its calls (_control/replay.py).
+        # Per tensor name: the last request (a call whose parameters did not change reuses
+        # it, so the cache matches it by identity, see ResponseCache.lookup) and the steady
+        # state of its calls (_control/replay.py). A name leaves both when the response cache
+        # lets it go (forget, agreed), so they hold the cached names; the bound (oldest out,
+        # hvdlite/_lru.py) leaves room for as many names again in flight or never cached.
         capacity = config.cache_capacity
-        self.requests: Bounded[str, Request] = Bounded(capacity)
-        self.lanes = Lanes(capacity)
+        self.requests: Bounded[str, Request] = Bounded(2 * capacity)
+        self.lanes = Lanes(2 * capacity)
         # Execution plans by agreed response list (see plan), least recently used out.
         self._plans: Bounded[tuple[int, ...], tuple[tuple[Response, ...],
                                                     list[tuple[list[Response], int]]]]
@@ -90,10 +91,10 @@ class Channel:
         A later call of the name builds them again and goes through a full round."""
         req = self.requests.get(name)
         if req is not None and (cached is None or req == cached):
-            self.requests.pop(name, None)
+            self.requests.drop(name)
         lane = self.lanes.get(name)
         if lane is not None and (cached is None or lane.request == cached):
-            self.lanes.pop(name, None)
+            self.lanes.drop(name)
 
     # -- one round (under the engine's cycle lock) -------------------------------------------
     def negotiate(self, new: list[Entry], stopping: bool, expecting_stall: bool,
@@ -145,7 +146,8 @@ class Channel:
         if hit is not None:
             return hit[1]
         plan = [(b, sum(nbytes(r) for r in b)) for b in plan_buckets(responses, threshold)]
-        self._plans.keep(key, (tuple(responses), plan))
+        # Weighed by its responses: a plan over a step of names seen once holds them all.
+        self._plans.keep(key, (tuple(responses), plan), len(responses))
         return plan
 
     def _account(self, bucket: list[Response], payload: int, threshold: int) -> None:

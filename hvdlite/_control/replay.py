@@ -13,9 +13,10 @@ step after step. Two records turn that repeat into a few comparisons:
   their own (large ones, no copy) and which are fused, their offsets, and the pointer tables
   the device copy kernels read. It is rebuilt only when a member's address changed.
 
-Both are bounded by ``cache_capacity`` (``hvdlite/_lru.py``): a name's lane goes when the
-response cache lets the name go (an agreed eviction, the same on every rank: see
-``Channel.forget``), or, oldest first, when more lanes than that exist.
+Both follow ``cache_capacity`` (``hvdlite/_lru.py``): a name's lane goes when the response
+cache lets the name go (an agreed eviction, the same on every rank: see ``Channel.forget``),
+or, oldest first, beyond twice that many lanes (names in flight or never cached); member
+plans, at most that many, least recently used out.
 
 Result arrays are recycled the way a caching allocator recycles memory, and only for a name
 that repeats (a lane's first call keeps nothing, so names made up per step hold no memory):

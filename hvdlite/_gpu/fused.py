@@ -78,7 +78,7 @@ class FusedAllreduce:
         self.direct_bytes = direct_bytes
         self.copy_kernels = 0  # batched copy kernels launched (a zero-copy bucket adds none)
         self.plans_built = 0  # member plans made (a repeated step makes none)
-        # At most cache_capacity plans, least recently used out (0: none kept).
+        # Plans of at most cache_capacity members in all, least recently used out (0: none).
         self._plans: Bounded[tuple[int, int], tuple[object, MemberPlan]] = Bounded(capacity)
 
     def _plan(self, owner: object, part: int, srcs: Sequence[Any], per: int,
@@ -91,7 +91,7 @@ class FusedAllreduce:
         if hit is not None and hit[0] is owner:
             return hit[1]
         plan = MemberPlan([a.size * per for a in srcs], itemsize, self.direct_bytes)
-        self._plans.keep(key, (owner, plan))
+        self._plans.keep(key, (owner, plan), len(srcs))  # weighed by its members
         self.plans_built += 1
         return plan
 
