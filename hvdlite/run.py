@@ -30,6 +30,7 @@ from typing import Any
 
 from hvdlite import _rankwrap
 from hvdlite.config import CONFIG_ENV, KNOBS, Config, Knob, default_yaml_text, resolve
+from hvdlite.elastic import driver as elastic
 from hvdlite.errors import ConfigError
 
 __all__ = ["build_command", "build_parser", "find_mpiexec", "main", "mpi_flavor"]
@@ -133,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print configs/default.yaml (every knob, documented) and exit",
     )
+    elastic.add_flags(parser)
     return parser
 
 
@@ -420,6 +422,7 @@ def _main(argv: Sequence[str] | None) -> int:
         sys.stdout.write(default_yaml_text())
         return 0
     config, sources = _resolve(parser, ns)
+    elastic_args = elastic.elastic_args(parser, ns) if elastic.is_elastic(ns) else None
     if ns.check:
         ns.command = _doctor_command(sources)
     mpiexec = find_mpiexec(ns.mpiexec)
@@ -454,6 +457,9 @@ def _main(argv: Sequence[str] | None) -> int:
         cmd = build_command(spec)
         if ns.verbose:
             _print_verbose(cmd, config, sources)
+        if elastic_args is not None:
+            return elastic.run_elastic(elastic_args, spec, env, report_dir, build_command,
+                                       ns.timeout)
         try:
             proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         except OSError as exc:
