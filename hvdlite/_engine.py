@@ -22,6 +22,7 @@ from hvdlite._control.driver import Driver
 from hvdlite._control.fusion import FusionBuffers
 from hvdlite._control.negotiation import Response
 from hvdlite._control.work import Entry
+from hvdlite._launch import watchdog
 from hvdlite._observe.tracer import Tracer, open_timeline
 from hvdlite.config import Config, load_config
 from hvdlite.errors import (
@@ -101,6 +102,8 @@ class Engine:
         self.clock_offset_us = _clock_offset_us(self._ctrl)
         self.tracer = Tracer(self.open_timeline(cfg.timeline, cfg.timeline_mark_cycles)
                              if cfg.timeline else None, cfg.nvtx)
+        # Under hvdliterun: ended by the launcher (a host lost) even while blocked in MPI.
+        watchdog.start(lambda: self.tracer.timeline)
         # Each rank runs two busy threads at times (training + background): waiting inside MPI
         # (a busy-wait) only pays off with a core for each.
         cores = _cores()

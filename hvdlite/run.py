@@ -22,13 +22,16 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from hvdlite import _rankwrap
+from hvdlite._launch import hosts as launch_hosts
+from hvdlite._launch.monitor import Monitor
+from hvdlite._launch.verdict import Verdict
 from hvdlite.config import CONFIG_ENV, KNOBS, Config, Knob, default_yaml_text, resolve
 from hvdlite.elastic import driver as elastic
 from hvdlite.errors import ConfigError
@@ -38,6 +41,13 @@ __all__ = ["build_command", "build_parser", "find_mpiexec", "main", "mpi_flavor"
 EXIT_USAGE = 2
 EXIT_NO_MPI = 127
 EXIT_TIMEOUT = 124
+EXIT_UNREACHABLE = 255  # as ssh's own
+EXIT_HOST_LOST = 1
+MONITOR_BEAT_S = 1.0
+# With stall_shutdown_time_s set, a silent host is declared lost at most this long after it.
+STALL_MARGIN_S = 5.0
+# After the surviving ranks were told to end: their wrappers escalate to SIGTERM, then SIGKILL.
+LOST_GRACE_S = _rankwrap.ABORT_GRACE_S + _rankwrap.TERM_GRACE_S + 1.0
 # After a rank failed, the MPI launcher gets this long to end the job itself.
 FAILURE_GRACE_S = 3.0
 # After SIGTERM to the job's process group, this long before SIGKILL.
@@ -45,8 +55,6 @@ KILL_GRACE_S = 2.0
 POLL_S = 0.05
 # Beyond the rank guard's grace, how long to wait for a rank program left by the launcher.
 LIVE_SLACK_S = 3.0
-# Forwarded to Open MPI ranks explicitly (-x); Hydra passes the whole environment on.
-OPENMPI_PASSTHROUGH = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV")
 
 
 _METAVARS = {"bytes": "SIZE", "ms": "MS", "s": "SECONDS", "entries": "N", "path": "PATH"}
@@ -116,6 +124,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     mpi.add_argument(
         "--mpiexec", metavar="PATH", help="MPI launcher to use (default: next to python, then PATH)"
+    )
+    mpi.add_argument(
+        "--network-interface",
+        metavar="IFACE",
+        help="network interface between the hosts, for the launcher's connections and MPI's "
+        "(default with remote hosts: the one this host routes to the first remote host by)",
+    )
+    mpi.add_argument(
+        "--tcp",
+        action="store_true",
+        help="MPI over TCP only (MPICH: ofi netmod, tcp provider; Open MPI: ob1/tcp), as "
+        "Horovod's --tcp",
+    )
+    mpi.add_argument(
+        "-x",
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME[=VALUE]",
+        help="forward this environment variable to every rank (repeatable); HVDLITE_*, "
+        "HOROVOD_*, PATH, PYTHONPATH, LD_LIBRARY_PATH and VIRTUAL_ENV always are",
     )
     parser.add_argument(
         "--timeout", type=float, metavar="SECONDS", help="end the whole job after this many seconds"
@@ -251,7 +280,7 @@ def _end_job(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
-def _await_ranks(report_dir: str) -> None:
+def _await_ranks(report_dir: str, monitor: Monitor) -> None:
     """Wait (bounded) until every rank program the launcher left behind has ended.
 
     When a rank fails, the MPI launcher SIGKILLs the other ranks' wrappers; their programs run
@@ -261,7 +290,7 @@ def _await_ranks(report_dir: str) -> None:
     when hvdliterun returns.
     """
     deadline = time.monotonic() + _rankwrap.GUARD_GRACE_S + LIVE_SLACK_S
-    while any(Path(report_dir).glob(f"{_rankwrap.LIVE_PREFIX}*")):
+    while any(Path(report_dir).glob(f"{_rankwrap.LIVE_PREFIX}*")) or monitor.running():
         if time.monotonic() > deadline:
             return
         time.sleep(POLL_S)
@@ -299,8 +328,10 @@ class _Outcome:
     interrupted: int | None
 
 
-def _supervise(proc: subprocess.Popen[bytes], report_dir: str, timeout: float | None) -> _Outcome:
-    """Wait for the job; end it early on a rank failure, a signal to us, or the timeout."""
+def _supervise(proc: subprocess.Popen[bytes], report_dir: str, timeout: float | None,
+               verdict: Verdict) -> _Outcome:
+    """Wait for the job; end it early on a rank failure, a lost host, a signal to us, or the
+    timeout. A lost host: the other ranks are told to end (they write their timelines)."""
     start = time.monotonic()
     end_by: float | None = None  # when to stop waiting for the MPI launcher to end the job
     interrupted: list[int] = []
@@ -324,7 +355,13 @@ def _supervise(proc: subprocess.Popen[bytes], report_dir: str, timeout: float | 
             if timeout is not None and now - start > timeout:
                 _end_job(proc)
                 return _Outcome(proc.returncode, True, None)
-            if end_by is None and any(Path(report_dir).glob("rank-*.json")):
+            verdict.poll()
+            lost = verdict.loss(now)
+            if lost is not None:
+                verdict.monitor.abort(f"{lost}; hvdliterun ends the job",
+                                      ranks=verdict.monitor.running())
+                end_by = now + LOST_GRACE_S
+            if end_by is None and (verdict.failures or any(Path(report_dir).glob("rank-*.json"))):
                 end_by = now + FAILURE_GRACE_S
             if end_by is not None and now > end_by:
                 _end_job(proc)
@@ -334,11 +371,16 @@ def _supervise(proc: subprocess.Popen[bytes], report_dir: str, timeout: float | 
             signal.signal(sig, handler)
 
 
-def _conclude(outcome: _Outcome, report_dir: str, np: int, timeout: float | None) -> int:
+def _conclude(outcome: _Outcome, report_dir: str, np: int, timeout: float | None,
+              verdict: Verdict) -> int:
     if outcome.timed_out:
         _say(f"job of {_ranks(np)} exceeded --timeout {timeout:g} s; all ranks were killed")
         return EXIT_TIMEOUT
-    first = _first_failure(_read_reports(report_dir))
+    if verdict.concluded is not None:
+        _say(f"{verdict.concluded}; the job of {_ranks(np)} was ended (the other ranks were "
+             "told to end and write their timelines)")
+        return EXIT_HOST_LOST
+    first = _first_failure(_read_reports(report_dir) + verdict.failures)
     if first is not None:
         status = _rankwrap.describe_status(first["code"])
         _say(
@@ -432,17 +474,41 @@ def _main(argv: Sequence[str] | None) -> int:
             "PATH); install one, e.g. pip install 'hvdlite[local]'"
         )
         return EXIT_NO_MPI
+    hosts = _hosts(parser, ns)
+    remote = [h.name for h in hosts if not launch_hosts.is_local(h.name)]
+    if remote:
+        problems = launch_hosts.check_ssh(remote, sys.executable)
+        if problems:
+            for host, what in problems.items():
+                _say(f"host {host} cannot be reached: {what}")
+            _say(f"not started: {len(problems)} of {len(hosts)} hosts unreachable "
+                 f"({', '.join(problems)}); fix them or leave them out of -H / --hostfile")
+            return EXIT_UNREACHABLE
+    try:
+        iface, address = _interface(ns.network_interface, remote)
+    except OSError as exc:
+        _say(f"cannot choose the network interface: {exc}; name one with --network-interface")
+        return EXIT_USAGE
     # A preset report directory (on a shared file system) lets ranks on other hosts report too.
     report_base = os.environ.get(_rankwrap.REPORT_DIR_ENV) or None
-    with tempfile.TemporaryDirectory(prefix="hvdliterun-", dir=report_base) as report_dir:
+    monitor = _monitor(config, address if remote or ns.network_interface else "127.0.0.1")
+    with monitor_closed(monitor), tempfile.TemporaryDirectory(
+            prefix="hvdliterun-", dir=report_base) as report_dir:
+        flavor = mpi_flavor(mpiexec)
+        try:
+            forward = launch_hosts.forwarded_env(dict(os.environ), ns.env,
+                                                 os.path.dirname(sys.executable))
+        except ValueError as exc:
+            parser.error(str(exc))
+        net_args, net_env = launch_hosts.transport(flavor, iface, ns.tcp)
+        forward |= {k: v for k, v in net_env.items() if k not in os.environ}
         # Only what was set (flag, environment, --config): a knob left at its default must
         # not shadow a rank's own init(config=...) file, which the environment would beat.
         chosen = [name for name, source in sources.items() if source != "default"]
-        forward = {**config.to_env(chosen), _rankwrap.REPORT_DIR_ENV: report_dir}
-        env = {k: v for k, v in os.environ.items() if k != CONFIG_ENV} | forward
-        flavor = mpi_flavor(mpiexec)
-        if flavor == "openmpi":
-            forward |= {k: os.environ[k] for k in OPENMPI_PASSTHROUGH if k in os.environ}
+        forward |= config.to_env(chosen) | monitor.env() | {_rankwrap.REPORT_DIR_ENV: report_dir}
+        env = {k: v for k, v in os.environ.items()
+               if k not in launch_hosts.PRIVATE_NAMES and k != CONFIG_ENV}
+        env |= forward
         spec = JobSpec(
             mpiexec=mpiexec,
             flavor=flavor,
@@ -451,7 +517,7 @@ def _main(argv: Sequence[str] | None) -> int:
             forward_env=tuple(forward.items()),
             hosts=ns.hosts,
             hostfile=ns.hostfile,
-            mpi_args=tuple(ns.mpi_args),
+            mpi_args=tuple(net_args + ns.mpi_args),
             is_root=os.geteuid() == 0,
         )
         cmd = build_command(spec)
@@ -465,9 +531,54 @@ def _main(argv: Sequence[str] | None) -> int:
         except OSError as exc:
             _say(f"cannot start {mpiexec!r}: {exc}")
             return EXIT_NO_MPI
-        outcome = _supervise(proc, report_dir, ns.timeout)
-        _await_ranks(report_dir)
-        return _conclude(outcome, report_dir, ns.np, ns.timeout)
+        verdict = Verdict(monitor)
+        outcome = _supervise(proc, report_dir, ns.timeout, verdict)
+        _await_ranks(report_dir, monitor)
+        return _conclude(outcome, report_dir, ns.np, ns.timeout, verdict)
+
+
+def _hosts(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> list[launch_hosts.Host]:
+    """The job's hosts from -H or --hostfile (empty: this host only)."""
+    try:
+        if ns.hosts:
+            return launch_hosts.parse_hosts(ns.hosts)
+        if ns.hostfile:
+            return launch_hosts.parse_hostfile(ns.hostfile)
+    except (OSError, ValueError) as exc:
+        parser.error(str(exc))
+    return []
+
+
+def _interface(named: str | None, remote: list[str]) -> tuple[str | None, str]:
+    """(interface, its address): the named one, or the route to the first remote host; with
+    neither, no interface and the loopback address."""
+    if named:
+        first = named.split(",")[0]
+        address = launch_hosts.interface_address(first)
+        if address is None:
+            raise OSError(f"interface {first!r} has no IPv4 address on this host")
+        return named, address
+    if remote:
+        return launch_hosts.interface_for(remote[0])
+    return None, "127.0.0.1"
+
+
+def _monitor(config: Config, address: str) -> Monitor:
+    """The ranks' monitor (hvdlite/_launch/monitor.py), its timeout from the settings."""
+    timeout = config.peer_timeout_s
+    if config.stall_shutdown_time_s > 0:
+        timeout = min(timeout, config.stall_shutdown_time_s + STALL_MARGIN_S)
+    monitor = Monitor(address, beat_s=min(MONITOR_BEAT_S, timeout / 4), timeout_s=timeout)
+    monitor.start()
+    return monitor
+
+
+@contextlib.contextmanager
+def monitor_closed(monitor: Monitor) -> Iterator[Monitor]:
+    try:
+        yield monitor
+    finally:
+        monitor.close()
 
 
 if __name__ == "__main__":

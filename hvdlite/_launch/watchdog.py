@@ -1,0 +1,97 @@
+"""Inside a rank started by ``hvdliterun``: the thread that ends the rank when the job is over.
+
+The rank wrapper (:mod:`hvdlite._rankwrap`) holds the rank's connection to the launcher's
+monitor (:mod:`hvdlite._launch.monitor`). When the launcher orders the job to end (a host was
+lost) or the wrapper loses the launcher (this host is cut off), the wrapper writes one line,
+``{"t": "abort", "reason": ..., "code": ...}``, to a socket it handed to the rank
+(``HVDLITE_WATCHDOG_FD``). This module's thread waits on that socket, apart from hvdlite's
+cycles: a rank blocked inside MPI (a negotiation or a collective that waits for a peer that is
+gone) releases the GIL there, so the thread still runs. It prints the reason once, closes the
+timeline (the survivors' traces are kept), flushes stdio and ends the process with
+``os._exit(code)``, without MPI, which may never return.
+
+Where the rank does not use hvdlite (or is stuck holding the GIL), the wrapper escalates to
+SIGTERM, then SIGKILL. Importing this module has no side effects.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from hvdlite import _exit
+
+if TYPE_CHECKING:
+    from hvdlite._observe.timeline import Timeline
+
+__all__ = ["FD_ENV", "start"]
+
+FD_ENV = "HVDLITE_WATCHDOG_FD"
+
+_lock = threading.Lock()
+_thread: threading.Thread | None = None
+_timeline_of: Callable[[], Timeline | None] | None = None
+
+
+def start(timeline_of: Callable[[], Timeline | None]) -> bool:
+    """Start the watchdog thread once per process (later calls only swap ``timeline_of``,
+    the callable that returns the timeline to close when the rank is ended).
+
+    Returns True if the process has a watchdog channel (started under ``hvdliterun``), False
+    otherwise (then nothing is started). Never blocks; any thread.
+    """
+    global _thread, _timeline_of
+    with _lock:
+        _timeline_of = timeline_of
+        if _thread is not None:
+            return True
+        text = os.environ.get(FD_ENV, "")
+        if not text.isdigit():
+            return False
+        fd = int(text)
+        try:
+            os.fstat(fd)
+            os.set_inheritable(fd, False)  # not for the rank's own subprocesses
+        except OSError:
+            return False
+        _thread = threading.Thread(target=_watch, args=(fd,), name="hvdlite-watchdog",
+                                   daemon=True)
+        _thread.start()
+        return True
+
+
+def _watch(fd: int) -> None:
+    buf = b""
+    while True:
+        try:
+            data = os.read(fd, 65536)
+        except OSError:
+            return
+        if not data:
+            return  # the wrapper ended the channel: nothing more will come
+        buf += data
+        *lines, buf = buf.split(b"\n")
+        for raw in lines:
+            try:
+                msg = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(msg, dict) and msg.get("t") == "abort":
+                _end(str(msg.get("reason", "the launcher ended the job")),
+                     int(msg.get("code", 1)))
+
+
+def _end(reason: str, code: int) -> None:
+    _exit.announce(f"{reason}; this rank ends now (its timeline is written)")
+    timeline = None
+    with contextlib.suppress(Exception):
+        timeline = _timeline_of() if _timeline_of is not None else None
+    if timeline is not None:
+        with contextlib.suppress(Exception):
+            timeline.close(_exit.TIMELINE_CLOSE_S)
+    _exit._flush_stdio()
+    os._exit(code)
