@@ -491,7 +491,8 @@ def _main(argv: Sequence[str] | None) -> int:
         return EXIT_USAGE
     # A preset report directory (on a shared file system) lets ranks on other hosts report too.
     report_base = os.environ.get(_rankwrap.REPORT_DIR_ENV) or None
-    monitor = _monitor(config, address if remote or ns.network_interface else "127.0.0.1")
+    monitor_address = address if remote or ns.network_interface else "127.0.0.1"
+    monitor = _monitor(config, monitor_address)
     with monitor_closed(monitor), tempfile.TemporaryDirectory(
             prefix="hvdliterun-", dir=report_base) as report_dir:
         flavor = mpi_flavor(mpiexec)
@@ -525,7 +526,7 @@ def _main(argv: Sequence[str] | None) -> int:
             _print_verbose(cmd, config, sources)
         if elastic_args is not None:
             return elastic.run_elastic(elastic_args, spec, env, report_dir, build_command,
-                                       ns.timeout)
+                                       ns.timeout, lambda: _monitor(config, monitor_address))
         try:
             proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         except OSError as exc:

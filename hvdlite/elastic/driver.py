@@ -23,13 +23,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from hvdlite import _rankwrap
+from hvdlite._launch.verdict import Verdict
 from hvdlite.elastic import _worker
 
 __all__ = ["ElasticArgs", "add_flags", "elastic_args", "is_elastic", "parse_hosts",
@@ -219,6 +220,17 @@ class _World:
     report_dir: str
     proc: subprocess.Popen[bytes]
     started: float
+    verdict: Verdict | None = None
+    lost_hosts: list[str] = field(default_factory=list)
+
+    def reports(self) -> list[dict[str, Any]]:
+        """Failure reports: the wrappers' files and, from the monitor, their exit reports."""
+        found = {r["rank"]: r for r in _reports(self.report_dir)}
+        if self.verdict is not None:
+            self.verdict.poll()
+            for r in self.verdict.failures:
+                found.setdefault(r["rank"], r)
+        return list(found.values())
 
     def host_of(self, rank: int | None) -> str | None:
         if rank is None:
@@ -240,8 +252,10 @@ class _Ended:
 
 class _Driver:
     def __init__(self, args: ElasticArgs, spec: Any, env: dict[str, str], report_dir: str,
-                 build_command: Any, timeout: float | None) -> None:
+                 build_command: Any, timeout: float | None,
+                 new_monitor: Callable[[], Any] | None) -> None:
         self.args = args
+        self.new_monitor = new_monitor
         self.spec = spec
         self.env = env
         self.report_dir = report_dir
@@ -279,13 +293,23 @@ class _Driver:
         os.makedirs(_worker.generation_dir(self.job_dir, generation), exist_ok=True)
         extra = {_rankwrap.REPORT_DIR_ENV: report_dir, _worker.ELASTIC_DIR_ENV: self.job_dir,
                  _worker.GENERATION_ENV: str(generation)}
+        # A monitor of its own per world: rank numbers repeat from one world to the next.
+        monitor = self.new_monitor() if self.new_monitor is not None else None
+        if monitor is not None:
+            extra |= monitor.env()
         forward = dict(self.spec.forward_env) | extra
         spec = dataclasses.replace(self.spec, np=_size(assignment),
                                    hosts=_describe(assignment),
                                    forward_env=tuple(forward.items()))
-        proc = subprocess.Popen(self.build_command(spec), env=self.env | extra,
-                                start_new_session=True)
-        return _World(generation, assignment, report_dir, proc, time.monotonic())
+        try:
+            proc = subprocess.Popen(self.build_command(spec), env=self.env | extra,
+                                    start_new_session=True)
+        except OSError:
+            if monitor is not None:
+                monitor.close()
+            raise
+        verdict = Verdict(monitor) if monitor is not None else None
+        return _World(generation, assignment, report_dir, proc, time.monotonic(), verdict)
 
     def watch(self, world: _World) -> _Ended:
         """Wait for ``world`` to end; end it early on a failure, a signal or the timeout, and
@@ -296,7 +320,7 @@ class _Driver:
             try:
                 code = world.proc.wait(timeout=POLL_S)
                 _kill_group(world.proc.pid, signal.SIGKILL)
-                return _Ended(code, _reports(world.report_dir))
+                return _Ended(code, world.reports())
             except subprocess.TimeoutExpired:
                 pass
             now = time.monotonic()
@@ -306,7 +330,15 @@ class _Driver:
             if self.deadline is not None and now > self.deadline:
                 self.end(world)
                 return _Ended(world.proc.returncode, [], timed_out=True)
-            reports = _reports(world.report_dir)
+            reports = world.reports()
+            lost = world.verdict.loss(now) if world.verdict is not None else None
+            if lost is not None and not reports:
+                everyone = world.verdict.monitor.ranks() if world.verdict else {}
+                hosts = {world.host_of(st.rank) for st in everyone.values() if st.lost}
+                world.lost_hosts = sorted(h for h in hosts if h is not None)
+                _say(f"{lost}; ending world {world.generation}")
+                self.end(world)
+                return _Ended(world.proc.returncode, [])
             if any(r["code"] not in _worker.RESET_EXIT_CODES for r in reports):
                 self.end(world)  # a rank failed: the commit on disk is all that is needed
                 return _Ended(world.proc.returncode, reports)
@@ -314,7 +346,7 @@ class _Driver:
                 end_by = now + RESET_GRACE_S  # ranks are leaving for a reset
             if end_by is not None and now > end_by:
                 self.end(world)
-                return _Ended(world.proc.returncode, _reports(world.report_dir))
+                return _Ended(world.proc.returncode, world.reports())
             if self.hosts.poll() and not notified and self.hosts.assignment() != \
                     world.assignment and _size(self.hosts.assignment()) >= self.args.min_np:
                 notified = True
@@ -330,6 +362,10 @@ class _Driver:
             world.proc.wait(timeout=2.0)
         _kill_group(world.proc.pid, signal.SIGKILL)
         world.proc.wait()
+
+    def close(self, world: _World) -> None:
+        if world.verdict is not None:
+            world.verdict.monitor.close()
 
     # -- the job ----------------------------------------------------------------------------
 
@@ -370,8 +406,11 @@ class _Driver:
             except OSError as exc:
                 _say(f"cannot start {self.spec.mpiexec!r}: {exc}")
                 return 127
-            ended = self.watch(world)
-            _await_ranks(world.report_dir)
+            try:
+                ended = self.watch(world)
+                _await_ranks(world.report_dir)
+            finally:
+                self.close(world)
             if ended.interrupted is not None:
                 _say(f"interrupted by {signal.Signals(ended.interrupted).name}; job ended")
                 return 128 + ended.interrupted
@@ -396,6 +435,10 @@ class _Driver:
 
     def account(self, world: _World, ended: _Ended) -> str:
         """Take failed slots out of the job; a one-line cause of the world's end."""
+        for lost_host in world.lost_hosts:  # every slot of a lost host
+            self.hosts.failed[lost_host] = self.hosts.known.get(lost_host, 0)
+        if world.lost_hosts:
+            return f"host(s) {', '.join(world.lost_hosts)} lost; left out"
         failures = [r for r in ended.reports if r["code"] not in _worker.RESET_EXIT_CODES
                     and not r.get("signalled")]
         for report in failures:
@@ -433,6 +476,10 @@ def _await_ranks(report_dir: str) -> None:
 
 
 def run_elastic(args: ElasticArgs, spec: Any, env: dict[str, str], report_dir: str,
-                build_command: Any, timeout: float | None) -> int:
-    """Run the job elastically; the exit code of ``hvdliterun``."""
-    return _Driver(args, spec, env, report_dir, build_command, timeout).run()
+                build_command: Any, timeout: float | None,
+                new_monitor: Callable[[], Any] | None = None) -> int:
+    """Run the job elastically; the exit code of ``hvdliterun``. ``spec``: the job as
+    ``hvdliterun`` would start it (a ``JobSpec``; each world changes its size, hosts and
+    environment); ``new_monitor``: a started ranks' monitor (hvdlite/_launch/monitor.py) for
+    each world, whose lost hosts leave the job."""
+    return _Driver(args, spec, env, report_dir, build_command, timeout, new_monitor).run()
