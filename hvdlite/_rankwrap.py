@@ -270,7 +270,7 @@ class _Supervision:
         self._mine, self.theirs = socket.socketpair()
         os.set_inheritable(self.theirs.fileno(), True)  # close_fds=False passes it (and PMI's)
         agent = monitor.Agent.from_env(rank, on_abort=self.end_rank,  # type: ignore[attr-defined]
-                                       on_lost=self._launcher_lost)
+                                       on_lost=self._launcher_lost, on_message=self.pass_on)
         try:
             agent.connect()
         except OSError as exc:
@@ -295,6 +295,13 @@ class _Supervision:
     def _launcher_lost(self, reason: str) -> None:
         self.end_rank(f"rank {self.rank} (host {socket.gethostname()}): {reason}", 1)
 
+    def pass_on(self, message: dict[str, object]) -> None:
+        """Any other message of the launcher (elastic training's host updates): to the rank's
+        watchdog, which keeps the last of each type (``watchdog.last_message``)."""
+        if self._mine is not None:
+            with self._lock, contextlib.suppress(OSError):
+                self._mine.sendall(json.dumps(message).encode() + b"\n")
+
     def end_rank(self, reason: str, code: int) -> None:
         """Hand ``reason`` to the rank's watchdog; SIGTERM, then SIGKILL, if it stays."""
         with self._lock:
@@ -303,7 +310,7 @@ class _Supervision:
             self.ended_by = reason
         child = self.child
         if self._mine is not None:
-            with contextlib.suppress(OSError):
+            with self._lock, contextlib.suppress(OSError):
                 self._mine.sendall(json.dumps({"t": "abort", "reason": reason,
                                                "code": code}).encode() + b"\n")
         if child is None:

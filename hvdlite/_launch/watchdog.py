@@ -8,7 +8,8 @@ lost) or the wrapper loses the launcher (this host is cut off), the wrapper writ
 cycles: a rank blocked inside MPI (a negotiation or a collective that waits for a peer that is
 gone) releases the GIL there, so the thread still runs. It prints the reason once, closes the
 timeline (the survivors' traces are kept), flushes stdio and ends the process with
-``os._exit(code)``, without MPI, which may never return.
+``os._exit(code)``, without MPI, which may never return. Any other message (the launcher's
+elastic host updates) is kept, the last of each type, for :func:`last_message`.
 
 Where the rank does not use hvdlite (or is stuck holding the GIL), the wrapper escalates to
 SIGTERM, then SIGKILL. Importing this module has no side effects.
@@ -28,13 +29,20 @@ from hvdlite import _exit
 if TYPE_CHECKING:
     from hvdlite._observe.timeline import Timeline
 
-__all__ = ["FD_ENV", "start"]
+__all__ = ["FD_ENV", "last_message", "start"]
 
 FD_ENV = "HVDLITE_WATCHDOG_FD"
 
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
 _timeline_of: Callable[[], Timeline | None] | None = None
+_last: dict[str, dict[str, object]] = {}  # by message type; one entry per type the launcher uses
+
+
+def last_message(kind: str) -> dict[str, object] | None:
+    """The last message of type ``kind`` the launcher sent this rank (None: none yet)."""
+    with _lock:
+        return _last.get(kind)
 
 
 def start(timeline_of: Callable[[], Timeline | None]) -> bool:
@@ -83,6 +91,9 @@ def _watch(fd: int) -> None:
             if isinstance(msg, dict) and msg.get("t") == "abort":
                 _end(str(msg.get("reason", "the launcher ended the job")),
                      int(msg.get("code", 1)))
+            elif isinstance(msg, dict) and isinstance(msg.get("t"), str):
+                with _lock:
+                    _last[msg["t"]] = msg
 
 
 def _end(reason: str, code: int) -> None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import numpy as np
 
 import hvdlite
+from hvdlite._launch import watchdog
 
 if TYPE_CHECKING:
     from hvdlite.elastic._state import State
@@ -34,6 +35,7 @@ EXIT_HOSTS_UPDATED = 75
 EXIT_INTERNAL_ERROR = 76
 RESET_EXIT_CODES = frozenset({EXIT_HOSTS_UPDATED, EXIT_INTERNAL_ERROR})
 HOSTS_UPDATED_FILE = "hosts-updated"
+HOSTS_UPDATED_MESSAGE = "elastic.hosts_updated"
 _COMMIT = re.compile(r"^commit-(\d+)\.pkl$")
 
 
@@ -118,9 +120,18 @@ def persist(ctx: Context, state: State) -> None:
         write_commit(ctx.state_dir, state._commit_number, state._payload())
 
 
+def _told(ctx: Context) -> bool:
+    """The driver said the hosts changed: through the launcher's control channel (the rank
+    wrapper passes it to the watchdog), or in the job directory where this host shares it."""
+    message = watchdog.last_message(HOSTS_UPDATED_MESSAGE)
+    if message is not None and message.get("generation") == ctx.generation:
+        return True
+    return os.path.exists(ctx.updates_file)
+
+
 def hosts_updated(ctx: Context) -> bool:
     """True on every rank when the driver reported changed hosts to any rank (collective)."""
-    seen = int(os.path.exists(ctx.updates_file))
+    seen = int(_told(ctx))
     return _reduce(seen, hvdlite.Max, "hvdlite.elastic.hosts_updated") > 0
 
 

@@ -352,6 +352,10 @@ class _Driver:
                 notified = True
                 _say(f"hosts changed to {_describe(self.hosts.assignment())}; asking the "
                      f"ranks to reset at their next commit")
+                if world.verdict is not None:
+                    world.verdict.monitor.broadcast({"t": _worker.HOSTS_UPDATED_MESSAGE,
+                                                     "generation": world.generation})
+                # Also in the job directory, for ranks on this host without a monitor link.
                 Path(_worker.generation_dir(self.job_dir, world.generation),
                      _worker.HOSTS_UPDATED_FILE).touch()
 
