@@ -18,6 +18,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +49,8 @@ MONITOR_BEAT_S = 1.0
 STALL_MARGIN_S = 5.0
 # After the surviving ranks were told to end: their wrappers escalate to SIGTERM, then SIGKILL.
 LOST_GRACE_S = _rankwrap.ABORT_GRACE_S + _rankwrap.TERM_GRACE_S + 1.0
+# After the MPI launcher failed, this long for the monitor to report a loss it caused.
+SETTLE_S = 0.5
 # After a rank failed, the MPI launcher gets this long to end the job itself.
 FAILURE_GRACE_S = 3.0
 # After SIGTERM to the job's process group, this long before SIGKILL.
@@ -347,6 +350,8 @@ def _supervise(proc: subprocess.Popen[bytes], report_dir: str, timeout: float | 
         while True:
             try:
                 code = proc.wait(timeout=POLL_S)
+                if code != 0:
+                    _settle(verdict)
                 _kill_group(proc.pid, signal.SIGKILL)  # stragglers whose launcher is gone
                 return _Outcome(code, False, interrupted[0] if interrupted else None)
             except subprocess.TimeoutExpired:
@@ -355,11 +360,7 @@ def _supervise(proc: subprocess.Popen[bytes], report_dir: str, timeout: float | 
             if timeout is not None and now - start > timeout:
                 _end_job(proc)
                 return _Outcome(proc.returncode, True, None)
-            verdict.poll()
-            lost = verdict.loss(now)
-            if lost is not None:
-                verdict.monitor.abort(f"{lost}; hvdliterun ends the job",
-                                      ranks=verdict.monitor.running())
+            if _lost(verdict, now):
                 end_by = now + LOST_GRACE_S
             if end_by is None and (verdict.failures or any(Path(report_dir).glob("rank-*.json"))):
                 end_by = now + FAILURE_GRACE_S
@@ -369,6 +370,28 @@ def _supervise(proc: subprocess.Popen[bytes], report_dir: str, timeout: float | 
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _lost(verdict: Verdict, now: float) -> bool:
+    """Read the monitor; when ranks were lost, tell the others to end (True, once)."""
+    verdict.poll()
+    lost = verdict.loss(now)
+    if lost is not None:
+        verdict.monitor.abort(f"{lost}; hvdliterun ends the job", ranks=verdict.monitor.running())
+    return lost is not None
+
+
+def _settle(verdict: Verdict) -> None:
+    """The MPI launcher failed: it may have noticed a lost host as soon as the monitor did.
+    Give the monitor's losses their gathering time, so the message names the host."""
+    start = time.monotonic()
+    while True:
+        now = time.monotonic()
+        if _lost(verdict, now) or now - start > verdict.gather_s + SETTLE_S:
+            return
+        if not verdict.pending and now - start > SETTLE_S:
+            return
+        time.sleep(POLL_S)
 
 
 def _conclude(outcome: _Outcome, report_dir: str, np: int, timeout: float | None,
@@ -532,7 +555,7 @@ def _main(argv: Sequence[str] | None) -> int:
         except OSError as exc:
             _say(f"cannot start {mpiexec!r}: {exc}")
             return EXIT_NO_MPI
-        verdict = Verdict(monitor)
+        verdict = Verdict(monitor, socket.gethostname())
         outcome = _supervise(proc, report_dir, ns.timeout, verdict)
         _await_ranks(report_dir, monitor)
         return _conclude(outcome, report_dir, ns.np, ns.timeout, verdict)

@@ -4,7 +4,10 @@ A rank that ends with a failure reports it (``exited``, code != 0). A rank whose
 closes without an exit report, or that goes silent, is ``lost``; losses are gathered for
 ``gather_s`` (a host's ranks go together, a cut-off host's within one heartbeat), then named by
 host: ``host n2 (ranks 2, 3)`` when every rank of the host was lost, else ``rank 3 on host
-n2``. A loss that comes after a rank reported a failure is the job's teardown, not a cause.
+n2``. What follows a loss is the MPI launcher's teardown, not a cause: a failure reported after
+it, losses on hosts that began more than ``WINDOW_S`` after the first, and losses on the
+launcher's own host while a remote one was lost (the MPI launcher kills the wrappers there when
+it notices the remote host gone; the launcher's host itself cannot be lost, we run on it).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from hvdlite._launch.monitor import Event, Monitor, RankState, group_by_host
 __all__ = ["Verdict", "describe_lost"]
 
 GATHER_S = 1.5
+WINDOW_S = 0.5
 
 
 def _ranks_text(ranks: list[int]) -> str:
@@ -40,8 +44,9 @@ class Verdict:
     """Reads ``monitor``'s events (:meth:`poll`), keeps the failure reports and decides when
     a loss ends the job (:meth:`loss`). Used by one thread (the launcher's)."""
 
-    def __init__(self, monitor: Monitor, gather_s: float = GATHER_S) -> None:
+    def __init__(self, monitor: Monitor, local_host: str, gather_s: float = GATHER_S) -> None:
         self.monitor = monitor
+        self.local_host = local_host
         self.gather_s = gather_s
         self.failures: list[dict[str, Any]] = []  # shaped like the rank wrapper's report files
         self._lost: list[Event] = []
@@ -59,6 +64,11 @@ class Verdict:
             elif ev.kind == "lost":
                 self._lost.append(ev)
 
+    @property
+    def pending(self) -> bool:
+        """Ranks were lost and no conclusion was drawn yet."""
+        return bool(self._lost) and self.concluded is None
+
     def loss(self, now: float) -> str | None:
         """Once, when ranks were lost (and gathered): what to tell the user and the ranks."""
         if self.concluded is not None or not self._lost:
@@ -68,8 +78,11 @@ class Verdict:
             return None
         if now - first < self.gather_s:
             return None
+        causes = [e for e in self._lost if e.time - first <= WINDOW_S]
+        if any(e.host != self.local_host for e in causes):
+            causes = [e for e in causes if e.host != self.local_host]
         everyone = self.monitor.ranks()
-        lost = [everyone[e.rank] for e in self._lost if e.rank in everyone]
-        reasons = sorted({e.reason for e in self._lost})
+        lost = [everyone[e.rank] for e in causes if e.rank in everyone]
+        reasons = sorted({e.reason for e in causes})
         self.concluded = f"{describe_lost(lost, everyone)} lost: {'; '.join(reasons)}"
         return self.concluded

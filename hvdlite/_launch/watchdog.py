@@ -8,8 +8,11 @@ lost) or the wrapper loses the launcher (this host is cut off), the wrapper writ
 cycles: a rank blocked inside MPI (a negotiation or a collective that waits for a peer that is
 gone) releases the GIL there, so the thread still runs. It prints the reason once, closes the
 timeline (the survivors' traces are kept), flushes stdio and ends the process with
-``os._exit(code)``, without MPI, which may never return. Any other message (the launcher's
-elastic host updates) is kept, the last of each type, for :func:`last_message`.
+``os._exit(code)``, without MPI, which may never return. It does the same when the socket
+closes while the rank runs: the wrapper was killed (the MPI launcher ends a failed job by
+killing the wrappers; without this, a rank blocked in MPI would lose its trace to the guard's
+SIGKILL). Any other message (the launcher's elastic host updates) is kept, the last of each
+type, for :func:`last_message`.
 
 Where the rank does not use hvdlite (or is stuck holding the GIL), the wrapper escalates to
 SIGTERM, then SIGKILL. Importing this module has no side effects.
@@ -80,7 +83,9 @@ def _watch(fd: int) -> None:
         except OSError:
             return
         if not data:
-            return  # the wrapper ended the channel: nothing more will come
+            # The wrapper closes its end only after this process ended: it was killed (the MPI
+            # launcher ends a failed job that way), and the guard's SIGKILL follows.
+            _end("the rank wrapper was killed: the MPI launcher is ending the job", 1)
         buf += data
         *lines, buf = buf.split(b"\n")
         for raw in lines:

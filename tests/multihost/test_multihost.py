@@ -1,0 +1,191 @@
+"""hvdliterun across hosts, for real: 2 hosts x 2 ranks (tests/multihost/cluster.py), ssh,
+MPI over TCP. Every collective exact (sets on one host and across hosts), placement, the
+training examples, the merged trace across clocks, the doctor, an unreachable host at start,
+a host killed and a host cut off mid-job."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from cluster import Cluster
+from jobs_util import REPO
+from mh_util import CLOCK_OFFSET_S, HERE, hosts_arg, hvdliterun, rank_env
+
+from timeline._trace import load
+from timeline.merge import merge
+
+pytestmark = [pytest.mark.multihost, pytest.mark.timeout(240)]
+
+
+def _ok(ran: object) -> None:
+    assert ran.rc == 0, f"rc={ran.rc}\nstdout:\n{ran.out[-3000:]}\nstderr:\n{ran.err[-3000:]}"
+
+
+def _mpi_spans(events: list[dict]) -> dict[str, dict[int, tuple[float, float]]]:
+    """{tensor: {rank: (start, end)}} of each tensor's MPI collective (MPI_ALLREDUCE, ...)."""
+    tracks = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+              if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    open_at: dict[tuple[int, int], float] = {}
+    spans: dict[str, dict[int, tuple[float, float]]] = {}
+    for e in events:
+        if not str(e.get("name", "")).startswith("MPI_") or e.get("ph") not in ("B", "E"):
+            continue
+        key = (e["pid"], e["tid"])
+        if e["ph"] == "B":
+            open_at[key] = float(e["ts"])
+        elif key in open_at:
+            spans.setdefault(tracks[key], {})[e["pid"]] = (open_at.pop(key), float(e["ts"]))
+    return spans
+
+
+def _check_merged_trace(paths: list[Path]) -> None:
+    """Merged with the offsets measured at init, each reduction's and gather's MPI span
+    overlaps on all four ranks, and the ranks ran them in one order; merged on raw clocks,
+    host 2 is off by the simulated offset."""
+    traces = [load(str(p)) for p in paths]
+    aligned = _mpi_spans(merge(traces, align="offset"))
+    # Reductions and gathers finish on no rank before every rank started them (a broadcast's
+    # root may be done before the others start).
+    names = [n for n, per in aligned.items()
+             if n.startswith("global.") and ".bc" not in n and len(per) == 4]
+    assert len(names) >= 28, names
+    tolerance_us = 2000.0  # the offset is measured to about a TCP round trip
+    for name in names:
+        per = aligned[name]
+        assert max(s for s, _ in per.values()) <= min(e for _, e in per.values()) + tolerance_us, \
+            (name, per)
+    orders = {r: sorted(names, key=lambda n, r=r: aligned[n][r][0]) for r in range(4)}
+    assert all(order == orders[0] for order in orders.values())
+    raw = _mpi_spans(merge(traces, align="none"))
+    name = names[0]
+    skew_s = (raw[name][2][0] - raw[name][0][0]) / 1e6
+    assert abs(skew_s - CLOCK_OFFSET_S) < 5, (skew_s, raw[name])
+
+
+def test_every_collective_across_hosts(cluster: Cluster, tmp_path: Path) -> None:
+    out = cluster.shared / "collectives"
+    out.mkdir()
+    trace = out / "trace.{rank}.json"
+    ran = hvdliterun(cluster, "-np", "4", "-H", hosts_arg(cluster), "--tcp",
+                     "--timeline", str(trace), "--", sys.executable,
+                     str(HERE / "mh_collectives.py"), str(out))
+    _ok(ran)
+    reports = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(4)]
+    n1, n2 = (h.name for h in cluster.hosts)
+    assert [(r["host"], r["local_rank"], r["local_size"], r["cross_rank"], r["cross_size"])
+            for r in reports] == [(n1, 0, 2, 0, 2), (n1, 1, 2, 0, 2),
+                                  (n2, 0, 2, 1, 2), (n2, 1, 2, 1, 2)]
+    # global: 4 dtypes x (3 ops + product + 2 grouped + allgather + alltoall + reducescatter
+    # + 4 broadcasts) + barrier; the two-rank sets 2 broadcasts; plus the 4 MiB allreduce
+    _check_merged_trace([out / f"trace.{r}.json" for r in range(4)])
+    per_set = {"global": 4 * 13 + 1, "pair": 4 * 11 + 1}
+    big = 1
+    assert [r["cases"] for r in reports] == [
+        per_set["global"] + per_set["pair"] + big,  # rank 0: global, one-host set
+        per_set["global"] + 2 * per_set["pair"] + big,  # rank 1: both two-rank sets
+        per_set["global"] + per_set["pair"] + big,  # rank 2: the spanning set
+        per_set["global"] + big,
+    ]
+
+
+def test_unreachable_host_is_named_at_start(cluster: Cluster) -> None:
+    hosts = f"{hosts_arg(cluster)},{cluster.ghost}:2"
+    ran = hvdliterun(cluster, "-np", "6", "-H", hosts, "--tcp", "--", sys.executable, "-c",
+                     "print('never')", timeout=60)
+    assert ran.rc == 255, ran
+    assert ran.seconds < 10.0, ran
+    assert f"host {cluster.ghost} cannot be reached" in ran.err, ran.err
+    assert "never" not in ran.out
+    assert cluster.hosts[0].name not in ran.err.split("not started")[0], ran.err
+
+
+# Documented in docs/config.md ("A host lost mid-job"): a killed host ends the job within
+# KILLED_BOUND_S; a cut-off host within the peer timeout + CUT_MARGIN_S, which with
+# stall_shutdown_time_s set is within stall_shutdown_time_s + 15 s.
+KILLED_BOUND_S = 15.0
+STALL_SHUTDOWN_S = 10.0
+CUT_BOUND_S = STALL_SHUTDOWN_S + 15.0
+
+
+def _start_forever(cluster: Cluster, name: str, **env: str) -> tuple[object, Path, Path]:
+    out = cluster.shared / name
+    out.mkdir()
+    marker = out / "running"
+    proc_args = ["-np", "4", "-H", hosts_arg(cluster), "--tcp",
+                 "--timeline", str(out / "trace.{rank}.json"), "--", sys.executable,
+                 str(HERE / "mh_forever.py"), str(marker)]
+    proc = cluster.popen(1, [sys.executable, "-m", "hvdlite.run", *proc_args],
+                         env=rank_env(**env), cwd=str(REPO))
+    end = time.monotonic() + 90
+    while not marker.exists():
+        if proc.poll() is not None or time.monotonic() > end:
+            proc.kill()
+            out_text, err_text = proc.communicate()
+            pytest.fail(f"the job did not get going: rc={proc.returncode}\n{err_text[-3000:]}")
+        time.sleep(0.05)
+    return proc, out, marker
+
+
+def _ended_within(proc: object, bound: float) -> tuple[int | None, str, float]:
+    start = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=bound + 30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        pytest.fail(f"hvdliterun still running {bound + 30:.0f} s after the host was lost:\n"
+                    f"{err[-3000:]}")
+    return proc.returncode, err, time.monotonic() - start
+
+
+def _survivors_traces(out: Path, ranks: list[int]) -> None:
+    for r in ranks:
+        trace = load(str(out / f"trace.{r}.json"))
+        names = {e.get("name") for e in trace.events}
+        assert "MPI_ALLREDUCE" in names and "trace_end" in names, (r, sorted(map(str, names)))
+
+
+def test_host_killed_mid_job(cluster: Cluster) -> None:
+    proc, out, _ = _start_forever(cluster, "killed")
+    try:
+        cluster.kill(2)
+        rc, err, seconds = _ended_within(proc, KILLED_BOUND_S)
+    finally:
+        cluster.revive(2)
+    n2 = cluster.host(2).name
+    assert rc == 1, err[-3000:]
+    assert f"host {n2} (ranks 2, 3) lost" in err, err[-3000:]
+    assert seconds < KILLED_BOUND_S, (seconds, err[-3000:])
+    _survivors_traces(out, [0, 1])
+
+
+def test_host_cut_off_mid_job(cluster: Cluster) -> None:
+    # The issue's case: with the stall shutdown set, the negotiation blocks inside MPI and the
+    # stall inspector never runs; the launcher's monitor and the ranks' watchdogs end it.
+    proc, out, _ = _start_forever(cluster, "cut",
+                                  HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=str(STALL_SHUTDOWN_S))
+    try:
+        cluster.cut(2)
+        rc, err, seconds = _ended_within(proc, CUT_BOUND_S)
+        # The cut-off host's ranks end too (their wrappers lose the launcher), traces written.
+        end = time.monotonic() + 15
+        while time.monotonic() < end:
+            ps = cluster.run(2, ["ps", "-eo", "args"], timeout=10).stdout
+            if "mh_forever.py" not in ps:
+                break
+            time.sleep(0.5)
+        assert "mh_forever.py" not in ps, ps
+        _survivors_traces(out, [2, 3])
+    finally:
+        cluster.reconnect(2)
+        cluster.revive(2)
+    n2 = cluster.host(2).name
+    assert rc == 1, err[-3000:]
+    assert f"host {n2} (ranks 2, 3) lost: no heartbeat" in err, err[-3000:]
+    assert seconds < CUT_BOUND_S, (seconds, err[-3000:])
+    _survivors_traces(out, [0, 1])
