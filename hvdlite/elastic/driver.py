@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -308,7 +309,7 @@ class _Driver:
             if monitor is not None:
                 monitor.close()
             raise
-        verdict = Verdict(monitor) if monitor is not None else None
+        verdict = Verdict(monitor, socket.gethostname()) if monitor is not None else None
         return _World(generation, assignment, report_dir, proc, time.monotonic(), verdict)
 
     def watch(self, world: _World) -> _Ended:
@@ -320,6 +321,8 @@ class _Driver:
             try:
                 code = world.proc.wait(timeout=POLL_S)
                 _kill_group(world.proc.pid, signal.SIGKILL)
+                if code != 0:
+                    self.attribute_loss(world)
                 return _Ended(code, world.reports())
             except subprocess.TimeoutExpired:
                 pass
@@ -331,12 +334,7 @@ class _Driver:
                 self.end(world)
                 return _Ended(world.proc.returncode, [], timed_out=True)
             reports = world.reports()
-            lost = world.verdict.loss(now) if world.verdict is not None else None
-            if lost is not None and not reports:
-                everyone = world.verdict.monitor.ranks() if world.verdict else {}
-                hosts = {world.host_of(st.rank) for st in everyone.values() if st.lost}
-                world.lost_hosts = sorted(h for h in hosts if h is not None)
-                _say(f"{lost}; ending world {world.generation}")
+            if not reports and self.lost(world, now):
                 self.end(world)
                 return _Ended(world.proc.returncode, [])
             if any(r["code"] not in _worker.RESET_EXIT_CODES for r in reports):
@@ -358,6 +356,32 @@ class _Driver:
                 # Also in the job directory, for ranks on this host without a monitor link.
                 Path(_worker.generation_dir(self.job_dir, world.generation),
                      _worker.HOSTS_UPDATED_FILE).touch()
+
+    def lost(self, world: _World, now: float) -> bool:
+        """The monitor lost ranks of ``world`` (their connections closed, or silence): their
+        hosts go into ``world.lost_hosts``."""
+        verdict = world.verdict
+        lost = verdict.loss(now) if verdict is not None else None
+        if verdict is None or lost is None:
+            return False
+        gone = [st for st in verdict.monitor.ranks().values() if st.lost]
+        if any(st.host != verdict.local_host for st in gone):  # as Verdict: the others' loss
+            gone = [st for st in gone if st.host != verdict.local_host]  # is the teardown
+        hosts = {world.host_of(st.rank) for st in gone}
+        world.lost_hosts = sorted(h for h in hosts if h is not None)
+        _say(f"{lost}; ending world {world.generation}")
+        return True
+
+    def attribute_loss(self, world: _World) -> None:
+        """The MPI launcher failed first (its proxy on a dead host went with it): give the
+        monitor the time it takes to name a lost host."""
+        if world.verdict is None:
+            return
+        give_up = time.monotonic() + world.verdict.gather_s + 1.0
+        while time.monotonic() < give_up:
+            if world.reports() or self.lost(world, time.monotonic()):
+                return
+            time.sleep(POLL_S)
 
     def end(self, world: _World) -> None:
         """SIGTERM the world's process group, SIGKILL what is left shortly after."""

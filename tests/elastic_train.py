@@ -1,4 +1,5 @@
-"""The training job of tests/launcher/test_elastic.py (run under the elastic ``hvdliterun``).
+"""The training job of the elastic tests, run under the elastic ``hvdliterun``
+(tests/elastic_util.py checks its output).
 
 A linear model in float64 trained with SGD + momentum on integer features: every value stays a
 dyadic rational, so each result is exact whatever the order of the sums, and a replay in one
