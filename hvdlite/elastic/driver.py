@@ -424,9 +424,12 @@ class _Driver:
                 return 128 + self.interrupted[0]
             if assignment is None:
                 have = self.hosts.assignment()
+                waited = (f"after --elastic-timeout {self.args.elastic_timeout:g} s"
+                          if self.args.discovery is not None
+                          else "on the fixed hosts (no --host-discovery-script to wait for)")
                 _say(f"not enough slots: {need} needed (--min-np {self.args.min_np}, -np "
-                     f"{self.args.np}), {_size(have)} available ({_describe(have)}) after "
-                     f"--elastic-timeout {self.args.elastic_timeout:g} s; the job was ended")
+                     f"{self.args.np}), {_size(have)} available ({_describe(have)}) {waited}; "
+                     f"the job was ended")
                 return EXIT_NO_SLOTS
             _say(f"world {generation}: {_size(assignment)} ranks on {_describe(assignment)}")
             try:
