@@ -24,7 +24,7 @@ import torch
 from hvdlite import _tensors
 from hvdlite._tensors import TensorRef, label
 
-__all__ = ["array_of", "ref_of", "stream_of", "to_torch", "numpy_dtype", "bucket_arrays"]
+__all__ = ["array_of", "ref_of", "stream_of", "to_torch", "numpy_dtype"]
 
 # torch dtype -> NumPy type string; bfloat16 and the float8 types have no NumPy twin.
 _TYPESTR: dict[torch.dtype, str] = {
@@ -182,21 +182,6 @@ def to_torch(array: Any) -> torch.Tensor:
     if type(array) is np.ndarray:
         return torch.from_numpy(array)
     return torch.from_dlpack(array)
-
-
-def bucket_arrays(buffer: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[Any]:
-    """NumPy (CPU) or CuPy (CUDA) arrays over consecutive pieces of the flat, contiguous
-    ``buffer``, one per shape, in order, all views of one array: the caller-owned bucket
-    layout the core reduces in place without copies."""
-    flat = array_of(buffer, "gradient bucket")
-    arrays, offset = [], 0
-    for shape in shapes:
-        n = 1
-        for d in shape:
-            n *= d
-        arrays.append(flat[offset:offset + n].reshape(shape))
-        offset += n
-    return arrays
 
 
 _tensors._wrap_torch = ref_of

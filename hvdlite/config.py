@@ -350,6 +350,12 @@ class Config:
              "this; its background thread waits that long for the GIL whenever the training "
              "thread is busy in Python. 0 = leave it alone.",
     )  # fmt: skip
+    optimizer_size1_shortcut: bool = _knob(
+        kind="bool", parse=_parse_bool, default=True, unit="",
+        help="hvdlite.torch DistributedOptimizer at one rank registers no hooks and "
+             "communicates nothing (Horovod's rule). Off: it runs the N-rank path (hooks, "
+             "buckets, allreduces) at one rank; for benchmarks that measure that path.",
+    )  # fmt: skip
     log_level: str = _knob(
         kind="choice", parse=_parse_log_level, default="warning", unit="",
         choices=LOG_LEVELS, aliases=("HOROVOD_LOG_LEVEL",),

@@ -539,8 +539,8 @@ def _main(argv: Sequence[str] | None) -> int:
             np=ns.np,
             command=tuple(ns.command),
             forward_env=tuple(forward.items()),
-            hosts=ns.hosts,
-            hostfile=ns.hostfile,
+            # One form for every MPI: hostfile formats differ (MPICH's has no slots=N).
+            hosts=",".join(f"{h.name}:{h.slots}" for h in hosts) or None,
             mpi_args=tuple(net_args + ns.mpi_args),
             is_root=os.geteuid() == 0,
         )

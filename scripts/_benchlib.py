@@ -1,4 +1,5 @@
-"""Shared plumbing for the CPU benchmarks (``scripts/bench_c*.py``).
+"""The one timing harness of every benchmark (CPU ``scripts/bench_*.py``; the GPU scripts
+reach it through ``scripts/gpu/_gpulib.py``, which adds only what needs a GPU).
 
 Every benchmark follows the same rules (see ``docs/benchmarks.md``): the launch must have the
 rank count given by ``--np``; results are checked against references rebuilt from every rank's
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import socket
@@ -45,13 +47,17 @@ def install_abort_hook() -> None:
     sys.excepthook = hook
 
 
-def base_parser(description: str) -> argparse.ArgumentParser:
-    """Return an argument parser with the options every benchmark shares."""
+def base_parser(description: str, np_default: int | None = None) -> argparse.ArgumentParser:
+    """Return an argument parser with the options every benchmark shares.
+
+    ``--np`` is required unless ``np_default`` is given.
+    """
     p = argparse.ArgumentParser(description=description)
     p.add_argument(
         "--np",
         type=int,
-        required=True,
+        required=np_default is None,
+        default=np_default,
         help="rank count this launch must have; the benchmark refuses to report otherwise",
     )
     p.add_argument("--json", metavar="PATH", help="write the full results as JSON to PATH")
@@ -81,11 +87,36 @@ def check_size(comm: MPI.Comm, expected: int) -> None:
 
 def check_all(comm: MPI.Comm, ok: bool, what: str, detail: str = "") -> None:
     """Agree across ranks that ``ok`` holds everywhere; refuse (collectively) if not."""
-    details = comm.allgather(None if ok else detail)
+    details = comm.allgather(None if ok else (detail or "failed"))
     bad = [(r, d) for r, d in enumerate(details) if d is not None]
     if bad:
         lines = "; ".join(f"rank {r}: {d}" for r, d in bad)
         refuse(comm, f"correctness check failed for {what}: {lines}")
+
+
+def load_shapes(name: str, limit: int | None = None) -> list[tuple[str, tuple[int, ...]]]:
+    """(tensor name, shape) of a gradient set in ``scripts/data`` (``resnet50``, ``bert_large``),
+    checked against the file's element count; the first ``limit`` tensors when given."""
+    path = DATA_DIR / f"{name}_grads.json"
+    spec = json.loads(path.read_text(encoding="utf-8"))
+    if spec.get("dtype", "float32") != "float32":
+        raise ValueError(f"{path}: expected float32 tensors, file says {spec['dtype']}")
+    shapes = [(t["name"], tuple(int(d) for d in t["shape"])) for t in spec["tensors"]]
+    total = sum(math.prod(s) for _, s in shapes)
+    if total != spec["total_elements"]:
+        raise ValueError(f"{path}: shapes sum to {total}, file says {spec['total_elements']}")
+    return shapes[:limit]
+
+
+def split(flat: Any, shapes: Sequence[tuple[str, tuple[int, ...]]]) -> list[Any]:
+    """Separate, contiguous per-tensor copies of consecutive slices of a flat NumPy or CuPy
+    buffer (like framework gradients)."""
+    out, off = [], 0
+    for _, shape in shapes:
+        n = math.prod(shape)
+        out.append(flat[off : off + n].reshape(shape).copy())
+        off += n
+    return out
 
 
 def rank_rng(seed: int, rank: int, salt: int = 0) -> np.random.Generator:
@@ -162,6 +193,23 @@ def _git(*args: str) -> str:
     return out.stdout.strip() if out.returncode == 0 else "unknown"
 
 
+def run_facts(ranks: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Facts every benchmark records: date, machine, versions, MPI library, commit, command."""
+    return {
+        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+        "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
+        "ranks": ranks,
+        "git_commit": _git("rev-parse", "--short", "HEAD"),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "args": vars(args),
+    }
+
+
 _START: dict[str, Any] = {}
 
 
@@ -177,21 +225,9 @@ def run_metadata(comm: MPI.Comm, args: argparse.Namespace) -> dict[str, Any]:
         # Uncommitted edits to the code this run executes make the commit alone not enough.
         dirty = _git("status", "--porcelain", "--untracked-files=no", "--", "hvdlite", "scripts")
         _START.update(
-            {
-                "date_utc": now,
-                "host": socket.gethostname(),
-                "cpus": os.cpu_count(),
-                "platform": platform.platform(),
-                "python": platform.python_version(),
-                "numpy": np.__version__,
-                "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
-                "ranks": comm.Get_size(),
-                "load_average_1_5_15min": list(os.getloadavg()),
-                "git_commit": _git("rev-parse", "--short", "HEAD"),
-                "uncommitted_code_changes": bool(dirty and dirty != "unknown"),
-                "command": " ".join([Path(sys.executable).name, *sys.argv]),
-                "args": vars(args),
-            }
+            run_facts(comm.Get_size(), args),
+            load_average_1_5_15min=list(os.getloadavg()),
+            uncommitted_code_changes=bool(dirty and dirty != "unknown"),
         )
         return dict(_START)
     return {**_START, "finished_utc": now, "load_average_at_finish": list(os.getloadavg())}
@@ -219,8 +255,10 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
 
 
 def _fmt(v: object) -> str:
+    if isinstance(v, bool) or v is None:
+        return "-" if v is None else str(v)
     if isinstance(v, float):
-        return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
     return str(v)
 
 
@@ -230,8 +268,21 @@ def us(seconds: float) -> float:
 
 
 def ms(seconds: float) -> float:
-    """Seconds to milliseconds, rounded to 0.01."""
-    return round(seconds * 1e3, 2)
+    """Seconds to milliseconds, rounded to 0.001."""
+    return round(seconds * 1e3, 3)
+
+
+def ratio(a: float, b: float) -> float:
+    """``a / b`` rounded to 0.001 (``b`` > 0)."""
+    return round(a / b, 3)
+
+
+def human_bytes(n: int) -> str:
+    """4 -> '4 B', 4096 -> '4 KiB', 16777216 -> '16 MiB' (exact powers only get a unit)."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
 
 
 def verdict(met: bool) -> str:
@@ -251,33 +302,60 @@ def torch_note() -> str:
     )
 
 
-def print_rank0(comm: MPI.Comm, text: str) -> None:
+def print0(comm: MPI.Comm, text: str) -> None:
     """Print on rank 0 only, flushed."""
     if comm.Get_rank() == 0:
         print(text, flush=True)
 
 
-def time_interleaved(
-    comm: MPI.Comm, fns: Mapping[str, Callable[[], object]], reps: int, warmup: int
+def time_round_robin(
+    comm: MPI.Comm,
+    fns: Mapping[str, Callable[[], object]],
+    reps: int,
+    warmup: int,
+    after: Callable[[], object] | None = None,
+    block: int = 1,
 ) -> dict[str, np.ndarray]:
-    """Time several variants round-robin (one repeat of each in turn) so drift hits all alike.
+    """Time each variant ``reps`` times, taking turns, so drift hits all alike.
 
-    Each variant is warmed up ``warmup`` times first; every timed repeat starts after a
-    barrier. Returns per-variant per-repeat seconds, maximum over ranks.
+    Each variant is warmed up ``warmup`` times first. Variants take turns in blocks of
+    ``block`` repeats (1: one repeat each in turn; more where switching variants costs a
+    re-warm). A repeat is: barrier, host clock, ``fn()``, host clock; ``fn`` must leave
+    nothing pending that its result depends on (a GPU variant synchronises inside it where
+    its semantics do not already). ``after`` runs untimed after every repeat (e.g. a stream
+    synchronise for variants timed to "result usable"). Returns per-variant per-repeat
+    seconds, the slowest rank's.
     """
     for fn in fns.values():
         for _ in range(warmup):
             fn()
+            if after is not None:
+                after()
     times = {name: np.empty(reps, dtype=np.float64) for name in fns}
-    for i in range(reps):
+    clock = time.perf_counter
+    for start in range(0, reps, block):
         for name, fn in fns.items():
-            comm.Barrier()
-            t0 = time.perf_counter()
-            fn()
-            times[name][i] = time.perf_counter() - t0
+            for i in range(start, min(start + block, reps)):
+                comm.Barrier()
+                t0 = clock()
+                fn()
+                times[name][i] = clock() - t0
+                if after is not None:
+                    after()
     return {name: max_over_ranks(comm, t) for name, t in times.items()}
 
 
-def format_targets(lines: Sequence[dict[str, Any]]) -> str:
-    """One ``target ...: value -> met/MISSED`` line per target."""
-    return "\n".join(f"target {t['target']}: {t['value']} -> {verdict(t['met'])}" for t in lines)
+def target(name: str, value: float, limit: float, unit: str = "") -> dict[str, Any]:
+    """One target line: ``value <= limit`` decides ``met``."""
+    met = bool(value <= limit)
+    return {"target": name, "value": value, "limit": limit, "unit": unit, "met": met}
+
+
+def format_targets(lines: Sequence[Mapping[str, Any]]) -> str:
+    """One ``target ...: value [(limit L)] -> met/MISSED`` line per target."""
+    return "\n".join(
+        f"target {t['target']}: {t['value']}{t.get('unit', '')}"
+        + (f" (limit {t['limit']}{t.get('unit', '')})" if "limit" in t else "")
+        + f" -> {verdict(t['met'])}"
+        for t in lines
+    )

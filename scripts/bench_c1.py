@@ -9,7 +9,6 @@ Targets (2 ranks): hvdlite <= 1.3x the limit and <= 0.5x raw per tensor.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from typing import Any
@@ -27,18 +26,6 @@ ASYNC_OUT = "hvdlite allreduce_async(out=)"
 GROUPED = "hvdlite grouped_allreduce"
 
 
-def load_shapes(name: str, limit: int | None) -> list[tuple[str, tuple[int, ...]]]:
-    """(tensor name, shape) of a gradient set in ``scripts/data``, optionally the first few."""
-    with open(bl.DATA_DIR / f"{name}_grads.json", encoding="utf-8") as f:
-        spec = json.load(f)
-    shapes = [(t["name"], tuple(t["shape"])) for t in spec["tensors"]]
-    if limit is None:
-        total = sum(math.prod(s) for _, s in shapes)
-        if total != spec["total_elements"]:
-            raise ValueError(f"{name}: shapes sum to {total}, file says {spec['total_elements']}")
-    return shapes[:limit]
-
-
 def rank_input(seed: int, rank: int, total: int) -> np.ndarray:
     """One rank's gradients, all tensors back to back (float32, never zero)."""
     return bl.nonzero_uniform(bl.rank_rng(seed, rank), total)
@@ -52,16 +39,6 @@ def reference(seed: int, size: int, total: int, average: bool) -> np.ndarray:
     return acc.astype(np.float32)
 
 
-def split(flat: np.ndarray, shapes: list[tuple[str, tuple[int, ...]]]) -> list[np.ndarray]:
-    """Separate, contiguous per-tensor copies of a flat buffer (like framework gradients)."""
-    out, off = [], 0
-    for _, shape in shapes:
-        n = math.prod(shape)
-        out.append(flat[off : off + n].reshape(shape).copy())
-        off += n
-    return out
-
-
 class Case:
     """The buffers of one run and one step function per variant."""
 
@@ -69,12 +46,12 @@ class Case:
         self.comm = comm
         self.average = args.op == "average"
         self.op = hvd.Average if self.average else hvd.Sum
-        self.shapes = load_shapes(args.set, args.tensors)
+        self.shapes = bl.load_shapes(args.set, args.tensors)
         self.names = [f"c1.{n}" for n, _ in self.shapes]
         total = sum(math.prod(s) for _, s in self.shapes)
         self.fused_in = rank_input(args.seed, comm.Get_rank(), total)
         self.fused_out = np.full_like(self.fused_in, np.nan)
-        self.inputs = split(self.fused_in, self.shapes)
+        self.inputs = bl.split(self.fused_in, self.shapes)
         self.outs = [np.full_like(t, np.nan) for t in self.inputs]
         self.new_outs: list[np.ndarray] = []
         self.grouped_outs: list[np.ndarray] = []
@@ -202,7 +179,7 @@ def main() -> None:
     ref = reference(args.seed, comm.Get_size(), case.fused_in.size, case.average)
     check(case, ref, "before timing")
     steps = {name: step for name, (step, _) in case.variants().items()}
-    times = bl.time_interleaved(comm, steps, args.reps, args.warmup)
+    times = bl.time_round_robin(comm, steps, args.reps, args.warmup)
     check(case, ref, "after timing")
     res = summarise(times, nbytes)
     tl = targets(res, comm.Get_size())
@@ -236,7 +213,7 @@ def main() -> None:
         f"op={args.op}, {comm.Get_size()} ranks, {args.reps} reps (max over ranks)"
     )
     tlines = bl.format_targets(tl)
-    bl.print_rank0(comm, f"{title}\n{note}\n{tlines}\n{bl.format_table(heads, rows)}")
+    bl.print0(comm, f"{title}\n{note}\n{tlines}\n{bl.format_table(heads, rows)}")
     hvd.shutdown()
 
 

@@ -157,7 +157,7 @@ def measure(comm: MPI.Comm, args: Any, label: str) -> dict[int, dict[str, np.nda
         case.check(f"{label}, before timing")
         steps = steps_for(n, args.quick)
         case.submit_s.clear()
-        blocks = bl.time_interleaved(comm, case.blocks(steps, label), args.reps, args.warmup)
+        blocks = bl.time_round_robin(comm, case.blocks(steps, label), args.reps, args.warmup)
         submit = bl.max_over_ranks(comm, np.asarray(case.submit_s))
         case.check(f"{label}, after timing")
         out[n] = {k: v / steps for k, v in blocks.items()}
@@ -172,7 +172,7 @@ def measure_alone(comm: MPI.Comm, args: Any) -> dict[int, dict[str, np.ndarray]]
         case = Case(comm, args.seed, n)
         case.check("hvdlite not started", with_hvd=False)
         steps = steps_for(n, args.quick)
-        blocks = bl.time_interleaved(comm, case.blocks(steps, None), args.reps, args.warmup)
+        blocks = bl.time_round_robin(comm, case.blocks(steps, None), args.reps, args.warmup)
         out[n] = {k + ALONE: v / steps for k, v in blocks.items()}
     return out
 
@@ -269,7 +269,7 @@ def main() -> None:
         f"{args.reps} timed blocks per variant (max over ranks)"
     )
     tlines = bl.format_targets(tl)
-    bl.print_rank0(comm, f"{title}\n{tlines}\n{bl.format_table(heads, rows)}")
+    bl.print0(comm, f"{title}\n{tlines}\n{bl.format_table(heads, rows)}")
 
 
 if __name__ == "__main__":

@@ -71,7 +71,7 @@ def main() -> None:
     rows = [[k, bl.ms(r["median_s"]), bl.ms(r["p99_s"])] for k, r in res.items()]
     title = (f"C5 timeline cost on C1 ({len(case.shapes)} tensors, {comm.Get_size()} ranks, "
              f"{len(samples['timeline on'])} steps each; last trace block: {size} bytes)")
-    bl.print_rank0(comm, f"{title}\n{bl.format_targets(tl)}\n"
+    bl.print0(comm, f"{title}\n{bl.format_targets(tl)}\n"
                          f"{bl.format_table(['variant', 'median ms', 'p99 ms'], rows)}")
     hvd.shutdown()
 

@@ -22,7 +22,6 @@ Target (issue 17): (DistributedOptimizer - no communication) / N <= 10 us per pa
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import _benchlib as bl
@@ -138,7 +137,9 @@ def main() -> None:
     if not args.no_ddp and ddp_start(comm):
         variants.append(Variant(DDP, n, xs, ddp=True))
     check(comm, variants, args.seed, n)
-    samples = measure(comm, variants, args.steps, args.block)
+    samples = bl.time_round_robin(
+        comm, {v.name: v.step for v in variants}, args.steps, warmup=1, block=args.block
+    )
     check(comm, variants, args.seed, n)
     hvd.shutdown()
     report(comm, args, meta, {k: bl.stats(v) for k, v in samples.items()}, n)
@@ -152,23 +153,6 @@ def check(comm: MPI.Comm, variants: list[Variant], seed: int, n: int) -> None:
         v.step()
         miss = bl.close(v.grads(), own if v.name == NO_COMM else expected, rtol=0, atol=0)
         bl.check_all(comm, not miss, f"gradients of {v.name}", miss)
-
-
-def measure(comm: MPI.Comm, variants: list[Variant], steps: int,
-            block: int) -> dict[str, np.ndarray]:
-    samples: dict[str, list[float]] = {v.name: [] for v in variants}
-    for v in variants:
-        v.step()
-    while min(len(s) for s in samples.values()) < steps:
-        for v in variants:
-            times = np.empty(block)
-            for i in range(block):
-                comm.Barrier()
-                t0 = time.perf_counter()
-                v.step()
-                times[i] = time.perf_counter() - t0
-            samples[v.name].extend(bl.max_over_ranks(comm, times).tolist())
-    return {k: np.asarray(s) for k, s in samples.items()}
 
 
 def report(comm: MPI.Comm, args: Any, meta: dict[str, Any], results: dict[str, Any],

@@ -22,8 +22,6 @@ NumPy API per tensor.
 
 from __future__ import annotations
 
-import json
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -116,11 +114,7 @@ def sync_case(args: Any) -> Case:
 
 
 def resnet_case(args: Any) -> Case:
-    with open(bl.DATA_DIR / "resnet50_grads.json", encoding="utf-8") as f:
-        data = json.load(f)
-    shapes = [tuple(int(d) for d in entry["shape"]) for entry in data["tensors"]]
-    if args.quick:
-        shapes = shapes[:16]
+    shapes = [s for _, s in bl.load_shapes("resnet50", 16 if args.quick else None)]
     case = Case(f"resnet50 ({len(shapes)} tensors)", shapes, args, 3)
     names = [f"t4.r50.{i}" for i in range(len(shapes))]
     case.variants = {
@@ -130,25 +124,6 @@ def resnet_case(args: Any) -> Case:
             hvdlite.allreduce_async, hvdlite.synchronize, case.arrays, [f"{k}.n" for k in names]),
     }
     return case
-
-
-def measure(case: Case, steps: int, block: int) -> dict[str, np.ndarray]:
-    """Per-step seconds of every variant (slowest rank per step), in alternating blocks."""
-    comm = MPI.COMM_WORLD
-    samples: dict[str, list[float]] = {k: [] for k in case.variants}
-    for step in case.variants.values():  # warm-up: lanes, caches, plans
-        for _ in range(2):
-            step()
-    while min(len(v) for v in samples.values()) < steps:
-        for name, step in case.variants.items():
-            times = np.empty(block)
-            for i in range(block):
-                comm.Barrier()
-                t0 = time.perf_counter()
-                step()
-                times[i] = time.perf_counter() - t0
-            samples[name].extend(bl.max_over_ranks(comm, times).tolist())
-    return {k: np.asarray(v) for k, v in samples.items()}
 
 
 def main() -> None:
@@ -172,7 +147,7 @@ def main() -> None:
     counts: dict[str, int] = {}
     for case, steps, block in plan:
         case.check("before timing")
-        samples = measure(case, steps, block)
+        samples = bl.time_round_robin(comm, case.variants, steps, warmup=2, block=block)
         case.check("after timing")
         results[case.label] = {k: bl.stats(v) for k, v in samples.items()}
         counts[case.label] = len(case.tensors)

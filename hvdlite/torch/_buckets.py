@@ -1,48 +1,63 @@
 """``DistributedOptimizer``'s gradient buckets: which parameters are reduced together, and
 the optional persistent buffers their gradients live in.
 
-A bucket is reduced by one grouped in-place allreduce once every member's gradient is ready
-(one request instead of one per parameter). Without ``groups=`` the buckets are formed
+A bucket is reduced by one in-place allreduce once every member's gradient is ready (one
+request instead of one per parameter). Without ``groups=`` the buckets are formed
 automatically: parameters in reverse registration order (roughly the order backward produces
 their gradients), one (device, dtype) per bucket, up to a byte cap. With
-``gradient_as_bucket_view`` each bucket owns one flat buffer and every member's ``.grad`` is a
-view of it, consecutive and in order: autograd accumulates straight into the buffer and the
-core reduces it in place, with no copy in or out.
+``gradient_as_bucket_view`` (the default) each bucket owns one flat buffer and every member's
+``.grad`` is a view of it, consecutive and in order: autograd accumulates straight into the
+buffer and the core reduces the buffer in place as one array, with no copy in or out.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from hvdlite._torchref import bucket_arrays, numpy_dtype
+from hvdlite._torchref import numpy_dtype
 
 __all__ = ["Bucket", "auto_buckets"]
 
 
 class Bucket:
     """The parameters reduced together (``params``, in order) under ``name``; ``ready``
-    counts members whose gradient is ready this step. With a buffer: ``views[i]`` is
-    member ``i``'s gradient view and ``arrays[i]`` the core's array over the same memory."""
+    counts members whose gradient is ready this step, ``left[i]`` the backward passes member
+    ``i`` still accumulates before it is (``full`` resets it). With views, ``views[i]`` is
+    member ``i``'s gradient, a view of the flat ``buffer``; ``wire`` (compression) is the
+    buffer's compressed twin the allreduce runs on."""
 
-    __slots__ = ("params", "name", "ready", "buffer", "views", "arrays", "fused", "direct",
-                 "staging", "staged")
+    __slots__ = ("params", "name", "ready", "left", "full", "device", "buffer", "views",
+                 "wire", "fused", "direct", "staging", "staged", "viewed")
 
-    def __init__(self, params: Sequence[torch.Tensor], name: str) -> None:
+    def __init__(self, params: Sequence[torch.Tensor], name: str, passes: int) -> None:
         self.params = tuple(params)
         self.name = name
         self.ready = 0
+        self.full = [passes] * len(self.params)
+        self.left = list(self.full)
+        first = self.params[0]
+        self.device = first.get_device() if first.is_cuda else -1
         self.buffer: torch.Tensor | None = None
         self.views: list[torch.Tensor] = []
-        self.arrays: list[Any] = []
+        self.wire: torch.Tensor | None = None
+        # Whether the bucket is to live in a buffer: None until its first start decides (a
+        # member whose gradient turns out sparse keeps it out for good).
+        self.viewed: bool | None = None
         # Without views: small members are copied (one torch call) into ``staging``, reduced
         # there by one call whose array the core sees every step (its lane), and copied back.
         self.fused: list[torch.Tensor] = []
         self.direct: list[torch.Tensor] = []
         self.staging: torch.Tensor | None = None
         self.staged: list[torch.Tensor] = []
+
+    def passes(self, passes: int) -> None:
+        """Accumulate ``passes`` backward passes per allreduce from now on."""
+        self.full = [passes] * len(self.params)
+        self.left = list(self.full)
 
     def viewable(self) -> bool:
         """Whether the members can share one flat buffer (one dtype NumPy can hold, one
@@ -52,9 +67,10 @@ class Bucket:
             p.dtype == first.dtype and p.device == first.device and p.layout is torch.strided
             for p in self.params)
 
-    def make_views(self) -> None:
-        """Allocate the flat buffer and point every member's ``.grad`` at its view (keeping
-        an existing gradient's values; zeros where there was none)."""
+    def make_views(self, wire: torch.dtype | None = None) -> None:
+        """Allocate the flat buffer and point every member's ``.grad`` at its view, keeping
+        the values of the gradients there are (one batched copy; zeros where there is none).
+        ``wire``: also allocate the compressed twin of that type."""
         first = self.params[0]
         total = sum(p.numel() for p in self.params)
         self.buffer = torch.zeros(total, dtype=first.dtype, device=first.device)
@@ -63,15 +79,15 @@ class Bucket:
             n = p.numel()
             self.views.append(self.buffer[offset:offset + n].view(p.shape))
             offset += n
-        self.arrays = bucket_arrays(self.buffer, [tuple(p.shape) for p in self.params])
-        for p, view in zip(self.params, self.views, strict=True):
-            if p.grad is not None and not p.grad.is_sparse:
-                view.copy_(p.grad)
-            p.grad = view
+        if wire is not None:
+            self.wire = torch.empty(total, dtype=wire, device=first.device)
+        self.viewed = True
+        self.realias()
 
     def make_staging(self, direct_bytes: int) -> None:
         """Split the members: those under ``direct_bytes`` share one persistent staging
         buffer (``staged`` are their views of it); larger ones are reduced where they are."""
+        self.viewed = False
         self.fused = [p for p in self.params if p.numel() * p.element_size() < direct_bytes]
         self.direct = [p for p in self.params if p.numel() * p.element_size() >= direct_bytes]
         if len(self.fused) < 2:
@@ -88,20 +104,37 @@ class Bucket:
 
     def realias(self) -> bool:
         """Make every member's ``.grad`` its view again (a user may have replaced it or set
-        it to None; autograd replaces it under ``create_graph``): copy a dense replacement
-        in, zero a missing one. False if a member's gradient is sparse (no view for it)."""
+        it to None; autograd replaces it under ``create_graph``, or makes a new one after
+        ``model.zero_grad()``): one batched copy of the dense replacements in, one batched
+        zeroing of the missing ones. False, touching nothing, if a member's gradient is
+        sparse (no view can hold it)."""
+        if all(map(operator.is_, map(_GRAD, self.params), self.views)):
+            return True  # the steady state: one C-level pass, no Python per member
+        copy_to, copy_from, zero, moved = [], [], [], False
         for p, view in zip(self.params, self.views, strict=True):
             grad = p.grad
             if grad is view:
                 continue
             if grad is None:
-                view.zero_()
+                zero.append(view)
             elif grad.is_sparse:
                 return False
-            elif grad.data_ptr() != view.data_ptr() or grad.shape != view.shape:
-                view.copy_(grad)
-            p.grad = view
+            elif grad.data_ptr() != view.data_ptr() or grad.shape != view.shape \
+                    or grad.stride() != view.stride():
+                copy_to.append(view)
+                copy_from.append(grad)
+            moved = True
+        if copy_to:
+            torch._foreach_copy_(copy_to, copy_from)
+        if zero:
+            torch._foreach_zero_(zero)
+        if moved:
+            for p, view in zip(self.params, self.views, strict=True):
+                p.grad = view
         return True
+
+
+_GRAD = operator.attrgetter("grad")
 
 
 def auto_buckets(params: Sequence[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:

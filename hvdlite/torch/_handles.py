@@ -55,6 +55,11 @@ class Handle:
 
     synchronize = wait
 
+    def wait_stream(self, stream: Any) -> Any:
+        """The result with work on ``stream`` (a CuPy stream object) ordered after the
+        collective. Here: :meth:`wait` (results made on the host need the host)."""
+        return self.wait()
+
 
 class InPlaceHandle(Handle):
     """One core collective whose result is ``value``: the caller's tensor (or list of
@@ -82,6 +87,14 @@ class InPlaceHandle(Handle):
         return self._value
 
     synchronize = wait
+
+    def wait_stream(self, stream: Any) -> Any:
+        """The tensor(s), once ``stream`` (a CuPy stream object: torch's stream that will
+        read them) is ordered after the collective: no host wait on the device in either
+        completion mode (only, while it is still negotiated, for its enqueue). Host tensors:
+        :meth:`wait`."""
+        self._part.wait_stream(stream)
+        return self._value
 
 
 class FreshHandle(Handle):

@@ -456,23 +456,3 @@ def _unscale(r: torch.Tensor, dtype: torch.dtype, post: float) -> torch.Tensor:
     if dtype == torch.bfloat16:
         return (r * post if post != 1.0 else r).to(dtype)
     return scale(r, post)
-
-
-def bucket_async(arrays: list[Any], views: list[torch.Tensor], name: str, op: ReduceOp,
-                 pre: float, post: float, process_set: Any) -> Handle:
-    """Start the in-place grouped allreduce of a gradient bucket: ``views`` are the members'
-    gradients, consecutive views of one flat buffer, and ``arrays`` the core's arrays over the
-    same memory (made once), which the core reduces in place without copies."""
-    what = "DistributedOptimizer"
-    first = views[0]
-    plan = plan_for(first.dtype, op, pre, post, process_set, what)
-    if plan.in_torch:
-        return allreduce_async(list(views), name, op, pre, post, True, True, what, process_set)
-    stream = stream_of(first.get_device()) if first.is_cuda else None
-    try:
-        part = hvdlite.grouped_allreduce_async_(arrays, horovod_name("grouped_allreduce", name),
-                                                plan.op, plan.pre, plan.post, stream=stream,
-                                                process_set=plan.core_set)
-    except ValueError as exc:
-        raise invalid(exc) from None
-    return InPlaceHandle(part, views, stream if plan.ordered else None)

@@ -1,9 +1,12 @@
 """``DistributedOptimizer``: average gradients across ranks while ``backward()`` runs.
 
-A hook on every parameter starts an in-place ``allreduce_async_`` of its gradient the moment
-autograd has accumulated it (``register_post_accumulate_grad_hook``), so communication
-overlaps the rest of the backward pass; ``step()`` waits only for what is still in flight,
-then runs the wrapped optimizer's own step.
+One hook per parameter counts it ready the moment autograd has accumulated its gradient
+(``register_post_accumulate_grad_hook``); the last member of a bucket starts that bucket's one
+in-place grouped allreduce, so communication overlaps the rest of the backward pass. By
+default the gradients live in the buckets' flat buffers (views), so the allreduce copies
+nothing. ``step()`` orders the current CUDA stream after each bucket's collective (no host
+wait on the device), then runs the wrapped optimizer's own step, whose kernels follow on that
+stream.
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ import torch
 
 import hvdlite
 from hvdlite import _sets
+from hvdlite._engine import default_engine
+from hvdlite._torchref import stream_of
 from hvdlite.torch import _reduce, mpi_ops
 from hvdlite.torch._buckets import Bucket, auto_buckets
 from hvdlite.torch.basics import Adasum, Average, InvalidArgumentError, resolve_op, size
-from hvdlite.torch.compression import Compression, Compressor
+from hvdlite.torch.compression import Compression, Compressor, _CastCompressor
 from hvdlite.torch.functions import broadcast_object
 from hvdlite.torch.process_sets import global_process_set, resolve
 
@@ -53,19 +58,23 @@ def _split(items: list[Any], n: int) -> list[list[Any]]:
 class _Flight:
     """One bucket on the wire: the dense members' handle, their compression contexts, the
     sparse members' own handles (``sparse_allreduce_async``), and the staged members' handle
-    with the gradients their staging views are copied back into."""
+    with the gradients their staging views are copied back into. ``bucket``: set when the
+    whole bucket is reduced in its buffer (``handle`` then covers it; with a ``wire``, the
+    reduced wire is copied back into the buffer)."""
 
-    __slots__ = ("handle", "dense", "ctxs", "sparse", "staged", "targets")
+    __slots__ = ("handle", "dense", "ctxs", "sparse", "staged", "targets", "bucket")
 
     def __init__(self, handle: Any, dense: list[torch.Tensor], ctxs: list[Any],
                  sparse: list[tuple[torch.Tensor, Any]], staged: Any = None,
-                 targets: list[torch.Tensor] | None = None) -> None:
+                 targets: list[torch.Tensor] | None = None, bucket: Bucket | None = None
+                 ) -> None:
         self.handle = handle
         self.dense = dense
         self.ctxs = ctxs
         self.sparse = sparse
         self.staged = staged
         self.targets = targets or []
+        self.bucket = bucket
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -81,7 +90,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         all_params = [p for g in self.param_groups for p in g["params"]]
         self._parameter_names = _names(named_parameters, self.param_groups, all_params)
         self.backward_passes_per_step = backward_passes_per_step
-        self._allreduce_delay = {p: backward_passes_per_step for p in all_params}
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
         self.sparse_as_dense = sparse_as_dense
@@ -89,16 +97,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self._handles: dict[Bucket, _Flight] = {}
         self._hook_handles: list[Any] = []
-        self._requires_update: set[torch.Tensor] = set()
         self._synchronized = False
         self._should_synchronize = True
         self._groups = groups
         self._buckets: list[Bucket] = []
         self._bucket_of: dict[torch.Tensor, Bucket] = {}
+        self._unbucketed: list[torch.Tensor] = list(all_params)
         # As Horovod: on a rank outside process_set nothing is communicated (no hooks, and
-        # synchronize() is a no-op), so step() applies this rank's own gradients.
+        # synchronize() is a no-op), so step() applies this rank's own gradients; and at
+        # one rank neither, unless the optimizer_size1_shortcut knob is off (benchmarks).
         self._member = process_set is global_process_set or bool(process_set.included())
-        if self._member and hvdlite.size() > 1:
+        if self._member and (hvdlite.size() > 1
+                             or not default_engine().config.optimizer_size1_shortcut):
             self._form_buckets(int(bucket_cap_mb * 1024 * 1024))
             self._register_hooks()
 
@@ -111,17 +121,30 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             members = auto_buckets(plist, cap_bytes)
         else:
             members = self._user_groups(plist)
+        passes = self.backward_passes_per_step
         for i, ps in enumerate(members):
-            bucket = Bucket(ps, f"DistributedOptimizer.bucket.{i}")
+            bucket = Bucket(ps, f"DistributedOptimizer.bucket.{i}", passes)
             self._buckets.append(bucket)
             for p in ps:
                 self._bucket_of[p] = bucket
-            if self._compression is not Compression.none or not bucket.viewable():
-                continue
-            if self.gradient_as_bucket_view:
-                bucket.make_views()
-            else:
+            if not bucket.viewable() or self._wire_type(bucket) is False:
+                bucket.viewed = False
+            elif not self.gradient_as_bucket_view:
                 bucket.make_staging(_DIRECT_BYTES)
+            # else: the views are made at the bucket's first start, once its gradients are
+            # seen to be dense (a sparse one keeps the bucket out of views for good).
+        self._unbucketed = [p for p in self._unbucketed if p not in self._bucket_of]
+
+    def _wire_type(self, bucket: Bucket) -> torch.dtype | None | bool:
+        """What the bucket's buffer travels as: None (itself), the compressor's cast type,
+        or False when the compressor is not a plain cast (it then sees each gradient)."""
+        comp = self._compression
+        if comp is Compression.none:
+            return None
+        if isinstance(comp, type) and issubclass(comp, _CastCompressor):
+            dtype = bucket.params[0].dtype
+            return comp.wire if dtype.is_floating_point and dtype != comp.wire else None
+        return False
 
     def _user_groups(self, plist: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         root = 0 if self.process_set is global_process_set else self.process_set.ranks[0]
@@ -137,33 +160,24 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return _split(plist, self._groups)
 
     def _register_hooks(self) -> None:
-        for p in self._bucket_of:
-            self._requires_update.add(p)
-            self._hook_handles.append(p.register_hook(self._make_guard(p)))
-            self._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(p)))
+        for bucket in self._buckets:
+            for i, p in enumerate(bucket.params):
+                self._hook_handles.append(
+                    p.register_post_accumulate_grad_hook(self._make_hook(bucket, i)))
 
-    def _make_guard(self, p: torch.Tensor) -> Any:
-        bucket, delay, handles = self._bucket_of[p], self._allreduce_delay, self._handles
-
-        def guard(grad: torch.Tensor) -> None:
-            # Runs before autograd accumulates into p.grad: refuse while p.grad is on the wire.
-            if delay[p] <= 0 and bucket in handles:
-                raise AssertionError(_TOO_MANY)
-        return guard
-
-    def _make_hook(self, p: torch.Tensor) -> Any:
-        bucket, delay = self._bucket_of[p], self._allreduce_delay
-        size = len(bucket.params)
+    def _make_hook(self, bucket: Bucket, i: int) -> Any:
+        # The whole per-parameter host cost of a step: count down, count the bucket ready.
+        size, handles = len(bucket.params), self._handles
 
         def hook(_param: torch.Tensor) -> None:
-            left = delay[p] - 1
+            left = bucket.left[i] - 1
             if left < 0:
                 raise AssertionError(_TOO_MANY)
-            delay[p] = left
+            bucket.left[i] = left
             if left == 0:
                 bucket.ready += 1
                 if bucket.ready == size:
-                    self._handles[bucket] = self._start(bucket)
+                    handles[bucket] = self._start(bucket)
         return hook
 
     def set_backward_passes_per_step(self, passes: int) -> None:
@@ -171,8 +185,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
             raise ValueError(f"backward_passes_per_step must be an int >= 1, got {passes!r}")
         self.backward_passes_per_step = passes
-        for p in self._allreduce_delay:
-            self._allreduce_delay[p] = passes
+        for bucket in self._buckets:
+            bucket.passes(passes)
 
     # -- communication ----------------------------------------------------------------------
     def _factors(self) -> tuple[float, float]:
@@ -184,10 +198,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Start reducing ``bucket`` (its members' gradients in place)."""
         bucket.ready = 0
         pre, post = self._factors()
+        if bucket.viewed is None:  # first start, views wanted: dense gradients only
+            if any(p.grad is not None and p.grad.is_sparse for p in bucket.params):
+                bucket.viewed = False
+            else:
+                wire = self._wire_type(bucket)
+                bucket.make_views(wire if isinstance(wire, torch.dtype) else None)
         if bucket.views and bucket.realias():
-            handle = _reduce.bucket_async(bucket.arrays, bucket.views, bucket.name, self.op,
-                                          pre, post, self.process_set)
-            return _Flight(handle, list(bucket.params), [None] * len(bucket.params), [])
+            return self._start_viewed(bucket, pre, post)
         if bucket.staging is not None:
             flight = self._start_staged(bucket, pre, post)
             if flight is not None:
@@ -219,6 +237,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 postscale_factor=post, process_set=self.process_set)
         return _Flight(handle, dense, [ctx for _, ctx in pairs], sparse)
 
+    def _start_viewed(self, bucket: Bucket, pre: float, post: float) -> _Flight:
+        """The whole bucket in place in its buffer: one allreduce of the flat buffer (the
+        core's steady-state lane for one array: no per-member work), or, compressed, one
+        cast into the wire buffer and one allreduce of it."""
+        flat = bucket.buffer
+        assert flat is not None
+        if bucket.wire is not None:
+            bucket.wire.copy_(flat)
+            flat = bucket.wire
+        handle = _reduce.allreduce_one(flat, bucket.name, self.op, pre, post,
+                                       self.process_set, True, "DistributedOptimizer")
+        return _Flight(handle, [], [], [], bucket=bucket)
+
     def _start_staged(self, bucket: Bucket, pre: float, post: float) -> _Flight | None:
         """Reduce the small members in the bucket's staging buffer (one copy in, one call,
         one copy out) and the large ones where they are; None if a gradient is sparse."""
@@ -240,14 +271,29 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return _Flight(handle, list(bucket.direct), [None] * len(direct), [], staged,
                        grads + list(bucket.staged))
 
-    def _finish(self, flight: _Flight) -> None:
-        """Wait for ``flight`` and hand every member its reduced gradient."""
+    def _finish(self, flight: _Flight, stream: Any) -> None:
+        """Hand every member of ``flight`` its reduced gradient. ``stream``: CUDA work reads
+        them on it (a CuPy stream object, ordered after the collectives: no host wait), or
+        None (wait on the host)."""
+        bucket = flight.bucket
+        if bucket is not None:
+            if stream is None or bucket.device < 0:
+                flight.handle.wait()
+            else:
+                flight.handle.wait_stream(stream)
+            if bucket.wire is not None:
+                assert bucket.buffer is not None
+                bucket.buffer.copy_(bucket.wire)
+            return
         if flight.staged is not None:
-            flight.staged.wait()
+            if stream is None:
+                flight.staged.wait()
+            else:
+                flight.staged.wait_stream(stream)
             half = len(flight.targets) // 2
             torch._foreach_copy_(flight.targets[:half], flight.targets[half:])
         if flight.handle is not None:
-            outs = flight.handle.wait()
+            outs = flight.handle.wait() if stream is None else flight.handle.wait_stream(stream)
             if len(flight.dense) == 1 and not isinstance(outs, list):
                 outs = [outs]
             for p, out, ctx in zip(flight.dense, outs, flight.ctxs, strict=True):
@@ -271,21 +317,32 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for parameters this rank's backward did not reach) and write the averaged gradients
         into ``p.grad``. Call it before gradient clipping or ``GradScaler.unscale_``, then
         step inside :meth:`skip_synchronize`."""
-        if hvdlite.size() == 1 or not self._member or not self._requires_update:
+        if not self._buckets:
             self._synchronized = True
             return
+        handles = self._handles
         for bucket in self._buckets:
-            if bucket not in self._handles:
-                self._handles[bucket] = self._start(bucket)
+            if bucket not in handles:
+                handles[bucket] = self._start(bucket)
         try:
-            for flight in self._handles.values():
-                self._finish(flight)
+            ordered = self._stream_ordered()
+            for bucket, flight in handles.items():
+                stream = stream_of(bucket.device) if ordered and bucket.device >= 0 else None
+                self._finish(flight, stream)
         finally:
-            self._handles.clear()
-            passes = self.backward_passes_per_step
-            for p in self._requires_update:
-                self._allreduce_delay[p] = passes
+            handles.clear()
+            for bucket in self._buckets:
+                bucket.left[:] = bucket.full
         self._synchronized = True
+
+    def _stream_ordered(self) -> bool:
+        """Whether CUDA gradients are handed over by stream order (the current stream waits
+        on each bucket's completion event, in either completion mode) rather than a host
+        wait: always, except while the timeline is on (it brackets device work by host
+        waits, and wants them here too)."""
+        if not any(b.device >= 0 for b in self._buckets):
+            return False
+        return not default_engine().gpu_runtime().cpu_sync
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -311,8 +368,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients; ``AssertionError`` if their allreduces are still in flight.
-        With ``gradient_as_bucket_view`` the bucketed gradients are zeroed in place (one
-        ``zero_()`` per bucket) and stay views of their buckets, whatever ``set_to_none``."""
+        Gradients that live in bucket buffers (the default) are zeroed in place, one memset
+        per bucket, and stay views of their buckets whatever ``set_to_none``; the others are
+        set to None (or zeroed) as the wrapped optimizer does."""
         if self._handles:
             raise AssertionError(_ZERO_GRAD)
         viewed = [b for b in self._buckets if b.views]
@@ -325,14 +383,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for p, view in zip(bucket.params, bucket.views, strict=True):
                 if p.grad is not view:
                     p.grad = view
-        in_buckets = {p for b in viewed for p in b.params}
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p not in in_buckets and p.grad is not None:
-                    if set_to_none:
-                        p.grad = None
+        rest = self._unbucketed + [p for b in self._buckets if not b.views for p in b.params]
+        for p in rest:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
                     else:
-                        p.grad.detach_().zero_()
+                        p.grad.requires_grad_(False)
+                    p.grad.zero_()
 
 
 def _dense(grad: torch.Tensor | None) -> torch.Tensor:
@@ -371,7 +432,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                          groups: Any = None, sparse_as_dense: bool = False,
                          process_set: Any = global_process_set, *,
-                         gradient_as_bucket_view: bool = False,
+                         gradient_as_bucket_view: bool = True,
                          bucket_cap_mb: float = 25.0) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so each ``step()`` uses gradients averaged over all ranks (over the
     members of ``process_set`` when one is given).
@@ -389,13 +450,26 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
 
     hvdlite's own keywords (Horovod has neither): without ``groups``, gradients are reduced
     in buckets of at most ``bucket_cap_mb`` MiB (reverse parameter order, one device and dtype
-    each), each by one grouped allreduce once all its gradients are ready. With
-    ``gradient_as_bucket_view=True`` (off by default) every bucket owns one flat buffer and
-    each parameter's ``.grad`` is a view of it: backward accumulates into the buffer and the
-    bucket is reduced in place with no copy. ``zero_grad()`` then zeroes the buffers in place
-    (the gradients stay views, never None), a ``.grad`` you replace or set to None is copied
-    back into (or zeroed in) its view when its bucket is reduced, and ``p.grad.detach_()``
-    raises (a view). Needs ``Compression.none``; otherwise it is ignored.
+    each), each by one grouped allreduce once all its gradients are ready.
+    ``gradient_as_bucket_view`` (on by default): from a bucket's first reduction on, its
+    members' ``.grad`` are views of one flat buffer: backward accumulates into the buffer, the
+    bucket is reduced in place with no copy, and ``zero_grad()`` zeroes each buffer in place
+    (one memset; the gradients stay views, never None, whatever ``set_to_none``). As with
+    DDP's option of that name: a ``.grad`` you replace or set to None (``model.zero_grad()``)
+    is copied back into (or zeroed in) its view when its bucket is next reduced (one batched
+    copy per bucket); ``p.grad.detach_()`` raises (a view); a tensor you keep from
+    ``p.grad`` changes with the buffer. A bucket whose gradient is sparse at its first
+    reduction never gets views, and with a compressor other than ``Compression.fp16``/``bf16``
+    no bucket does; ``Compression.fp16``/``bf16`` cast the whole buffer at once. False: each
+    gradient is its own tensor (small ones are staged through one copy per bucket).
+
+    Completion: ``step()`` and ``synchronize()`` never wait on the host for CUDA work
+    (except with the timeline on): they order torch's current stream after each bucket's
+    collective (a CUDA event wait), so the optimizer's kernels, and anything you launch after
+    ``step()`` on that stream, see the averaged gradients. This holds in both completion
+    modes: ``HVDLITE_ENABLE_ASYNC_COMPLETION`` governs only the handles you wait on yourself
+    (``hvd.synchronize(handle)``, ``handle.wait()``). Host code that reads a gradient's
+    values (``.item()``, ``.cpu()``) synchronizes as torch always does.
     ``op=Adasum`` (more than one rank): Horovod's delta optimizer (each parameter's update,
     not its gradient, is combined with Adasum; see ``docs/horovod.md``); global set only
     (``NotImplementedError`` otherwise, as in Horovod). ``ValueError``/``TypeError`` for bad

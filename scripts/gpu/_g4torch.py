@@ -129,7 +129,7 @@ def run(gpu: gl.Gpu, torch: Any, rows: int, lr: float) -> dict[str, np.ndarray]:
     for name in (DDP25, DDP100):
         case.check_ddp(name)
     fns = {name: case.step_fn(name) for name in (COMPUTE, DDP25, DDP100)}
-    times = gl.time_round_robin(gpu, fns, gpu.args.steps, gpu.args.warmup)
+    times = gl.time_round_robin(gpu.comm, fns, gpu.args.steps, gpu.args.warmup)
     for name in (DDP25, DDP100):
         case.check_ddp(name)
     del fns

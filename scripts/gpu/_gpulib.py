@@ -1,4 +1,7 @@
-"""Shared plumbing for the GPU benchmarks (``scripts/gpu/bench_g*.py``).
+"""What the GPU benchmarks (``scripts/gpu/bench_*.py``) add to the one harness.
+
+The harness itself is ``scripts/_benchlib.py``, re-exported here so a GPU script imports one
+module.
 
 Every benchmark follows the rules of the project's benchmark spec: the launch must have the
 rank count given by ``--np`` (checked before CuPy is even imported); each rank drives the GPU of
@@ -16,19 +19,14 @@ parsing, data formulas on NumPy, statistics, tables) also run on machines withou
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import os
-import platform
 import socket
-import subprocess
 import sys
-import time
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from types import ModuleType, TracebackType
-from typing import Any, Protocol
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 
@@ -44,62 +42,41 @@ os.environ.update(SAFE_ENV)
 from mpi4py import MPI  # noqa: E402 - after the environment above, before any NCCL user
 
 GPU_DIR = Path(__file__).resolve().parent
-REPO_ROOT = GPU_DIR.parent.parent
-DATA_DIR = GPU_DIR.parent / "data"
-REFUSED_EXIT = 2
+# The GPU scripts run as ``python3 scripts/gpu/bench_x.py``: the harness one folder up is not
+# on their path otherwise.
+sys.path.insert(0, str(GPU_DIR.parent))
+
+import _benchlib  # noqa: E402
+from _benchlib import (  # noqa: E402,F401 - re-exported: the GPU scripts' one import
+    DATA_DIR,
+    REFUSED_EXIT,
+    _git,
+    check_all,
+    format_table,
+    format_targets,
+    human_bytes,
+    install_abort_hook,
+    load_shapes,
+    max_over_ranks,
+    ms,
+    print0,
+    ratio,
+    refuse,
+    run_facts,
+    split,
+    stats,
+    target,
+    time_round_robin,
+    us,
+)
+
 MIB = 1024 * 1024
 
 
-# -- launch, refusal, agreement --------------------------------------------------------------
+# -- launch ------------------------------------------------------------------------------------
 def base_parser(description: str) -> argparse.ArgumentParser:
-    """An argument parser with the options every GPU benchmark shares."""
-    p = argparse.ArgumentParser(description=description)
-    p.add_argument(
-        "--np",
-        type=int,
-        default=2,
-        help="rank count the launch must have (default 2); refuses otherwise",
-    )
-    p.add_argument("--json", metavar="PATH", help="write the full results as JSON to PATH")
-    p.add_argument("--quick", action="store_true", help="small configuration that runs in seconds")
-    p.add_argument("--seed", type=int, default=1234, help="base seed of every rank's inputs")
-    return p
-
-
-def install_abort_hook() -> None:
-    """Abort the whole MPI job on an uncaught exception so no rank is left waiting."""
-
-    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
-        sys.stderr.write(f"[rank {MPI.COMM_WORLD.Get_rank()}] uncaught exception, aborting:\n")
-        traceback.print_exception(kind, value, tb)
-        sys.stderr.flush()
-        MPI.COMM_WORLD.Abort(1)
-
-    sys.excepthook = hook
-
-
-def refuse(comm: MPI.Comm, reason: str) -> None:
-    """Exit every rank with status 2; rank 0 says why. Call collectively."""
-    if comm.Get_rank() == 0:
-        sys.stderr.write(f"REFUSED: {reason}\n")
-        sys.stderr.flush()
-    comm.Barrier()
-    sys.exit(REFUSED_EXIT)
-
-
-def check_all(comm: MPI.Comm, ok: bool, what: str, detail: str = "") -> None:
-    """Agree across ranks that ``ok`` holds everywhere; refuse (collectively) if not."""
-    details = comm.allgather(None if ok else (detail or "failed"))
-    bad = [(r, d) for r, d in enumerate(details) if d is not None]
-    if bad:
-        lines = "; ".join(f"rank {r}: {d}" for r, d in bad)
-        refuse(comm, f"correctness check failed for {what}: {lines}")
-
-
-def print0(comm: MPI.Comm, text: str) -> None:
-    """Print on rank 0 only, flushed."""
-    if comm.Get_rank() == 0:
-        print(text, flush=True)
+    """The harness's parser with ``--np`` defaulting to 2 (the GPU machine's usual launch)."""
+    return _benchlib.base_parser(description, np_default=2)
 
 
 def join_launch(args: argparse.Namespace) -> tuple[MPI.Intracomm, int, int, int, int]:
@@ -416,55 +393,6 @@ def torch_close(torch: Any) -> None:
 
 
 # -- timing -----------------------------------------------------------------------------------
-def max_over_ranks(comm: MPI.Comm, values: np.ndarray) -> np.ndarray:
-    """Element-wise maximum of a float64 array across ranks."""
-    src = np.ascontiguousarray(values, dtype=np.float64)
-    out = np.empty_like(src)
-    comm.Allreduce(src, out, op=MPI.MAX)
-    return out
-
-
-class Launched(Protocol):
-    """What the timing helpers need of a launch (a :class:`Gpu`, or a benchmark's own)."""
-
-    comm: MPI.Intracomm
-
-    def barrier(self) -> None: ...
-
-
-def time_round_robin(
-    gpu: Launched,
-    fns: Mapping[str, Callable[[], object]],
-    reps: int,
-    warmup: int,
-    after: Callable[[], object] | None = None,
-) -> dict[str, np.ndarray]:
-    """Time each variant ``reps`` times, one repeat of each in turn, so drift hits all alike.
-
-    A repeat is: barrier, host clock, ``fn()``, host clock. ``fn`` must leave nothing pending
-    on the device that its result depends on (synchronise inside it where the variant's
-    semantics do not already). ``after`` runs untimed after every repeat (e.g. a stream
-    synchronise for variants timed only to "result usable"). Returns per-repeat seconds, the
-    slowest rank's, per variant.
-    """
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-            if after is not None:
-                after()
-    times = {name: np.empty(reps, dtype=np.float64) for name in fns}
-    clock = time.perf_counter
-    for i in range(reps):
-        for name, fn in fns.items():
-            gpu.barrier()
-            t0 = clock()
-            fn()
-            times[name][i] = clock() - t0
-            if after is not None:
-                after()
-    return {name: max_over_ranks(gpu.comm, t) for name, t in times.items()}
-
-
 def device_time(gpu: Gpu, fn: Callable[[], object], reps: int, warmup: int) -> np.ndarray:
     """Per-repeat device time of ``fn``'s work on the bench stream, by CUDA events (seconds).
 
@@ -499,104 +427,11 @@ def fastest(results: Mapping[str, Mapping[str, Any]], *names: str) -> str | None
     return min(found, key=lambda k: results[k]["median_s"]) if found else None
 
 
-def stats(seconds: np.ndarray) -> dict[str, float]:
-    """Summary of a sample of durations (seconds): median, p99, min, max, mean, n."""
-    if seconds.size == 0 or not bool(np.all(seconds > 0)):
-        raise ValueError("timing sample is empty or holds non-positive durations")
-    return {
-        "median_s": float(np.median(seconds)),
-        "p99_s": float(np.percentile(seconds, 99)),
-        "min_s": float(seconds.min()),
-        "max_s": float(seconds.max()),
-        "mean_s": float(seconds.mean()),
-        "n": int(seconds.size),
-    }
-
-
-def us(seconds: float) -> float:
-    """Seconds to microseconds, rounded to 0.1."""
-    return round(seconds * 1e6, 1)
-
-
-def ms(seconds: float) -> float:
-    """Seconds to milliseconds, rounded to 0.001."""
-    return round(seconds * 1e3, 3)
-
-
-def ratio(a: float, b: float) -> float:
-    """``a / b`` rounded to 0.001 (``b`` > 0)."""
-    return round(a / b, 3)
-
-
-def human_bytes(n: int) -> str:
-    """4 -> '4 B', 4096 -> '4 KiB', 16777216 -> '16 MiB' (exact powers only get a unit)."""
-    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale} {unit}"
-    return f"{n} B"
-
-
-# -- reporting --------------------------------------------------------------------------------
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    """A fixed-width text table that is also valid Markdown."""
-    cells = [[str(h) for h in headers]] + [[_fmt(v) for v in row] for row in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    lines = [
-        "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in cells
-    ]
-    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(lines)
-
-
-def _fmt(v: object) -> str:
-    if isinstance(v, bool) or v is None:
-        return "-" if v is None else str(v)
-    if isinstance(v, float):
-        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
-    return str(v)
-
-
-def target(name: str, value: float, limit: float, unit: str = "") -> dict[str, Any]:
-    """One target line: ``value <= limit`` decides ``met``."""
-    return {
-        "target": name,
-        "value": value,
-        "limit": limit,
-        "unit": unit,
-        "met": bool(value <= limit),
-    }
-
-
-def format_targets(targets: Sequence[Mapping[str, Any]]) -> str:
-    """One ``target ...: value (<= limit) -> met/MISSED`` line per target."""
-    return "\n".join(
-        f"target {t['target']}: {t['value']}{t['unit']} (limit {t['limit']}{t['unit']}) -> "
-        f"{'met' if t['met'] else 'MISSED'}"
-        for t in targets
-    )
-
-
-def _git(*args: str) -> str:
-    try:
-        out = subprocess.run(
-            ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown"
-    return out.stdout.strip() if out.returncode == 0 else "unknown"
-
-
 def metadata(gpu: Gpu) -> dict[str, Any]:
     """Facts about this run: date, machine, GPU, library versions, commit, exact command."""
     cp = gpu.cupy
     meta: dict[str, Any] = {
-        "date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "host": socket.gethostname(),
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "numpy": np.__version__,
-        "mpi_library": MPI.Get_library_version().splitlines()[0].strip(),
-        "ranks": gpu.size,
+        **run_facts(gpu.size, gpu.args),
         "gpu": gpu.device_name(),
         "cupy": cp.__version__,
         "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(),
@@ -611,8 +446,6 @@ def metadata(gpu: Gpu) -> dict[str, Any]:
                       bool(_git("status", "--porcelain", "--untracked-files=no"))),
         "commit_source": ("HVDLITE_BENCH_COMMIT" if os.environ.get("HVDLITE_BENCH_COMMIT")
                           else "git"),
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "args": vars(gpu.args),
         "size1_shortcut_knobs_turned_off": shortcut_knobs(),
         "env": {
             k: v

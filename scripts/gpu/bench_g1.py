@@ -92,7 +92,7 @@ def raw_alone(gpu: gl.Gpu, raw: gl.RawNccl, s: Size) -> np.ndarray:
     """Raw NCCL + sync at one size, checked and timed before hvdlite starts."""
     fns = {RAW: raw_fn(gpu, raw, s)}
     check(gpu, fns, s.y, s.ref, f"{gl.human_bytes(s.nbytes)}, hvdlite not started")
-    return gl.time_round_robin(gpu, fns, gpu.args.repeats, gpu.args.warmup)[RAW]
+    return gl.time_round_robin(gpu.comm, fns, gpu.args.repeats, gpu.args.warmup)[RAW]
 
 
 def one_size(gpu: gl.Gpu, raw: gl.RawNccl, s: Size, alone: np.ndarray) -> dict[str, Any]:
@@ -107,7 +107,7 @@ def one_size(gpu: gl.Gpu, raw: gl.RawNccl, s: Size, alone: np.ndarray) -> dict[s
     fns: dict[str, Callable[[], None]] = {HVD: run_hvd, RAW: raw_fn(gpu, raw, s)}
     size = gl.human_bytes(s.nbytes)
     check(gpu, fns, y, s.ref, f"{size}, before timing")
-    times = gl.time_round_robin(gpu, fns, args.repeats, args.warmup)
+    times = gl.time_round_robin(gpu.comm, fns, args.repeats, args.warmup)
     check(gpu, fns, y, s.ref, f"{size}, after timing")
     dev = gl.device_time(gpu, lambda: raw.allreduce(x, y), args.repeats, args.warmup)
     res = {k: gl.stats(v) for k, v in times.items()}

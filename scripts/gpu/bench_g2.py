@@ -190,7 +190,7 @@ def timed(
     """Check, time round-robin (and ``wait()`` alone), re-check; stats per variant."""
     settle = settler(gpu, torch, b)
     check(gpu, torch, fns, b, "before timing")
-    times = gl.time_round_robin(gpu, fns, gpu.args.repeats, gpu.args.warmup, after=settle)
+    times = gl.time_round_robin(gpu.comm, fns, gpu.args.repeats, gpu.args.warmup, after=settle)
     if wait_alone:
         times[HVD_WAIT_ONLY] = time_wait_alone(gpu, b, settle)
     check(gpu, torch, fns, b, "after timing")

@@ -27,7 +27,6 @@ at 2 or more grouped <= 1.3x. CuPy pool memory is recorded after warm-up and aft
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable
 from typing import Any
@@ -67,34 +66,6 @@ def parse_args(argv: list[str] | None = None) -> Any:
     return args
 
 
-def load_shapes(name: str) -> list[tuple[str, tuple[int, ...]]]:
-    """(tensor name, shape) of a gradient set, checked against the file's element count."""
-    path = gl.DATA_DIR / f"{name}_grads.json"
-    if not path.exists():
-        raise FileNotFoundError(
-            f"gradient set {path} is missing; copy it from the shared data "
-            "folder into scripts/data/"
-        )
-    spec = json.loads(path.read_text(encoding="utf-8"))
-    if spec.get("dtype", "float32") != "float32":
-        raise ValueError(f"{path}: expected float32 tensors, file says {spec['dtype']}")
-    shapes = [(t["name"], tuple(int(d) for d in t["shape"])) for t in spec["tensors"]]
-    total = sum(math.prod(s) for _, s in shapes)
-    if total != spec["total_elements"]:
-        raise ValueError(f"{path}: shapes sum to {total}, file says {spec['total_elements']}")
-    return shapes
-
-
-def split_views(flat: Any, shapes: list[tuple[str, tuple[int, ...]]]) -> list[Any]:
-    """Separate contiguous copies of consecutive slices of ``flat`` (like framework grads)."""
-    out, off = [], 0
-    for _, shape in shapes:
-        n = math.prod(shape)
-        out.append(flat[off : off + n].reshape(shape).copy())
-        off += n
-    return out
-
-
 class GradSet:
     """One rank's gradients (per tensor and pre-fused), outputs, reference and torch copies."""
 
@@ -106,7 +77,7 @@ class GradSet:
         self.fused_in = gl.int_values(cp, self.total, seed, gpu.rank)
         self.fused_out = cp.empty_like(self.fused_in)
         self.ref = (gl.reference_sum(cp, self.total, seed, gpu.size) / gpu.size).astype(np.float32)
-        self.inputs = split_views(self.fused_in, shapes)
+        self.inputs = gl.split(self.fused_in, shapes)
         self.outs = [cp.empty_like(t) for t in self.inputs]
         self.torch_bufs = [t.copy() for t in self.inputs] if torch is not None else []
         gpu.sync()
@@ -222,7 +193,7 @@ def run_block(
         "pool_used_bytes_after_check": int(pool.used_bytes()),
         "pool_total_bytes_after_check": int(pool.total_bytes()),
     }
-    times = gl.time_round_robin(gpu, fns, gpu.args.repeats, gpu.args.warmup)
+    times = gl.time_round_robin(gpu.comm, fns, gpu.args.repeats, gpu.args.warmup)
     mem["pool_used_bytes_after_timing"] = int(pool.used_bytes())
     mem["steady_state"] = hvd.stats()["steady_state"]  # lane hits, immediate calls, ...
     mem["pool_total_bytes_after_timing"] = int(pool.total_bytes())
@@ -234,7 +205,7 @@ def run_alone(gpu: gl.Gpu, raw: gl.RawNccl, torch: Any, g: GradSet) -> dict[str,
     """The baselines checked and timed before hvdlite starts."""
     fns = baseline_variants(gpu, raw, torch, g)
     check(gpu, torch, fns, g, "hvdlite not started")
-    times = gl.time_round_robin(gpu, fns, gpu.args.repeats, gpu.args.warmup)
+    times = gl.time_round_robin(gpu.comm, fns, gpu.args.repeats, gpu.args.warmup)
     return {k + gl.ALONE: gl.stats(v) for k, v in times.items()}
 
 
@@ -303,7 +274,7 @@ def g3_targets(
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    shapes = load_shapes(args.set)
+    shapes = gl.load_shapes(args.set)
     gpu = gl.Gpu(args)
     torch, torch_note = (
         (None, "torch baseline skipped (--no-torch)") if args.no_torch else gl.torch_dist(gpu)

@@ -179,7 +179,7 @@ def block(
         for _ in range(a.warmup):
             fn()
     check_all_variants(f"{label}, before timing")
-    times = gl.time_round_robin(gpu, fns, a.steps, 0)
+    times = gl.time_round_robin(gpu.comm, fns, a.steps, 0)
     check_all_variants(f"{label}, after timing")
     st.weights_agree(gpu, f"weights after the {label} block, {st.rows} rows")
     return times

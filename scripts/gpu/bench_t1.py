@@ -1,15 +1,26 @@
 """T1/T2: synthetic training with hvdlite.torch's DistributedOptimizer against torch DDP and one
 GPU without communication, all in one launch, on the same model, initial weights and batch.
 
-Per rank: a synthetic model (torchvision ResNet-50 by default; ``--model tiny``, a small CNN,
-for a CPU smoke test; ``--model g4``, G4's stack of 24 x Linear(4096, 4096) without bias, the
-layer shape BENCHMARKS.md names for T2), one fixed random batch of ``--batch-size`` (32) that
-differs per rank, plain SGD. Variants, each its own copy of the model from the same initial
-weights:
+Per rank: a synthetic model (torchvision ResNet-50 by default, any torchvision name such as
+``resnet18``; ``--model transformer``, 12 x ``nn.TransformerEncoderLayer(768, 12, 3072)``
+without dropout on ``--seq-len`` (128) tokens; ``--model tiny``, a small CNN, for a CPU smoke
+test; ``--model g4``, G4's stack of 24 x Linear(4096, 4096) without bias, the layer shape
+BENCHMARKS.md names for T2), one fixed random batch of ``--batch-size`` (32) that differs per
+rank, plain SGD. Variants, each its own copy of the model from the same initial weights:
 
-- one GPU, no communication (plain torch: the scaling limit and T2's compute-only step);
-- hvdlite ``DistributedOptimizer``, ``gradient_as_bucket_view=False`` and ``=True``;
-- torch DDP (NCCL on the GPU, gloo with ``--no-cuda``; DDP's defaults otherwise).
+- plain torch, no communication (the scaling limit and T2's compute-only step); with
+  ``--share-gpu`` it runs on rank 0 alone on the whole batch (every rank's batch), the others
+  waiting: one process doing the launch's work;
+- hvdlite ``DistributedOptimizer`` with default settings (``import hvdlite.torch as hvd;
+  hvd.DistributedOptimizer(opt, named_parameters=...)``), then with each setting changed:
+  ``gradient_as_bucket_view=False``; asynchronous completion (CUDA only: the engine's knob,
+  set on the live runtime for that variant's rounds, as ``HVDLITE_ENABLE_ASYNC_COMPLETION=1``
+  sets it at init; the runtime reads it at every submission);
+- torch DDP (NCCL on the GPU, gloo with ``--no-cuda`` or ``--share-gpu``; DDP's defaults).
+
+At one rank hvdlite runs with the ``optimizer_size1_shortcut`` knob off (as every GPU
+benchmark turns size-1 shortcuts off), so the optimizer runs its N-rank path: hooks, buckets,
+one NCCL allreduce per bucket, the stream-ordered step; DDP at world size 1 runs its reducer.
 
 Correctness first: 10 steps (``--check-steps``) of each distributed variant from the same
 initial weights and batches, with deterministic cuDNN; hvdlite's parameters must equal DDP's
@@ -27,12 +38,14 @@ all of them (the fused limit), median of ``--comm-reps``, checked exact first.
 Reported: images/s per GPU and in all, the ratio to DDP, scaling efficiency (images/s per GPU
 over the one-GPU variant's), step time per batch, exposed communication = (step - one-GPU step)
 / comm alone (the faster of the two comm-alone times: the stricter denominator). Targets at 2 or
-more ranks (BENCHMARKS.md T1, T2 as worded in issue 21, on this model): hvdlite >= 1.05x DDP
-images/s; scaling efficiency >= 0.92; exposed <= 20% of comm alone; step <= DDP's. At 1 rank no
-target applies (DistributedOptimizer registers no hooks at size 1; DDP at size 1 still runs its
-reducer): the table shows the overhead of each wrapper over plain torch.
+more ranks, one GPU each (BENCHMARKS.md T1, T2 as worded in issue 21, on this model): hvdlite
+>= 1.05x DDP images/s; scaling efficiency >= 0.92; exposed <= 20% of comm alone; step <=
+DDP's. At 1 rank (issue 25), hvdlite's default: ResNets step <= 1.05x plain torch's and
+images/s >= 1.1x DDP's; the transformer step <= 1.02x plain. Two ranks sharing one GPU
+(``--share-gpu``, CUDA IPC): recorded, no target (the processes take turns on the device).
 
-    mpirun -n 2 python3 scripts/gpu/bench_t1.py --json t1.json
+    mpirun -n 1 python3 scripts/gpu/bench_t1.py --np 1 --model resnet18 --json t1.json
+    mpirun -n 2 python3 scripts/gpu/bench_t1.py --np 2 --share-gpu
     mpiexec -n 2 python scripts/gpu/bench_t1.py --no-cuda --model tiny --quick   # CPU smoke
 """
 
@@ -54,14 +67,17 @@ import _gpulib as gl
 import numpy as np
 from mpi4py import MPI
 
-BASE = "one GPU, no communication"
-HVD_OFF = "hvdlite DistributedOptimizer, bucket views off"
-HVD_ON = "hvdlite DistributedOptimizer, bucket views on"
+BASE = "plain torch, no communication"
+HVD = "hvdlite DistributedOptimizer, default"
+HVD_OFF = "hvdlite, gradient_as_bucket_view=False"
+HVD_ASYNC = "hvdlite, async completion on"
 DDP = "torch DDP"
-DISTRIBUTED = (HVD_OFF, HVD_ON, DDP)
+HVDS = (HVD, HVD_OFF, HVD_ASYNC)
 COMM_HVD = "comm alone: hvdlite grouped_allreduce of every gradient"
 COMM_TORCH = "comm alone: torch.distributed all_reduce, one flat buffer"
 X_DDP, MIN_EFF, MAX_EXPOSED = 1.05, 0.92, 0.20
+# Issue 25, one rank: hvdlite's default against plain torch and DDP in the same launch.
+NP1_RESNET_X_PLAIN, NP1_RESNET_X_DDP, NP1_TRANSFORMER_X_PLAIN = 1.05, 1.1, 1.02
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -81,7 +97,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="hvdlite's bucket size (DDP's default is 25 MB as well)")
     p.add_argument("--atol", type=float, default=1e-5)
     p.add_argument("--rtol", type=float, default=1e-4)
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sample (transformer)")
     p.add_argument("--no-cuda", action="store_true", help="CPU: gloo for DDP, MPI for hvdlite")
+    p.add_argument("--share-gpu", action="store_true",
+                   help="every rank on GPU 0 (hvdlite over CUDA IPC, DDP over gloo); plain "
+                        "torch on rank 0 alone on the whole batch")
     args = p.parse_args(argv)
     if args.quick:
         args.warmup, args.batches_per_iter, args.iters, args.comm_reps = 2, 2, 3, 3
@@ -103,6 +123,9 @@ def build_model(torch: Any, name: str) -> Any:
                              nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 1000))
     if name == "g4":
         return nn.Sequential(*[nn.Linear(4096, 4096, bias=False) for _ in range(24)])
+    if name == "transformer":
+        layer = nn.TransformerEncoderLayer(768, 12, 3072, dropout=0.0, batch_first=True)
+        return nn.TransformerEncoder(layer, 12, enable_nested_tensor=False)
     from torchvision import models
 
     return getattr(models, name)()
@@ -114,6 +137,9 @@ def make_batch(torch: Any, args: argparse.Namespace, rank: int, device: Any) -> 
     if args.model == "g4":
         x = torch.randn(args.batch_size, 4096, generator=g)
         y = torch.randn(args.batch_size, 4096, generator=g)
+    elif args.model == "transformer":
+        x = torch.randn(args.batch_size, args.seq_len, 768, generator=g)
+        y = torch.randn(args.batch_size, args.seq_len, 768, generator=g)
     else:
         x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g)
         y = torch.randint(0, 1000, (args.batch_size,), generator=g)
@@ -136,21 +162,43 @@ class Runner:
             ids = [env.device.index] if env.cuda else None
             self.forward = DistributedDataParallel(self.model, device_ids=ids)
         opt = torch.optim.SGD(self.model.parameters(), lr=args.lr)
-        if kind in (HVD_OFF, HVD_ON):
-            tag = "on" if kind == HVD_ON else "off"
+        if kind in (HVD, HVD_ASYNC):  # as a user writes it: nothing but the wrap
             opt = env.hvd.DistributedOptimizer(
-                opt, named_parameters=[(f"t1{tag}.{n}", p)
+                opt, named_parameters=[(f"t1{HVDS.index(kind)}.{n}", p)
+                                       for n, p in self.model.named_parameters()])
+        elif kind == HVD_OFF:
+            opt = env.hvd.DistributedOptimizer(
+                opt, named_parameters=[(f"t1off.{n}", p)
                                        for n, p in self.model.named_parameters()],
-                gradient_as_bucket_view=kind == HVD_ON, bucket_cap_mb=args.bucket_cap_mb)
+                gradient_as_bucket_view=False)
         self.opt = opt
-        mse = args.model == "g4"
+        mse = args.model in ("g4", "transformer")
         self.loss = torch.nn.functional.mse_loss if mse else torch.nn.functional.cross_entropy
+        # --share-gpu: plain torch is one process (rank 0) on every rank's batch.
+        self.idle = kind == BASE and args.share_gpu and env.rank != 0
+        self.x, self.y = (env.x_all, env.y_all) if kind == BASE and args.share_gpu else \
+            (env.x, env.y)
 
     def step(self) -> None:
+        if self.idle:
+            return
         self.opt.zero_grad()
-        out = self.forward(self.env.x)
-        self.loss(out, self.env.y).backward()
+        out = self.forward(self.x)
+        self.loss(out, self.y).backward()
         self.opt.step()
+
+    def steps(self, n: int) -> None:
+        """``n`` steps (asynchronous completion on for the variant that tests it)."""
+        rt = self.env.runtime() if self.kind == HVD_ASYNC else None
+        if rt is not None:
+            rt._async = True
+        try:
+            for _ in range(n):
+                self.step()
+        finally:
+            if rt is not None:
+                self.env.sync()
+                rt._async = False
 
     def flat(self) -> Any:
         return self.env.torch.cat([p.detach().reshape(-1) for p in self.model.parameters()])
@@ -174,12 +222,12 @@ class Env:
                 why = f"--model {args.model} needs torchvision (or pass --model tiny)"
         if self.cuda and not why:
             count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            if count < self.local_size:
+            if count < (1 if args.share_gpu else self.local_size):
                 why = (f"{count} CUDA devices visible for {self.local_size} ranks on this host "
                        "(NCCL and DDP need one GPU per rank; --no-cuda runs on the CPU)")
         gl.check_all(self.comm, not why, "setup", why)
         if self.cuda:
-            self.device = torch.device("cuda", self.local_rank)
+            self.device = torch.device("cuda", 0 if args.share_gpu else self.local_rank)
             torch.cuda.set_device(self.device)
             if args.model == "g4":  # G4's reference: float32 with TF32 matmuls
                 torch.backends.cuda.matmul.allow_tf32 = True
@@ -206,6 +254,20 @@ class Env:
                      f"digests {digests}")
         self.init_flat = init
         self.x, self.y = make_batch(torch, args, self.rank, self.device)
+        self.x_all, self.y_all = self.x, self.y
+        if args.share_gpu and self.rank == 0:
+            pairs = [make_batch(torch, args, r, self.device) for r in range(self.size)]
+            self.x_all = torch.cat([x for x, _ in pairs])
+            self.y_all = torch.cat([y for _, y in pairs])
+
+    def runtime(self) -> Any:
+        """hvdlite's device runtime (None on the CPU): the async-completion variant sets its
+        knob for its own rounds."""
+        if not self.cuda:
+            return None
+        from hvdlite._engine import default_engine
+
+        return default_engine().gpu_runtime()
 
     def _dist_init(self) -> None:
         torch = self.torch
@@ -216,7 +278,8 @@ class Env:
         why = ""
         try:
             torch.distributed.init_process_group(
-                "nccl" if self.cuda else "gloo", init_method="env://", rank=self.rank,
+                "nccl" if self.cuda and not self.args.share_gpu else "gloo",
+                init_method="env://", rank=self.rank,
                 world_size=self.size, timeout=_dt.timedelta(seconds=60))
             t = torch.full((4,), float(self.rank + 1), device=self.device)
             torch.distributed.all_reduce(t)
@@ -226,6 +289,11 @@ class Env:
         except Exception as exc:  # DDP is a required baseline: refuse with the reason
             why = f"torch.distributed unusable: {exc!r}"
         gl.check_all(self.comm, not why, "torch.distributed", why)
+
+    def variants(self) -> list[str]:
+        """Plain torch, hvdlite's variants, DDP last (async completion needs CUDA)."""
+        hvds = [k for k in HVDS if self.cuda or k != HVD_ASYNC]
+        return [BASE, *hvds, DDP]
 
     def barrier(self) -> None:
         self.comm.Barrier()
@@ -250,10 +318,9 @@ def check_correctness(env: Env) -> dict[str, Any]:
     cudnn = torch.backends.cudnn
     cudnn.deterministic, cudnn.benchmark = True, False
     flats: dict[str, Any] = {}
-    for kind in DISTRIBUTED:
+    for kind in env.variants()[1:]:
         r = Runner(env, kind)
-        for _ in range(args.check_steps):
-            r.step()
+        r.steps(args.check_steps)
         env.sync()
         flats[kind] = r.flat()
         del r
@@ -270,7 +337,7 @@ def check_correctness(env: Env) -> dict[str, Any]:
         gl.check_all(env.comm, len(set(digests)) == 1,
                      f"{kind}: parameters identical on every rank", f"digests {digests}")
         out[f"{kind}: max abs change from init"] = moved
-    for kind in (HVD_OFF, HVD_ON):
+    for kind in env.variants()[1:-1]:
         diff = env.max_over_ranks(float((flats[kind] - flats[DDP]).abs().max()))
         out[f"{kind}: max abs diff vs DDP"] = diff
         gl.check_all(env.comm, diff <= bound, f"{kind}: parameters equal DDP's after "
@@ -286,20 +353,18 @@ def time_training(env: Env) -> dict[str, np.ndarray]:
     """Per-round seconds (slowest rank) of ``--batches-per-iter`` steps, per variant."""
     torch, args = env.torch, env.args
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = False, True
-    runners = {k: Runner(env, k) for k in (BASE, *DISTRIBUTED)}
+    runners = {k: Runner(env, k) for k in env.variants()}
     for r in runners.values():
-        for _ in range(args.warmup):
-            r.step()
+        r.steps(args.warmup)
     env.sync()
 
     def rounds(r: Runner) -> Callable[[], None]:
         def run() -> None:
-            for _ in range(args.batches_per_iter):
-                r.step()
+            r.steps(args.batches_per_iter)
             env.sync()
         return run
 
-    times = gl.time_round_robin(env, {k: rounds(r) for k, r in runners.items()}, args.iters, 0)
+    times = gl.time_round_robin(env.comm, {k: rounds(r) for k, r in runners.items()}, args.iters, 0)
     del runners
     if env.cuda:
         torch.cuda.empty_cache()
@@ -330,7 +395,7 @@ def time_comm(env: Env) -> dict[str, np.ndarray]:
             env.sync()
         return run
 
-    return gl.time_round_robin(env, {k: synced(fn) for k, fn in fns.items()}, args.comm_reps,
+    return gl.time_round_robin(env.comm, {k: synced(fn) for k, fn in fns.items()}, args.comm_reps,
                                3)
 
 
@@ -360,19 +425,21 @@ def report(env: Env, check: dict[str, Any], train: dict[str, np.ndarray],
             "images_per_s_total": round(ips[k] * env.size, 1),
             "images_per_s_per_round": [round(per_round / t, 1) for t in v],
             "step_ms": gl.ms(step[k]),
+            "step_over_plain": gl.ratio(step[k], step[BASE]),
             "scaling_efficiency": gl.ratio(ips[k], ips[BASE]),
         }
         if k != BASE:
             d["vs_ddp"] = gl.ratio(ips[k], ips[DDP])
-            d["exposed_over_comm_alone"] = gl.ratio(step[k] - step[BASE], comm_alone)
+            if not args.share_gpu:
+                d["exposed_over_comm_alone"] = gl.ratio(step[k] - step[BASE], comm_alone)
         res["training"][k] = d
         per = d["images_per_s_per_round"]
         rows.append([k, d["images_per_s_per_gpu"], f"{min(per):.0f}-{max(per):.0f}",
                      d["images_per_s_total"], d.get("vs_ddp"), d["scaling_efficiency"],
-                     d["step_ms"], d.get("exposed_over_comm_alone")])
+                     d["step_ms"], d["step_over_plain"], d.get("exposed_over_comm_alone")])
     table = gl.format_table(
         ["variant", "img/s per GPU", "rounds", "img/s total", "vs DDP", "scaling eff",
-         "step ms", "exposed / comm alone"], rows)
+         "step ms", "step / plain", "exposed / comm alone"], rows)
     table += "\n" + gl.format_table(
         ["comm alone", "median ms", "p99 ms"],
         [[k, gl.ms(s["median_s"]), gl.ms(s["p99_s"])] for k, s in res["comm_alone"].items()])
@@ -388,8 +455,33 @@ def report(env: Env, check: dict[str, Any], train: dict[str, np.ndarray],
              "faster of the two comm-alone times)",
              "the one-GPU variant runs on every rank at once (each rank its own device), in "
              "the same processes as hvdlite's background thread"]
-    if env.size >= 2:
-        for k in (HVD_OFF, HVD_ON):
+    if args.share_gpu:
+        notes[-1] = (f"--share-gpu: every rank on one GPU (hvdlite over CUDA IPC, DDP over "
+                     f"gloo); '{BASE}' is rank 0 alone on all {env.size} batches, so its "
+                     "img/s per GPU is per rank's batch: compare 'img/s total'; no target "
+                     "(the processes' contexts take turns on the device)")
+        for k in train:
+            tot = per_round * env.size / float(np.median(train[k]))
+            res["training"][k]["images_per_s_total"] = round(tot, 1)
+    elif env.size == 1:
+        t = res["training"][HVD]
+        if args.model == "transformer":
+            targets.append(gl.target(f"issue 25, 1 rank: {HVD} step <= "
+                                     f"{NP1_TRANSFORMER_X_PLAIN}x plain", t["step_over_plain"],
+                                     NP1_TRANSFORMER_X_PLAIN, "x"))
+        else:
+            targets.append(gl.target(f"issue 25, 1 rank: {HVD} step <= "
+                                     f"{NP1_RESNET_X_PLAIN}x plain", t["step_over_plain"],
+                                     NP1_RESNET_X_PLAIN, "x"))
+            targets.append(ge_target(f"issue 25, 1 rank: {HVD} img/s >= {NP1_RESNET_X_DDP}x "
+                                     "DDP", t["vs_ddp"], NP1_RESNET_X_DDP, "x"))
+            if not args.model.startswith("resnet"):
+                notes.append(f"issue 25's 1-rank targets are set for ResNets; this run used "
+                             f"{args.model}")
+        notes.append("1 rank: hvdlite's optimizer_size1_shortcut off (the N-rank path: hooks, "
+                     "buckets, one NCCL allreduce per bucket); DDP's reducer runs at size 1")
+    else:
+        for k in (HVD, HVD_OFF):
             t = res["training"][k]
             targets.append(ge_target(f"T1 {k}: img/s >= {X_DDP}x DDP", t["vs_ddp"], X_DDP, "x"))
             targets.append(ge_target(f"T1 {k}: scaling efficiency >= {MIN_EFF}",
@@ -400,9 +492,6 @@ def report(env: Env, check: dict[str, Any], train: dict[str, np.ndarray],
                                      step[DDP]), 1.0, "x"))
         if args.model != "resnet50":
             notes.append(f"T1's targets are set for ResNet-50; this run used {args.model}")
-    else:
-        notes.append("1 rank: no target applies (T1/T2 are 2-GPU targets); "
-                     "DistributedOptimizer registers no hooks at size 1")
     if env.cuda and args.model == "g4":
         notes.append("g4: TF32 matmuls (as G4), loss = MSE against a random target")
     if not env.cuda:

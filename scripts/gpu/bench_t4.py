@@ -55,10 +55,7 @@ def main() -> None:
     dist, why = gl.torch_dist(gpu)
     gl.hvd_start(hvdlite, gpu)
     cp = gpu.cupy
-    with open(gl.DATA_DIR / "resnet50_grads.json", encoding="utf-8") as f:
-        shapes = [tuple(int(d) for d in e["shape"]) for e in json.load(f)["tensors"]]
-    if args.quick:
-        shapes = shapes[:20]
+    shapes = [s for _, s in gl.load_shapes("resnet50", 20 if args.quick else None)]
     dev = torch.device("cuda", gpu.device_id)
     ts = [torch.full(s, float(((k % 7) + 2 * gpu.rank) * 2), device=dev)
           for k, s in enumerate(shapes)]
@@ -76,7 +73,7 @@ def main() -> None:
         fns[DIST_ASYNC] = lambda: _dist_async(dist, copies, gpu)
         fns[DIST_LOOP] = lambda: _dist_loop(dist, copies, gpu)
     _check(gpu, {k: fns[k] for k in (TORCH_T, CUPY_A)}, want, "before timing")
-    times = gl.time_round_robin(gpu, fns, args.reps, warmup=3)
+    times = gl.time_round_robin(gpu.comm, fns, args.reps, warmup=3)
     _check(gpu, {k: fns[k] for k in (TORCH_T, CUPY_A)}, want, "after timing")
     t4 = torch.full((1,), float(gpu.rank + 1), device=dev)
     c4 = cp.asarray(t4.clone())
@@ -86,7 +83,7 @@ def main() -> None:
     for name, fn in sync_fns.items():
         got = float(np.asarray(fn().tolist() if name == SYNC_T else cp.asnumpy(fn()))[0])
         gl.check_all(gpu.comm, got == want4, name, f"got {got}, expected {want4}")
-    times.update(gl.time_round_robin(gpu, sync_fns, args.sync_reps, warmup=50, after=gpu.sync))
+    times.update(gl.time_round_robin(gpu.comm, sync_fns, args.sync_reps, warmup=50, after=gpu.sync))
     gl.torch_close(dist)
     hvdlite.shutdown()
     _report(gpu, args, {k: gl.stats(v) for k, v in times.items()}, len(shapes), why)
@@ -131,11 +128,12 @@ def _check(gpu: gl.Gpu, fns: dict[str, Callable[[], list[Any]]], want: list[floa
 
 def _report(gpu: gl.Gpu, args: Any, st: dict[str, dict[str, float]], n: int, why: str) -> None:
     med = {k: v["median_s"] for k, v in st.items()}
-    rows, verdicts = [], []
-    torch_best = min((k for k in (DIST_ASYNC, DIST_LOOP) if k in med), key=med.get,
+    rows: list[tuple[str, float, float]] = []
+    verdicts: list[dict[str, Any]] = []
+    torch_best = min((k for k in (DIST_ASYNC, DIST_LOOP) if k in med), key=med.__getitem__,
                      default=None)
     for k, v in st.items():
-        rows.append([k, gl.ms(v["median_s"]), gl.ms(v["p99_s"])])
+        rows.append((k, gl.ms(v["median_s"]), gl.ms(v["p99_s"])))
     checks = [(f"ResNet-50 set: {TORCH_T} <= {X_CUPY}x {CUPY_A}", med[TORCH_T] / med[CUPY_A],
                X_CUPY),
               (f"4 B sync: {SYNC_T} <= {X_CUPY}x {SYNC_C}", med[SYNC_T] / med[SYNC_C], X_CUPY)]

@@ -30,14 +30,14 @@ M=(mpirun --allow-run-as-root --oversubscribe --bind-to none -n "$NP" -x PATH -x
     --json "$OUT/g4_tl_events.json"
   echo "=== smoke with NVTX ranges on"
   HVDLITE_TIMELINE_DEVICE_EVENTS=0 HVDLITE_NVTX=1 timeout 60 "${M[@]}" python3 \
-    scripts/dev/gpu_smoke.py
+    scripts/gpu/smoke.py
   if command -v ncu >/dev/null; then
     # Nsight Systems is not on this image; Nsight Compute is. With --nvtx it records the NVTX
     # range stack around each profiled kernel and --print-nvtx-rename names the kernel after
     # it: the batched copy kernels must show up under hvdlite's MEMCPY_*_FUSION_BUFFER ranges.
     echo "=== Nsight Compute: NVTX ranges around hvdlite's kernels (1 rank)"
     timeout 120 ncu --nvtx --print-nvtx-rename kernel --kernel-name 'regex:batched|nccl' \
-      --launch-count 4 --section LaunchStats python3 scripts/dev/nvtx_kernels.py
+      --launch-count 4 --section LaunchStats python3 scripts/gpu/nvtx_kernels.py
   fi
 } > "$OUT/extra.log" 2>&1
 echo "extras exit $?"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import cupy
@@ -23,6 +25,19 @@ extern "C" __global__ void spin_then_fill(long long ns, int* flag, double* out,
     for (long long i = threadIdx.x; i < n; i += blockDim.x) out[i] = value;
 }
 """
+
+
+@contextlib.contextmanager
+def reinit(hvd: Any, **config: Any) -> Iterator[None]:
+    """hvdlite restarted with ``config`` for the block, then restarted with the defaults (the
+    session fixture's state) whatever the block did."""
+    hvd.shutdown()
+    hvd.init(**config)
+    try:
+        yield
+    finally:
+        hvd.shutdown()
+        hvd.init()
 
 
 @functools.cache

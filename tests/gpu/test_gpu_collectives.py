@@ -14,6 +14,7 @@ cupy = pytest.importorskip("cupy")
 if cupy.cuda.runtime.getDeviceCount() == 0:
     pytest.skip("no CUDA device", allow_module_level=True)
 
+from gpu_util import reinit  # noqa: E402
 from mpi_util import all_inputs, op_allowed, reference_allreduce  # noqa: E402
 
 DTYPES = ["bool", "int8", "uint8", "int32", "uint32", "int64", "uint64", "float16",
@@ -49,11 +50,8 @@ def _check(got: Any, want: np.ndarray, what: str) -> None:
 
 @pytest.fixture(scope="module", params=list(MODES))
 def mode(request: pytest.FixtureRequest, hvd: Any) -> Iterator[str]:
-    hvd.shutdown()
-    hvd.init(**MODES[request.param])
-    yield request.param
-    hvd.shutdown()
-    hvd.init()
+    with reinit(hvd, **MODES[request.param]):
+        yield request.param
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -153,15 +151,17 @@ def test_alltoall_and_reducescatter(hvd: Any, mode: str) -> None:
 
 def test_fused_bucket_larger_than_threshold(hvd: Any, mode: str) -> None:
     r, n = hvd.rank(), hvd.size()
+    per = [all_inputs(900 + i, n, (300 + 100 * i,), "float32") for i in range(6)]
     hvd.shutdown()
     hvd.init(fusion_threshold=4096, **MODES[mode])
-    per = [all_inputs(900 + i, n, (300 + 100 * i,), "float32") for i in range(6)]
-    got = hvd.grouped_allreduce([cupy.asarray(p[r]) for p in per], name=f"big.{mode}",
-                                op=hvd.Sum)
+    try:
+        got = hvd.grouped_allreduce([cupy.asarray(p[r]) for p in per], name=f"big.{mode}",
+                                    op=hvd.Sum)
+    finally:
+        hvd.shutdown()
+        hvd.init(**MODES[mode])
     for i, p in enumerate(per):
         _check(got[i], reference_allreduce(p, "Sum"), f"member {i}")
-    hvd.shutdown()
-    hvd.init(**MODES[mode])
 
 
 def test_host_device_mismatch_raises_everywhere(hvd: Any, mode: str) -> None:

@@ -19,6 +19,7 @@ cupy = pytest.importorskip("cupy")
 if cupy.cuda.runtime.getDeviceCount() == 0:
     pytest.skip("no CUDA device", allow_module_level=True)
 
+from gpu_util import reinit  # noqa: E402
 from mpi_util import allgather_ints, op_allowed  # noqa: E402
 from test_soak import Memory, run_soak  # noqa: E402
 
@@ -53,11 +54,8 @@ def _rss_kib() -> int:
 
 @pytest.fixture(params=["sync", "async"])
 def completion(request: pytest.FixtureRequest, hvd: Any) -> Iterator[str]:
-    hvd.shutdown()
-    hvd.init(async_completion=request.param == "async")
-    yield request.param
-    hvd.shutdown()
-    hvd.init()
+    with reinit(hvd, async_completion=request.param == "async"):
+        yield request.param
 
 
 @pytest.mark.timeout(400, func_only=True)

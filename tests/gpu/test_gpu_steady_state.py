@@ -15,6 +15,7 @@ cupy = pytest.importorskip("cupy")
 if cupy.cuda.runtime.getDeviceCount() == 0:
     pytest.skip("no CUDA device", allow_module_level=True)
 
+from gpu_util import reinit  # noqa: E402
 from mpi_util import all_inputs, make_input, reference_allreduce, seed_for  # noqa: E402
 
 from hvdlite._engine import default_engine  # noqa: E402
@@ -25,11 +26,8 @@ MODES = {"sync": {}, "async": {"async_completion": True}}
 
 @pytest.fixture(scope="module", params=list(MODES))
 def mode(request: pytest.FixtureRequest, hvd: Any) -> Iterator[str]:
-    hvd.shutdown()
-    hvd.init(**MODES[request.param])
-    yield request.param
-    hvd.shutdown()
-    hvd.init()
+    with reinit(hvd, **MODES[request.param]):
+        yield request.param
 
 
 def _inputs(tag: str, step: int, rank: int) -> list[np.ndarray]:

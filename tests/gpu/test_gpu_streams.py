@@ -13,7 +13,7 @@ cupy = pytest.importorskip("cupy")
 if cupy.cuda.runtime.getDeviceCount() == 0:
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from gpu_util import one_ipc_step, slow_fill, warm_up  # noqa: E402
+from gpu_util import one_ipc_step, reinit, slow_fill, warm_up  # noqa: E402
 
 N = 1 << 16  # elements per canary tensor
 
@@ -24,12 +24,9 @@ def _expect_sum(hvd: Any, value_of_rank: Any) -> float:
 
 @pytest.fixture(params=["sync", "async"])
 def completion(request: pytest.FixtureRequest, hvd: Any) -> Any:
-    hvd.shutdown()
-    hvd.init(async_completion=request.param == "async")
-    warm_up(hvd, N)
-    yield request.param
-    hvd.shutdown()
-    hvd.init()
+    with reinit(hvd, async_completion=request.param == "async"):
+        warm_up(hvd, N)
+        yield request.param
 
 
 def test_race_canary_producer_on_side_stream(hvd: Any, completion: str) -> None:

@@ -15,7 +15,7 @@ cupy = pytest.importorskip("cupy")
 if cupy.cuda.runtime.getDeviceCount() == 0:
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from gpu_util import allreduce_phase, one_ipc_step, warm_up  # noqa: E402
+from gpu_util import allreduce_phase, one_ipc_step, reinit, warm_up  # noqa: E402
 
 N = 1 << 16
 
@@ -32,11 +32,8 @@ def _tracks(events: list[dict[str, Any]]) -> dict[int, str]:
 @pytest.fixture
 def traced(hvd: Any, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[str]:
     path = str(tmp_path / "gpu_{rank}.json")
-    hvd.shutdown()
-    hvd.init(timeline=path, **request.param)
-    yield path
-    hvd.shutdown()
-    hvd.init()
+    with reinit(hvd, timeline=path, **request.param):
+        yield path
 
 
 @pytest.mark.parametrize("traced", [{}], indirect=True)

@@ -9,6 +9,7 @@ any wrong result raises (the rank fails, and with it the job).
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 from pathlib import Path
@@ -86,7 +87,10 @@ def main() -> None:
     cases += 1
     placement = {"rank": me, "size": size, "host": socket.gethostname(),
                  "local_rank": hvd.local_rank(), "local_size": hvd.local_size(),
-                 "cross_rank": hvd.cross_rank(), "cross_size": hvd.cross_size(), "cases": cases}
+                 "cross_rank": hvd.cross_rank(), "cross_size": hvd.cross_size(), "cases": cases,
+                 "env": {k: os.environ.get(k) for k in ("MH_NAMED", "MH_SET",
+                                                        "HOROVOD_MH_PREFIXED")}
+                 | {"python": sys.executable}}
     hvd.shutdown()
     (out / f"rank-{me}.json").write_text(json.dumps(placement))
 

@@ -72,8 +72,9 @@ def test_every_collective_across_hosts(cluster: Cluster, tmp_path: Path) -> None
     out.mkdir()
     trace = out / "trace.{rank}.json"
     ran = hvdliterun(cluster, "-np", "4", "-H", hosts_arg(cluster), "--tcp",
-                     "--timeline", str(trace), "--", sys.executable,
-                     str(HERE / "mh_collectives.py"), str(out))
+                     "--timeline", str(trace), "-x", "MH_NAMED=forwarded", "-x", "MH_SET",
+                     "--", "python", str(HERE / "mh_collectives.py"), str(out),
+                     MH_SET="from-env", HOROVOD_MH_PREFIXED="yes")
     _ok(ran)
     reports = [json.loads((out / f"rank-{r}.json").read_text()) for r in range(4)]
     n1, n2 = (h.name for h in cluster.hosts)
@@ -82,6 +83,10 @@ def test_every_collective_across_hosts(cluster: Cluster, tmp_path: Path) -> None
                                   (n2, 0, 2, 1, 2), (n2, 1, 2, 1, 2)]
     # global: 4 dtypes x (3 ops + product + 2 grouped + allgather + alltoall + reducescatter
     # + 4 broadcasts) + barrier; the two-rank sets 2 broadcasts; plus the 4 MiB allreduce
+    # What hvdliterun forwards reaches the other host too; "python" is this environment's.
+    for r in reports:
+        assert r["env"] == {"MH_NAMED": "forwarded", "MH_SET": "from-env",
+                            "HOROVOD_MH_PREFIXED": "yes", "python": sys.executable}, r
     _check_merged_trace([out / f"trace.{r}.json" for r in range(4)])
     per_set = {"global": 4 * 13 + 1, "pair": 4 * 11 + 1}
     big = 1
@@ -91,6 +96,34 @@ def test_every_collective_across_hosts(cluster: Cluster, tmp_path: Path) -> None
         per_set["global"] + per_set["pair"] + big,  # rank 2: the spanning set
         per_set["global"] + big,
     ]
+
+
+def test_training_examples_identical_weights(cluster: Cluster) -> None:
+    hostfile = cluster.shared / "hostfile"
+    hostfile.write_text("".join(f"{h.name} slots=2\n" for h in cluster.hosts))
+    ran = hvdliterun(cluster, "-np", "4", "--hostfile", str(hostfile), "--tcp", "--",
+                     sys.executable, str(REPO / "examples" / "mlp_numpy.py"), "--steps", "60")
+    _ok(ran)
+    assert "OK: weights identical on all ranks" in ran.out, ran.out
+    ran = hvdliterun(cluster, "-np", "4", "-H", hosts_arg(cluster), "--tcp", "--",
+                     sys.executable, str(REPO / "examples" / "torch_mnist_like.py"),
+                     "--epochs", "3", timeout=180)
+    _ok(ran)
+    assert "OK: parameters identical on all ranks" in ran.out, ran.out
+
+
+def test_doctor_names_every_host_and_the_links(cluster: Cluster) -> None:
+    ran = hvdliterun(cluster, "-np", "4", "-H", hosts_arg(cluster), "--tcp", "--check")
+    _ok(ran)
+    n1, n2 = (h.name for h in cluster.hosts)
+    a1, a2 = (h.address for h in cluster.hosts)
+    for r in range(4):
+        assert f"== rank {r} of 4 ==" in ran.out
+    assert ran.out.count(f"host           {n1} ") == 2 and ran.out.count(f"{n2} (pid") == 2
+    assert "MPICH ch4 netmod ofi, libfabric provider tcp on eth0" in ran.out, ran.out
+    assert f"{n1} <-> {n2}: TCP" in ran.out and f"eth0 {a1} <-> eth0 {a2}" in ran.out, ran.out
+    assert f"within {n1} (ranks 0, 1): no TCP between them (shared memory)" in ran.out
+    assert "all checks passed on 4 rank(s)" in ran.out
 
 
 def test_unreachable_host_is_named_at_start(cluster: Cluster) -> None:

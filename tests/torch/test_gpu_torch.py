@@ -63,7 +63,7 @@ def test_cuda_bucket_views_are_reduced_in_place(hvd: Any) -> None:
     dev = _device(hvd)
     shapes = [(3, 5), (7,), (2, 2, 2), (1,)]
     params = [torch.nn.Parameter(torch.zeros(s, device=dev)) for s in shapes]
-    bucket = Bucket(params, "gpu.bucket")
+    bucket = Bucket(params, "gpu.bucket", 1)
     assert bucket.viewable()
     bucket.make_views()
     assert all(p.grad is v for p, v in zip(params, bucket.views, strict=True))
@@ -74,10 +74,9 @@ def test_cuda_bucket_views_are_reduced_in_place(hvd: Any) -> None:
         sum((p * c).sum() for p, c in zip(params, coeffs, strict=True)).backward()  # type: ignore[union-attr]
         assert all(p.grad is v for p, v in zip(params, bucket.views, strict=True))
         assert bucket.realias()
-        handle = _reduce.bucket_async(bucket.arrays, bucket.views, bucket.name, hvd.Sum, 2.0,
-                                      1.0, hvd.global_process_set)
-        outs = hvd.synchronize(handle)
-        assert outs == bucket.views
+        handle = _reduce.allreduce_one(bucket.buffer, bucket.name, hvd.Sum, 2.0, 1.0,
+                                       hvd.global_process_set, True, "test")
+        assert hvd.synchronize(handle) is bucket.buffer
         for k, (p, s) in enumerate(zip(params, shapes, strict=True)):
             want = 2 * _rank_sum(hvd, lambda r: r + step + k)  # noqa: B023
             assert torch.equal(p.grad, torch.full(s, want, device=dev)), (step, k)

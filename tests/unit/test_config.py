@@ -46,6 +46,7 @@ EXPECTED_DEFAULTS = {
     "peer_timeout_s": 30.0,
     "idle_backoff_max_ms": 20.0,
     "gil_switch_interval_us": 0.0,
+    "optimizer_size1_shortcut": True,
     "log_level": "warning",
     "nvtx": False,
 }
@@ -88,6 +89,7 @@ ENV_CASES = {
     "peer_timeout_s": ("HVDLITE_PEER_TIMEOUT_SECONDS", None, "12", 12.0),
     "idle_backoff_max_ms": ("HVDLITE_IDLE_BACKOFF_MAX_MS", None, "0.5", 0.5),
     "gil_switch_interval_us": ("HVDLITE_GIL_SWITCH_INTERVAL_US", None, "100", 100.0),
+    "optimizer_size1_shortcut": ("HVDLITE_OPTIMIZER_SIZE1_SHORTCUT", None, "off", False),
     "log_level": ("HVDLITE_LOG_LEVEL", "HOROVOD_LOG_LEVEL", "DEBUG", "debug"),
     "nvtx": ("HVDLITE_NVTX", None, "TRUE", True),
     "timeline_device_events": ("HVDLITE_TIMELINE_DEVICE_EVENTS", None, "yes", True),
@@ -361,6 +363,7 @@ def _non_default_config() -> Config:
         peer_timeout_s=7.5,
         idle_backoff_max_ms=3.0,
         gil_switch_interval_us=200.0,
+        optimizer_size1_shortcut=False,
         log_level="trace",
         nvtx=True,
     )

@@ -4,7 +4,7 @@ A fused grouped allreduce (batched copy-in kernel, NCCL, batched copy-out kernel
 alltoall (NCCL send/recv kernel) with NVTX ranges on. Run it under Nsight Compute, e.g.
 
     HVDLITE_NVTX=1 ncu --nvtx --print-nvtx-rename kernel --kernel-name regex:batched|nccl \
-        python3 scripts/dev/nvtx_kernels.py
+        python3 scripts/gpu/nvtx_kernels.py
 
 and each profiled kernel is reported under the hvdlite range it was launched in.
 """

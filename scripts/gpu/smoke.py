@@ -1,6 +1,6 @@
-"""Quick GPU smoke run for development: every device path once, with stack dumps on a hang.
+"""GPU smoke run: every device collective once in both completion modes; stacks dumped on a hang.
 
-Run: mpirun -n N python scripts/dev/gpu_smoke.py  (N = 1 or 2, one GPU per rank).
+Run: mpirun -n N python scripts/gpu/smoke.py  (N = 1 or 2, one GPU per rank).
 """
 
 from __future__ import annotations
