@@ -4,10 +4,9 @@ Builds two hosts from namespaces (tests/multihost/cluster.py; root, iproute2 and
 then, round by round with the order alternating, runs on host 1 through ``hvdliterun --tcp``:
 a raw MPI ping-pong probe (latency and per-byte time inside a host and across), bench_c6.py and
 bench_c2.py, once with ``-H n1:4`` and once with ``-H n1:2,n2:2``. Medians over rounds. The
-cost model (scripts/costmodel.py) takes its latency and per-byte terms from the probe and
-hvdlite's Python costs from the 2-host run (C6, and C2 at N=1000); its predictions are printed
-beside every measured point (the one-host points and the smaller N are predictions), then for
-8 to 1,024 ranks.
+cost model (scripts/costmodel.py) takes each constant from one measured point (see
+``calibrate``); its predictions are printed beside every measured point, then for 8 to 1,024
+ranks.
 
     flock -x /tmp/hvd-cpu.lock python scripts/bench_multihost.py --rounds 3 --json mh.json
     python scripts/bench_multihost.py --probe OUT.json   # (the probe's rank program)
@@ -23,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -168,27 +168,27 @@ def _request_bytes(n: int = 1000) -> int:
     return round(len(pickle.dumps(reqs, pickle.HIGHEST_PROTOCOL)) / n)
 
 
-def calibrate(s: dict[str, Any], on: str = "2 hosts x 2") -> cm.Constants:
-    """Latency and per-byte terms from the probe; hvdlite's Python costs from the run ``on``
-    (the other layout's points are then predictions)."""
-    two = s["2 hosts x 2"]
-    ppn = 4 if on == "1 host x 4" else 2
-    ref = s[on]
+def calibrate(s: dict[str, Any]) -> cm.Constants:
+    """Each constant from one measured point; every other point is a prediction.
+
+    Latency and per-byte terms: the 2-host run's probe (ranks 0-1 share a host, 0-2 do not).
+    hvdlite's Python costs: the one-host run (C6 for ``c_call``; C2 at N=1000, cached for
+    ``c_tensor``, cache off for ``c_req``). ``w_net``: the 2-host run's C6."""
+    one, two = s["1 host x 4"], s["2 hosts x 2"]
     big = PROBE_SIZES[1]
 
-    def ab(row: dict[str, Any], peer: str) -> tuple[float, float]:
-        small, large = row[f"probe_{peer}_{PROBE_SIZES[0]}_s"], row[f"probe_{peer}_{big}_s"]
+    def ab(peer: str) -> tuple[float, float]:
+        small, large = two[f"probe_{peer}_{PROBE_SIZES[0]}_s"], two[f"probe_{peer}_{big}_s"]
         return small, max(large - small, 0.0) / big
 
-    a_shm, b_shm = ab(two, "peer1")  # the same run as the network terms
-    a_net, b_net = ab(two, "peer2")
-    k0 = cm.Constants(a_shm, b_shm, a_net, b_net, 0.0, 0.0, 0.0, r=_request_bytes())
+    (a_shm, b_shm), (a_net, b_net) = ab("peer1"), ab("peer2")
+    k = cm.Constants(a_shm, b_shm, a_net, b_net, 0.0, 0.0, 0.0, r=_request_bytes())
     n = C2_N[-1]
-    c_call = ref["c6_hvd_p50_s"] - cm.c6_latency(k0, 4, ppn).seconds
-    c_tensor = ref[f"c2_cached_{n}_s"] - cm.cached_step(k0, 4, ppn, n).seconds / n
-    k1 = cm.Constants(a_shm, b_shm, a_net, b_net, c_call, c_tensor, 0.0, r=k0.r)
-    extra = (ref[f"c2_nocache_{n}_s"] * n - cm.uncached_round(k1, 4, ppn, n).seconds) / (4 * n)
-    return cm.Constants(a_shm, b_shm, a_net, b_net, c_call, c_tensor, max(extra, 0.0), r=k0.r)
+    k = replace(k, c_call=one["c6_hvd_p50_s"] - cm.c6_latency(k, 4, 4).seconds)
+    k = replace(k, c_tensor=one[f"c2_cached_{n}_s"] - cm.cached_step(k, 4, 4, n).seconds / n)
+    extra = one[f"c2_nocache_{n}_s"] * n - cm.uncached_round(k, 4, 4, n).seconds
+    k = replace(k, c_req=max(extra, 0.0) / (4 * n))
+    return replace(k, w_net=max(two["c6_hvd_p50_s"] - cm.c6_latency(k, 4, 2).seconds, 0.0) / 2)
 
 
 def beside(s: dict[str, Any], k: cm.Constants) -> str:
@@ -228,7 +228,8 @@ def constants_text(k: cm.Constants) -> str:
     return (f"alpha_shm {k.alpha_shm * 1e6:.1f} us, beta_shm {k.beta_shm * 1e9:.2f} ns/B, "
             f"alpha_net {k.alpha_net * 1e6:.1f} us, beta_net {k.beta_net * 1e9:.2f} ns/B, "
             f"c_call {k.c_call * 1e6:.1f} us, c_tensor {k.c_tensor * 1e6:.2f} us, "
-            f"c_req {k.c_req * 1e6:.2f} us, r {k.r} B, words {k.words}")
+            f"c_req {k.c_req * 1e6:.2f} us, w_net {k.w_net * 1e6:.1f} us, r {k.r} B, "
+            f"words {k.words}")
 
 
 def main() -> None:
@@ -261,8 +262,8 @@ def main() -> None:
     k = calibrate(s)
     print(f"meta: {json.dumps(meta)}")
     print("\n## measured (medians over rounds)\n" + measured_table(s))
-    print("\n## constants (latency terms from the probe; Python costs from the 2-host run at "
-          "N=1000)\n" + constants_text(k))
+    print("\n## constants (alpha, beta: the probe; c_call, c_tensor, c_req: the one-host run's "
+          "C6 and C2 at N=1000; w_net: the two-host run's C6)\n" + constants_text(k))
     print("\n## measured beside the model\n" + beside(s, k))
     print("\n## the model, 8 ranks per host, N=100\n" + cm.table(k))
     if args.json:

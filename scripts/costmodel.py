@@ -6,7 +6,8 @@ P)`` steps. With ranks placed host by host (``ppn`` per host), the first ``log2(
 stay inside a host (shared memory: ``alpha_shm``, ``beta_shm``) and the rest cross the network
 (``alpha_net``, ``beta_net``). On top of MPI, hvdlite pays Python time: ``c_call`` per blocking
 call, ``c_tensor`` per tensor of a cached step, and ``c_req`` per request the coordinator (rank
-0) decodes and matches in an uncached round (it gets every rank's requests: P x N of them).
+0) decodes and matches in an uncached round (it gets every rank's requests: P x N of them);
+and ``w_net`` per collective that crosses hosts (its waits are polled, with naps).
 
 - cached step, N tensors fused into one bucket: one BAND allreduce of the cache's bit vector
   (8 x ``words`` bytes) + one allreduce of the fused data (4N bytes) + N x ``c_tensor``.
@@ -29,8 +30,9 @@ __all__ = ["Constants", "Prediction", "c6_latency", "cached_step", "table", "unc
 @dataclass(frozen=True)
 class Constants:
     """Per-message latency (s), per-byte time (s/B) by link class, and hvdlite's Python costs
-    (s). ``words``: uint64 words of the cache's bit vector; ``r``: bytes of one pickled
-    request or response."""
+    (s). ``w_net``: what a collective that crosses hosts costs hvdlite beyond the wire (its
+    waits are polled with naps, and the peer's answer comes later); ``words``: uint64 words of
+    the cache's bit vector; ``r``: bytes of one pickled request or response."""
 
     alpha_shm: float
     beta_shm: float
@@ -39,6 +41,7 @@ class Constants:
     c_call: float
     c_tensor: float
     c_req: float
+    w_net: float = 0.0  # per collective that crosses hosts: the polled wait's extra
     words: int = 17
     r: int = 90
 
@@ -78,6 +81,10 @@ def _gather(k: Constants, p: int, ppn: int, each: float) -> float:
     return t
 
 
+def _waits(k: Constants, p: int, ppn: int, collectives: int) -> float:
+    return collectives * k.w_net if _steps(p, ppn)[1] else 0.0
+
+
 def _terms(p: int, ppn: int, times: int) -> str:
     inside, across = _steps(p, ppn)
     return f"{times * inside}a_shm + {times * across}a_net"
@@ -86,7 +93,8 @@ def _terms(p: int, ppn: int, times: int) -> str:
 def c6_latency(k: Constants, p: int, ppn: int) -> Prediction:
     """One blocking 4-byte allreduce: the control round, the data allreduce, ``c_call``."""
     steps = sum(_steps(p, ppn))
-    seconds = k.c_call + _tree(k, p, ppn, 8 * k.words) + _tree(k, p, ppn, 4)
+    seconds = (k.c_call + _tree(k, p, ppn, 8 * k.words) + _tree(k, p, ppn, 4)
+               + _waits(k, p, ppn, 2))
     return Prediction(seconds, 2 * steps, (8 * k.words + 4) * steps, 4 * steps,
                       2 * (8 * k.words + 4) * steps, 0.0, _terms(p, ppn, 2))
 
@@ -95,7 +103,8 @@ def cached_step(k: Constants, p: int, ppn: int, n: int) -> Prediction:
     """A cached step of ``n`` 4-byte tensors fused into one bucket."""
     steps = sum(_steps(p, ppn))
     data = 4 * n
-    seconds = n * k.c_tensor + _tree(k, p, ppn, 8 * k.words) + _tree(k, p, ppn, data)
+    seconds = (n * k.c_tensor + _tree(k, p, ppn, 8 * k.words) + _tree(k, p, ppn, data)
+               + _waits(k, p, ppn, 2))
     per_rank = (8 * k.words + data) * steps
     return Prediction(seconds, 2 * steps, per_rank, 4 * steps, 2 * per_rank, 0.0,
                       _terms(p, ppn, 2))
@@ -108,7 +117,7 @@ def uncached_round(k: Constants, p: int, ppn: int, n: int) -> Prediction:
     root_python = p * n * k.c_req
     seconds = (n * k.c_tensor + _tree(k, p, ppn, 8 * k.words) + _gather(k, p, ppn, 8)
                + _gather(k, p, ppn, req) + _tree(k, p, ppn, 8) + _tree(k, p, ppn, req)
-               + root_python + _tree(k, p, ppn, 4 * n))
+               + root_python + _tree(k, p, ppn, 4 * n) + _waits(k, p, ppn, 6))
     per_rank = 8 * k.words * steps + 8 + req + 8 + req + 4 * n * steps
     root_bytes = (2 * 8 * k.words * steps + (p - 1) * (8 + req) + steps * (8 + req)
                   + 2 * 4 * n * steps)
