@@ -338,7 +338,7 @@ class Config:
         env="HVDLITE_PEER_TIMEOUT_SECONDS",
         help="hvdliterun: seconds without a heartbeat from a rank's host before the host is "
              "declared lost and the job ended (a host whose processes die is seen at once). "
-             "With stall_shutdown_time_s set, at most that + 5.",
+             "With stall_shutdown_time_s set, at most that + 3.",
     )  # fmt: skip
     idle_backoff_max_ms: float = _knob(
         kind="float", parse=_parse_positive, default=20.0, unit="ms",

@@ -46,7 +46,7 @@ EXIT_UNREACHABLE = 255  # as ssh's own
 EXIT_HOST_LOST = 1
 MONITOR_BEAT_S = 1.0
 # With stall_shutdown_time_s set, a silent host is declared lost at most this long after it.
-STALL_MARGIN_S = 5.0
+STALL_MARGIN_S = 3.0
 # After the surviving ranks were told to end: their wrappers escalate to SIGTERM, then SIGKILL.
 LOST_GRACE_S = _rankwrap.ABORT_GRACE_S + _rankwrap.TERM_GRACE_S + 1.0
 # After the MPI launcher failed, this long for the monitor to report a loss it caused.
@@ -362,6 +362,10 @@ def _supervise(proc: subprocess.Popen[bytes], report_dir: str, timeout: float | 
                 return _Outcome(proc.returncode, True, None)
             if _lost(verdict, now):
                 end_by = now + LOST_GRACE_S
+            if verdict.concluded is not None and not verdict.monitor.running() and end_by:
+                # Every rank that can still be reached has ended; the MPI launcher may wait
+                # long for the lost host's proxy (a cut link): do not wait for it.
+                end_by = min(end_by, now + FAILURE_GRACE_S / 3)
             if end_by is None and (verdict.failures or any(Path(report_dir).glob("rank-*.json"))):
                 end_by = now + FAILURE_GRACE_S
             if end_by is not None and now > end_by:

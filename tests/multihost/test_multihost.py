@@ -114,6 +114,7 @@ def test_training_examples_identical_weights(cluster: Cluster) -> None:
 
 def test_doctor_names_every_host_and_the_links(cluster: Cluster) -> None:
     ran = hvdliterun(cluster, "-np", "4", "-H", hosts_arg(cluster), "--tcp", "--check")
+    print(ran.out)
     _ok(ran)
     n1, n2 = (h.name for h in cluster.hosts)
     a1, a2 = (h.address for h in cluster.hosts)
@@ -130,6 +131,7 @@ def test_unreachable_host_is_named_at_start(cluster: Cluster) -> None:
     hosts = f"{hosts_arg(cluster)},{cluster.ghost}:2"
     ran = hvdliterun(cluster, "-np", "6", "-H", hosts, "--tcp", "--", sys.executable, "-c",
                      "print('never')", timeout=60)
+    print(f"unreachable host: hvdliterun ended after {ran.seconds:.1f} s; {ran.err.strip()}")
     assert ran.rc == 255, ran
     assert ran.seconds < 10.0, ran
     assert f"host {cluster.ghost} cannot be reached" in ran.err, ran.err
@@ -191,6 +193,7 @@ def test_host_killed_mid_job(cluster: Cluster) -> None:
     finally:
         cluster.revive(2)
     n2 = cluster.host(2).name
+    print(f"host killed: hvdliterun ended {seconds:.1f} s later; {err.strip().splitlines()[-1]}")
     assert rc == 1, err[-3000:]
     assert f"host {n2} (ranks 2, 3) lost" in err, err[-3000:]
     assert seconds < KILLED_BOUND_S, (seconds, err[-3000:])
@@ -218,6 +221,8 @@ def test_host_cut_off_mid_job(cluster: Cluster) -> None:
         cluster.reconnect(2)
         cluster.revive(2)
     n2 = cluster.host(2).name
+    print(f"host cut off: hvdliterun ended {seconds:.1f} s later; "
+          f"{err.strip().splitlines()[-1]}")
     assert rc == 1, err[-3000:]
     assert f"host {n2} (ranks 2, 3) lost: no heartbeat" in err, err[-3000:]
     assert seconds < CUT_BOUND_S, (seconds, err[-3000:])
