@@ -13,6 +13,8 @@ import pytest
 from elastic_util import RECOVERY_LIMIT_S, TRAIN, check_job, events
 from jobs_util import clean_env
 
+from hvdlite import run
+
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(150)]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -80,17 +82,21 @@ def test_reset_limit_ends_the_job_with_a_clear_message() -> None:
     (["-np", "2", "--host-discovery-script", "/bin/true", "--elastic-timeout", "0"],
      "--elastic-timeout must be > 0"),
 ])
-def test_bad_elastic_flags(args: list[str], message: str) -> None:
-    res = hvdliterun(*args)
-    assert res.returncode == 2 and message in res.stderr, res.stderr
+def test_bad_elastic_flags(args: list[str], message: str,
+                           capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        run.main([*args, "--", "true"])
+    assert exited.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_too_few_slots_ends_after_elastic_timeout(tmp_path: Path) -> None:
+def test_too_few_slots_ends_after_elastic_timeout(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
     script = tmp_path / "discover.sh"
     script.write_text("#!/bin/sh\necho localhost:1\n")
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    res = hvdliterun("-np", "2", "--host-discovery-script", str(script),
-                     "--elastic-timeout", "2")
-    assert res.returncode == 1
-    assert "not enough slots: 2 needed" in res.stderr and "--elastic-timeout 2 s" in \
-        res.stderr, res.stderr
+    code = run.main(["-np", "2", "--host-discovery-script", str(script), "--elastic-timeout",
+                     "2", "--", "true"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "not enough slots: 2 needed (--min-np 2, -np 2), 1 available (localhost:1) after " \
+        "--elastic-timeout 2 s" in err, err
