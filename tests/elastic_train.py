@@ -38,7 +38,7 @@ def features(index: int) -> torch.Tensor:
     return torch.tensor([index % 13, (index * 7) % 5, 1, index // 10], dtype=torch.float64)
 
 
-def make_state(hvd: object | None = None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def make_state() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(os.getpid())  # restarted ranks begin elsewhere: only the commit counts
     model = torch.nn.Linear(4, 1, bias=False).double()
     with torch.no_grad():
