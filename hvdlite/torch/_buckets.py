@@ -96,6 +96,14 @@ class Bucket:
             self.staged.append(self.staging[offset:offset + n].view(p.shape))
             offset += n
 
+    def repoint(self) -> None:
+        """Point every member's ``.grad`` at its view (holding the reduced gradient): a
+        ``.grad`` replaced while the bucket was on the wire is overwritten, as Horovod writes
+        the reduced value back over it."""
+        if not all(map(operator.is_, map(_GRAD, self.params), self.views)):
+            for p, view in zip(self.params, self.views, strict=True):
+                p.grad = view
+
     def realias(self) -> bool:
         """Make every member's ``.grad`` its view again (a user may have replaced it or set
         it to None; autograd replaces it under ``create_graph``, or makes a new one after

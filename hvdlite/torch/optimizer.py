@@ -12,6 +12,7 @@ stream.
 from __future__ import annotations
 
 import contextlib
+import operator
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -36,6 +37,7 @@ _TOO_MANY = ("gradients were computed more than backward_passes_per_step times b
              "allreduce is in flight. Call optimizer.step() (or optimizer.synchronize()) "
              "between backward passes, or raise backward_passes_per_step to accumulate "
              "gradients locally.")
+_GRAD = operator.attrgetter("grad")
 _ZERO_GRAD = ("optimizer.zero_grad() was called after loss.backward() but before "
               "optimizer.step() or optimizer.synchronize(): the gradients' allreduces are still "
               "in flight and would race with the zeroing. Call step() or synchronize() first.")
@@ -120,7 +122,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             members = self._user_groups(plist)
         passes = self.backward_passes_per_step
         for i, ps in enumerate(members):
-            bucket = Bucket(ps, f"DistributedOptimizer.bucket.{i}", passes)
+            # Named after its first member, so two optimizers' buckets never share a name.
+            bucket = Bucket(ps, f"{self._parameter_names[ps[0]]}.bucket{i}", passes)
             self._buckets.append(bucket)
             for p in ps:
                 self._bucket_of[p] = bucket
@@ -262,7 +265,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         assert bucket.staging is not None
         staged = _reduce.allreduce_one(bucket.staging, bucket.name, self.op, pre, post,
                                        self.process_set, True, "DistributedOptimizer")
-        return _Flight(None, [], [], [], staged, grads + list(bucket.staged))
+        return _Flight(None, list(bucket.params), [], [], staged, grads + list(bucket.staged))
 
     def _finish(self, flight: _Flight, stream: Any) -> None:
         """Hand every member of ``flight`` its reduced gradient. ``stream``: CUDA work reads
@@ -277,6 +280,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if bucket.wire is not None:
                 assert bucket.buffer is not None
                 bucket.buffer.copy_(bucket.wire)
+            bucket.repoint()
             return
         if flight.staged is not None:
             if stream is None:
@@ -284,7 +288,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             else:
                 flight.staged.wait_stream(stream)
             half = len(flight.targets) // 2
-            torch._foreach_copy_(flight.targets[:half], flight.targets[half:])
+            grads = flight.targets[:half]
+            torch._foreach_copy_(grads, flight.targets[half:])
+            params = flight.dense
+            if not all(map(operator.is_, map(_GRAD, params), grads)):
+                for p, grad in zip(params, grads, strict=True):  # replaced while on the wire:
+                    p.grad = grad  # the reduced value wins, as Horovod writes it back
         if flight.handle is not None:
             outs = flight.handle.wait() if stream is None else flight.handle.wait_stream(stream)
             if len(flight.dense) == 1 and not isinstance(outs, list):
