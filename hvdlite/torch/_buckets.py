@@ -31,7 +31,7 @@ class Bucket:
     buffer's compressed twin the allreduce runs on."""
 
     __slots__ = ("params", "name", "ready", "left", "full", "device", "buffer", "views",
-                 "wire", "fused", "direct", "staging", "staged", "viewed")
+                 "wire", "staging", "staged", "viewed")
 
     def __init__(self, params: Sequence[torch.Tensor], name: str, passes: int) -> None:
         self.params = tuple(params)
@@ -47,10 +47,8 @@ class Bucket:
         # Whether the bucket is to live in a buffer: None until its first start decides (a
         # member whose gradient turns out sparse keeps it out for good).
         self.viewed: bool | None = None
-        # Without views: small members are copied (one torch call) into ``staging``, reduced
+        # Without views: the gradients are copied (one torch call) into ``staging``, reduced
         # there by one call whose array the core sees every step (its lane), and copied back.
-        self.fused: list[torch.Tensor] = []
-        self.direct: list[torch.Tensor] = []
         self.staging: torch.Tensor | None = None
         self.staged: list[torch.Tensor] = []
 
@@ -84,23 +82,27 @@ class Bucket:
         self.viewed = True
         self.realias()
 
-    def make_staging(self, direct_bytes: int) -> None:
-        """Split the members: those under ``direct_bytes`` share one persistent staging
-        buffer (``staged`` are their views of it); larger ones are reduced where they are."""
+    def make_staging(self) -> None:
+        """Allocate the persistent staging buffer (``staging``; ``staged`` are the members'
+        views of it): each step the gradients are copied in by one batched copy, reduced there
+        as one array and copied back by one batched copy."""
         self.viewed = False
-        self.fused = [p for p in self.params if p.numel() * p.element_size() < direct_bytes]
-        self.direct = [p for p in self.params if p.numel() * p.element_size() >= direct_bytes]
-        if len(self.fused) < 2:
-            self.direct, self.fused = list(self.params), []
-            return
-        first = self.fused[0]
-        total = sum(p.numel() for p in self.fused)
+        first = self.params[0]
+        total = sum(p.numel() for p in self.params)
         self.staging = torch.zeros(total, dtype=first.dtype, device=first.device)
         self.staged, offset = [], 0
-        for p in self.fused:
+        for p in self.params:
             n = p.numel()
             self.staged.append(self.staging[offset:offset + n].view(p.shape))
             offset += n
+
+    def repoint(self) -> None:
+        """Point every member's ``.grad`` at its view (holding the reduced gradient): a
+        ``.grad`` replaced while the bucket was on the wire is overwritten, as Horovod writes
+        the reduced value back over it."""
+        if not all(map(operator.is_, map(_GRAD, self.params), self.views)):
+            for p, view in zip(self.params, self.views, strict=True):
+                p.grad = view
 
     def realias(self) -> bool:
         """Make every member's ``.grad`` its view again (a user may have replaced it or set

@@ -12,6 +12,7 @@ stream.
 from __future__ import annotations
 
 import contextlib
+import operator
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -36,9 +37,7 @@ _TOO_MANY = ("gradients were computed more than backward_passes_per_step times b
              "allreduce is in flight. Call optimizer.step() (or optimizer.synchronize()) "
              "between backward passes, or raise backward_passes_per_step to accumulate "
              "gradients locally.")
-# Without bucket views, members at least this large are reduced where they are; smaller ones
-# are staged (copied) into one buffer per bucket so the step costs one call, not one each.
-_DIRECT_BYTES = 64 * 1024
+_GRAD = operator.attrgetter("grad")
 _ZERO_GRAD = ("optimizer.zero_grad() was called after loss.backward() but before "
               "optimizer.step() or optimizer.synchronize(): the gradients' allreduces are still "
               "in flight and would race with the zeroing. Call step() or synchronize() first.")
@@ -123,14 +122,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             members = self._user_groups(plist)
         passes = self.backward_passes_per_step
         for i, ps in enumerate(members):
-            bucket = Bucket(ps, f"DistributedOptimizer.bucket.{i}", passes)
+            # Named after its first member, so two optimizers' buckets never share a name.
+            bucket = Bucket(ps, f"{self._parameter_names[ps[0]]}.bucket{i}", passes)
             self._buckets.append(bucket)
             for p in ps:
                 self._bucket_of[p] = bucket
             if not bucket.viewable() or self._wire_type(bucket) is False:
                 bucket.viewed = False
             elif not self.gradient_as_bucket_view:
-                bucket.make_staging(_DIRECT_BYTES)
+                bucket.make_staging()
             # else: the views are made at the bucket's first start, once its gradients are
             # seen to be dense (a sparse one keeps the bucket out of views for good).
         self._unbucketed = [p for p in self._unbucketed if p not in self._bucket_of]
@@ -251,25 +251,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return _Flight(handle, [], [], [], bucket=bucket)
 
     def _start_staged(self, bucket: Bucket, pre: float, post: float) -> _Flight | None:
-        """Reduce the small members in the bucket's staging buffer (one copy in, one call,
-        one copy out) and the large ones where they are; None if a gradient is sparse."""
+        """Reduce the bucket in its staging buffer: one batched copy in, one allreduce, one
+        batched copy out (at :meth:`_finish`); None if a gradient is sparse."""
+        grads: list[torch.Tensor] = []
         for p in bucket.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            elif p.grad.is_sparse:
+            grad = p.grad
+            if grad is None:
+                grad = p.grad = torch.zeros_like(p)
+            elif grad.is_sparse:
                 return None
-        grads = [_dense(p.grad) for p in bucket.fused]
+            grads.append(grad)
         torch._foreach_copy_(bucket.staged, grads)
-        staged = _reduce.allreduce_one(bucket.staging, f"{bucket.name}.staged", self.op, pre,
-                                       post, self.process_set, True, "DistributedOptimizer")
-        handle = None
-        direct = [_dense(p.grad) for p in bucket.direct]
-        if direct:
-            handle = mpi_ops.grouped_allreduce_async_(
-                direct, name=bucket.name, op=self.op, prescale_factor=pre,
-                postscale_factor=post, process_set=self.process_set)
-        return _Flight(handle, list(bucket.direct), [None] * len(direct), [], staged,
-                       grads + list(bucket.staged))
+        assert bucket.staging is not None
+        staged = _reduce.allreduce_one(bucket.staging, bucket.name, self.op, pre, post,
+                                       self.process_set, True, "DistributedOptimizer")
+        return _Flight(None, list(bucket.params), [], [], staged, grads + list(bucket.staged))
 
     def _finish(self, flight: _Flight, stream: Any) -> None:
         """Hand every member of ``flight`` its reduced gradient. ``stream``: CUDA work reads
@@ -284,6 +280,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if bucket.wire is not None:
                 assert bucket.buffer is not None
                 bucket.buffer.copy_(bucket.wire)
+            bucket.repoint()
             return
         if flight.staged is not None:
             if stream is None:
@@ -291,7 +288,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             else:
                 flight.staged.wait_stream(stream)
             half = len(flight.targets) // 2
-            torch._foreach_copy_(flight.targets[:half], flight.targets[half:])
+            grads = flight.targets[:half]
+            torch._foreach_copy_(grads, flight.targets[half:])
+            params = flight.dense
+            if not all(map(operator.is_, map(_GRAD, params), grads)):
+                for p, grad in zip(params, grads, strict=True):  # replaced while on the wire:
+                    p.grad = grad  # the reduced value wins, as Horovod writes it back
         if flight.handle is not None:
             outs = flight.handle.wait() if stream is None else flight.handle.wait_stream(stream)
             if len(flight.dense) == 1 and not isinstance(outs, list):
@@ -368,13 +370,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients; ``AssertionError`` if their allreduces are still in flight.
-        Gradients that live in bucket buffers (the default) are zeroed in place, one memset
-        per bucket, and stay views of their buckets whatever ``set_to_none``; the others are
-        set to None (or zeroed) as the wrapped optimizer does."""
+
+        ``set_to_none=True`` (the default): every ``.grad`` becomes None, as with torch, and
+        no device work is done; backward then makes fresh gradients (no accumulation kernel
+        per parameter), and each bucket's are copied into its buffer by one batched copy when
+        it is reduced. ``set_to_none=False``: gradients that live in bucket buffers are zeroed
+        in place, one memset per bucket, and stay views; the others as the wrapped optimizer
+        zeroes them."""
         if self._handles:
             raise AssertionError(_ZERO_GRAD)
         viewed = [b for b in self._buckets if b.views]
-        if not viewed:
+        if set_to_none or not viewed:
             super(self.__class__, self).zero_grad(set_to_none)
             return
         for bucket in viewed:
@@ -385,15 +391,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     p.grad = view
         rest = self._unbucketed + [p for b in self._buckets if not b.views for p in b.params]
         for p in rest:
-            if p.grad is not None:
-                if set_to_none:
-                    p.grad = None
+            grad = p.grad
+            if grad is not None:
+                if grad.grad_fn is not None:
+                    grad.detach_()
                 else:
-                    if p.grad.grad_fn is not None:
-                        p.grad.detach_()
-                    else:
-                        p.grad.requires_grad_(False)
-                    p.grad.zero_()
+                    grad.requires_grad_(False)
+                grad.zero_()
 
 
 def _dense(grad: torch.Tensor | None) -> torch.Tensor:
@@ -451,17 +455,21 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     hvdlite's own keywords (Horovod has neither): without ``groups``, gradients are reduced
     in buckets of at most ``bucket_cap_mb`` MiB (reverse parameter order, one device and dtype
     each), each by one grouped allreduce once all its gradients are ready.
-    ``gradient_as_bucket_view`` (on by default): from a bucket's first reduction on, its
-    members' ``.grad`` are views of one flat buffer: backward accumulates into the buffer, the
-    bucket is reduced in place with no copy, and ``zero_grad()`` zeroes each buffer in place
-    (one memset; the gradients stay views, never None, whatever ``set_to_none``). As with
-    DDP's option of that name: a ``.grad`` you replace or set to None (``model.zero_grad()``)
-    is copied back into (or zeroed in) its view when its bucket is next reduced (one batched
-    copy per bucket); ``p.grad.detach_()`` raises (a view); a tensor you keep from
-    ``p.grad`` changes with the buffer. A bucket whose gradient is sparse at its first
-    reduction never gets views, and with a compressor other than ``Compression.fp16``/``bf16``
-    no bucket does; ``Compression.fp16``/``bf16`` cast the whole buffer at once. False: each
-    gradient is its own tensor (small ones are staged through one copy per bucket).
+    ``gradient_as_bucket_view`` (on by default): each bucket owns one flat buffer; when the
+    bucket is reduced, its gradients are copied into the buffer by one batched copy (none when
+    they are its views already), reduced there in place as one array, and every member's
+    ``.grad`` is then a view of it, which ``step()`` reads. ``zero_grad()`` (``set_to_none``)
+    sets them to None, as torch does, so backward makes fresh gradients instead of
+    accumulating into the views (one kernel per parameter); ``zero_grad(set_to_none=False)``
+    zeroes each buffer in place (one memset) and keeps the views, which backward then
+    accumulates into. As with DDP's option of that name: ``p.grad.detach_()`` raises while
+    ``p.grad`` is a view, and a tensor you keep from ``p.grad`` changes with the buffer. A
+    ``.grad`` you replace, or set to None, is copied in (zeroed) when its bucket is reduced.
+    A bucket whose gradient is sparse at its first reduction never gets views, and with a
+    compressor other than ``Compression.fp16``/``bf16`` no bucket does;
+    ``Compression.fp16``/``bf16`` cast the whole buffer at once. False: the gradients stay
+    their own tensors; each bucket is copied into a staging buffer (one batched copy),
+    reduced there and copied back (one batched copy).
 
     Completion: ``step()`` and ``synchronize()`` never wait on the host for CUDA work
     (except with the timeline on): they order torch's current stream after each bucket's

@@ -103,12 +103,21 @@ def test_bucket_views_take_back_a_replaced_or_missing_grad(hvd: Any) -> None:
     _check(params, _mean(7, hvd.size(), extra), hvd.size())
     assert all(p.grad is v for p, v in zip(params, views, strict=True))
     assert mine.data_ptr() != views[1].data_ptr()
-    # The next step, zero_grad (set_to_none by default) keeps the views, zeroed.
-    opt.zero_grad()
+    # zero_grad(set_to_none=False): the views stay, zeroed in place (one memset per bucket).
+    opt.zero_grad(set_to_none=False)
     assert all(p.grad is v and not bool(v.any()) for p, v in zip(params, views, strict=True))
     _backward(params, _coeffs(8, hvd.rank()))
+    assert all(p.grad is v for p, v in zip(params, views, strict=True))  # accumulated there
     opt.step()
     _check(params, _mean(8, hvd.size()), hvd.size())
+    # zero_grad() (set_to_none, the default): None, as torch; the reduction copies the fresh
+    # gradients into the buffer and points .grad at the views again.
+    opt.zero_grad()
+    assert all(p.grad is None for p in params)
+    _backward(params, _coeffs(9, hvd.rank()))  # the last hook started the bucket
+    opt.step()
+    _check(params, _mean(9, hvd.size()), hvd.size())
+    assert all(p.grad is v for p, v in zip(params, views, strict=True))
 
 
 def test_bucket_views_accumulate_over_backward_passes(hvd: Any) -> None:
