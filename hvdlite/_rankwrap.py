@@ -291,6 +291,25 @@ class _Supervision:
             self.theirs.close()  # the child holds its own copy
         if self.agent is not None:
             self.agent.start()  # type: ignore[attr-defined]
+            threading.Thread(target=self._relay, name="hvdliterun-relay", daemon=True).start()
+
+    def _relay(self) -> None:
+        """The rank says it is failing (hvdlite's abort_job): tell the monitor now, before the
+        MPI launcher kills this wrapper (which would look like a lost host)."""
+        buf = b""
+        while self._mine is not None:
+            try:
+                data = self._mine.recv(4096)
+            except OSError:
+                return
+            if not data:
+                return
+            *lines, buf = (buf + data).split(b"\n")
+            for raw in lines:
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    msg = json.loads(raw)
+                    if msg.get("t") == "failing" and self.agent is not None:
+                        self.agent.report_exit(int(msg["code"]))  # type: ignore[attr-defined]
 
     def _launcher_lost(self, reason: str) -> None:
         self.end_rank(f"rank {self.rank} (host {socket.gethostname()}): {reason}", 1)

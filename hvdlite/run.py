@@ -351,7 +351,7 @@ def _supervise(proc: subprocess.Popen[bytes], report_dir: str, timeout: float | 
             try:
                 code = proc.wait(timeout=POLL_S)
                 if code != 0:
-                    _settle(verdict)
+                    _settle(verdict, report_dir)
                 _kill_group(proc.pid, signal.SIGKILL)  # stragglers whose launcher is gone
                 return _Outcome(code, False, interrupted[0] if interrupted else None)
             except subprocess.TimeoutExpired:
@@ -360,9 +360,9 @@ def _supervise(proc: subprocess.Popen[bytes], report_dir: str, timeout: float | 
             if timeout is not None and now - start > timeout:
                 _end_job(proc)
                 return _Outcome(proc.returncode, True, None)
-            if _lost(verdict, now):
+            if _lost(verdict, now, report_dir):
                 end_by = now + LOST_GRACE_S
-            if verdict.concluded is not None and not verdict.monitor.running() and end_by:
+            if verdict.lost_host and not verdict.monitor.running() and end_by:
                 # Every rank that can still be reached has ended; the MPI launcher may wait
                 # long for the lost host's proxy (a cut link): do not wait for it.
                 end_by = min(end_by, now + FAILURE_GRACE_S / 3)
@@ -376,22 +376,22 @@ def _supervise(proc: subprocess.Popen[bytes], report_dir: str, timeout: float | 
             signal.signal(sig, handler)
 
 
-def _lost(verdict: Verdict, now: float) -> bool:
+def _lost(verdict: Verdict, now: float, report_dir: str) -> bool:
     """Read the monitor; when ranks were lost, tell the others to end (True, once)."""
     verdict.poll()
-    lost = verdict.loss(now)
+    lost = verdict.loss(now, _read_reports(report_dir)) if verdict.pending else None
     if lost is not None:
         verdict.monitor.abort(f"{lost}; hvdliterun ends the job", ranks=verdict.monitor.running())
     return lost is not None
 
 
-def _settle(verdict: Verdict) -> None:
+def _settle(verdict: Verdict, report_dir: str) -> None:
     """The MPI launcher failed: it may have noticed a lost host as soon as the monitor did.
     Give the monitor's losses their gathering time, so the message names the host."""
     start = time.monotonic()
     while True:
         now = time.monotonic()
-        if _lost(verdict, now) or now - start > verdict.gather_s + SETTLE_S:
+        if _lost(verdict, now, report_dir) or now - start > verdict.gather_s + SETTLE_S:
             return
         if not verdict.pending and now - start > SETTLE_S:
             return
@@ -403,8 +403,8 @@ def _conclude(outcome: _Outcome, report_dir: str, np: int, timeout: float | None
     if outcome.timed_out:
         _say(f"job of {_ranks(np)} exceeded --timeout {timeout:g} s; all ranks were killed")
         return EXIT_TIMEOUT
-    if verdict.concluded is not None:
-        _say(f"{verdict.concluded}; the job of {_ranks(np)} was ended (the other ranks were "
+    if verdict.lost_host:
+        _say(f"{verdict.lost_host}; the job of {_ranks(np)} was ended (the other ranks were "
              "told to end and write their timelines)")
         return EXIT_HOST_LOST
     first = _first_failure(_read_reports(report_dir) + verdict.failures)

@@ -189,7 +189,9 @@ def forwarded_env(environ: dict[str, str], named: list[str], python_dir: str) ->
 
 
 def transport(flavor: str, iface: str | None, tcp: bool) -> tuple[list[str], dict[str, str]]:
-    """Launcher arguments and rank variables for the interface and the TCP-only choice."""
+    """Launcher arguments and rank variables for the interface(s) (``eth0`` or, as Horovod's
+    flag, ``eth0,eth1``: Open MPI takes the list, Hydra and libfabric the first) and the
+    TCP-only choice."""
     args: list[str] = []
     env: dict[str, str] = {}
     if flavor == "openmpi":
@@ -199,8 +201,9 @@ def transport(flavor: str, iface: str | None, tcp: bool) -> tuple[list[str], dic
             args += ["--mca", "pml", "ob1", "--mca", "btl", "self,vader,tcp"]
         return args, env
     if iface:
-        args += ["-iface", iface]  # Hydra: the proxies dial the launcher on this interface
-        env["FI_TCP_IFACE"] = iface  # libfabric's tcp provider
+        first = iface.split(",")[0]  # Horovod takes a list; Hydra and libfabric take one
+        args += ["-iface", first]  # Hydra: the proxies dial the launcher on this interface
+        env["FI_TCP_IFACE"] = first  # libfabric's tcp provider
     if tcp:
         env |= {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
     return args, env

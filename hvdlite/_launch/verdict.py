@@ -13,6 +13,7 @@ it notices the remote host gone; the launcher's host itself cannot be lost, we r
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from hvdlite._launch.monitor import Event, Monitor, RankState, group_by_host
@@ -51,7 +52,8 @@ class Verdict:
         self.failures: list[dict[str, Any]] = []  # shaped like the rank wrapper's report files
         self._lost: list[Event] = []
         self._first_failure_at: float | None = None
-        self.concluded: str | None = None
+        self._first_lost_wall = 0.0
+        self.concluded: str | None = None  # "" once the losses were found to be no host's
 
     def poll(self) -> None:
         for ev in self.monitor.events():
@@ -62,25 +64,40 @@ class Verdict:
                 if self._first_failure_at is None:
                     self._first_failure_at = ev.time
             elif ev.kind == "lost":
+                if not self._lost:
+                    self._first_lost_wall = time.time() - (time.monotonic() - ev.time)
                 self._lost.append(ev)
+
+    @property
+    def lost_host(self) -> str | None:
+        """The message naming the lost host(s) and ranks, once concluded; else None."""
+        return self.concluded or None
 
     @property
     def pending(self) -> bool:
         """Ranks were lost and no conclusion was drawn yet."""
         return bool(self._lost) and self.concluded is None
 
-    def loss(self, now: float) -> str | None:
-        """Once, when ranks were lost (and gathered): what to tell the user and the ranks."""
+    def loss(self, now: float, reports: Sequence[dict[str, Any]] = ()) -> str | None:
+        """Once, when ranks were lost (and gathered): what to tell the user and the ranks.
+        ``reports``: the rank wrappers' failure reports from the report directory (wall
+        times), which a loss that came after them does not override."""
         if self.concluded is not None or not self._lost:
             return None
         first = self._lost[0].time
         if self._first_failure_at is not None and self._first_failure_at <= first:
             return None
+        if any(r["time"] <= self._first_lost_wall for r in reports):
+            return None  # a rank reported its failure first: the losses are the teardown
         if now - first < self.gather_s:
             return None
         causes = [e for e in self._lost if e.time - first <= WINDOW_S]
-        if any(e.host != self.local_host for e in causes):
-            causes = [e for e in causes if e.host != self.local_host]
+        causes = [e for e in causes if e.host != self.local_host]
+        if not causes:
+            # Only the launcher's own host: its wrappers were killed there (by the MPI
+            # launcher after a failure, or by hand); that is no lost host.
+            self.concluded = ""
+            return None
         everyone = self.monitor.ranks()
         lost = [everyone[e.rank] for e in causes if e.rank in everyone]
         reasons = sorted({e.reason for e in causes})

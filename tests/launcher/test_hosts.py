@@ -67,6 +67,7 @@ def test_transport() -> None:
         ["-iface", "eth1"],
         {"FI_TCP_IFACE": "eth1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"})
     assert transport("hydra", None, False) == ([], {})
+    assert transport("hydra", "ib0,eth0", False) == (["-iface", "ib0"], {"FI_TCP_IFACE": "ib0"})
     assert transport("openmpi", "eth1", True) == (
         ["--mca", "btl_tcp_if_include", "eth1", "--mca", "oob_tcp_if_include", "eth1",
          "--mca", "pml", "ob1", "--mca", "btl", "self,vader,tcp"], {})

@@ -139,6 +139,17 @@ def test_unreachable_host_is_named_at_start(cluster: Cluster) -> None:
     assert cluster.hosts[0].name not in ran.err.split("not started")[0], ran.err
 
 
+def test_remote_rank_abort_is_a_failure_not_a_lost_host(cluster: Cluster) -> None:
+    # MPI_Abort makes the MPI launcher kill every wrapper at once; rank 3 told its wrapper
+    # first, which told the launcher's monitor, so no host is reported lost.
+    ran = hvdliterun(cluster, "-np", "4", "-H", hosts_arg(cluster), "--tcp", "--",
+                     sys.executable, str(HERE / "mh_abort.py"), timeout=90)
+    n2 = cluster.host(2).name
+    assert ran.rc == 3, ran.err[-3000:]
+    assert f"rank 3 (host {n2}) failed first with exit code 3" in ran.err, ran.err[-3000:]
+    assert "lost" not in ran.err.split("hvdliterun:")[-1], ran.err[-3000:]
+
+
 # Documented in docs/config.md ("A host lost mid-job"): a killed host ends the job within
 # KILLED_BOUND_S; a cut-off host within the peer timeout + CUT_MARGIN_S, which with
 # stall_shutdown_time_s set is within stall_shutdown_time_s + 15 s.
