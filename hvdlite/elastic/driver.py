@@ -484,8 +484,26 @@ class _Driver:
             return "the ranks left their world for the new hosts"
         if ended.reports:
             return "a collective failed; the ranks left their world"
+        silent = self.never_started(world)
+        if silent:
+            for host in silent:
+                self.hosts.failed[host] = self.hosts.known.get(host, 0)
+            return (f"the MPI launcher ended the world with "
+                    f"{_rankwrap.describe_status(ended.code or 0)} before any rank started on "
+                    f"host(s) {', '.join(silent)} (unreachable?); left out")
         return (f"the MPI launcher ended the world with "
                 f"{_rankwrap.describe_status(ended.code or 0)} and no rank reported")
+
+
+    @staticmethod
+    def never_started(world: _World) -> list[str]:
+        """Hosts of ``world`` where no rank reached the monitor while others did (a host the
+        MPI launcher could not start ranks on)."""
+        if world.verdict is None:
+            return []
+        joined = {world.host_of(rank) for rank in world.verdict.monitor.ranks()}
+        silent = [host for host, _ in world.assignment if host not in joined]
+        return silent if len(silent) < len(world.assignment) else []
 
 
 def _reports(directory: str) -> list[dict[str, Any]]:
