@@ -1,6 +1,7 @@
 """Elastic ``hvdliterun`` end to end on one host: a rank SIGKILLed mid-step, a discovery script
-that drops a slot and adds it back, and ``--reset-limit``. The job is
-``tests/elastic_train.py``; every check is against its exact one-process replay."""
+that drops a slot and adds it back (the torch job ``tests/elastic_train.py``, checked against
+its exact one-process replay), repeated failures up to ``--reset-limit`` and one beyond (the
+NumPy job ``tests/elastic_numpy.py``, exact totals)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import elastic_numpy
 import pytest
 from elastic_util import RECOVERY_LIMIT_S, TRAIN, check_job, events
 from jobs_util import clean_env
@@ -19,11 +21,12 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(150)]
 
 REPO = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT_S = 120
+NUMPY_JOB = str(REPO / "tests" / "elastic_numpy.py")
 
 
-def hvdliterun(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+def hvdliterun(*args: str, script: str = TRAIN, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "hvdlite.run", *args, "--", sys.executable, TRAIN],
+        [sys.executable, "-m", "hvdlite.run", *args, "--", sys.executable, script],
         env=clean_env(**env), cwd=REPO, stdin=subprocess.DEVNULL, capture_output=True,
         text=True, timeout=JOB_TIMEOUT_S, check=False)
 
@@ -65,9 +68,26 @@ def test_discovery_drops_a_slot_and_adds_it_back(tmp_path: Path) -> None:
     assert grown - listed < 60
 
 
+def test_repeated_failures_up_to_the_reset_limit() -> None:
+    # NumPy job (worlds start fast): two ranks killed in turn, 3 -> 2 -> 1 ranks, two resets
+    # allowed; the total is exact for the sizes the steps ran at, and each world started from
+    # the step before the one that was killed.
+    res = hvdliterun("-np", "3", "--min-np", "1", "--reset-limit", "2", script=NUMPY_JOB,
+                     ELASTIC_KILL="0:4:2,1:8:1")
+    assert res.returncode == 0, res.stdout + res.stderr
+    ev = events(res.stdout)
+    starts = {(e["gen"], e["rank"]): e["step"] for e in ev if e["kind"] == "restored"}
+    assert starts == {(0, 0): 0, (0, 1): 0, (0, 2): 0, (1, 0): 3, (1, 1): 3, (2, 0): 7}, starts
+    done = [e for e in ev if e["kind"] == "done"]
+    sizes = [3] * 3 + [2] * 4 + [1] * (elastic_numpy.STEPS - 7)
+    assert len(done) == 1 and done[0]["sizes"] == sizes, done
+    assert done[0]["total"] == elastic_numpy.expected(sizes)
+    assert "reset 2 of at most 2" in res.stderr, res.stderr
+
+
 def test_reset_limit_ends_the_job_with_a_clear_message() -> None:
-    res = hvdliterun("-np", "2", "--min-np", "1", "--reset-limit", "1",
-                     ELASTIC_KILL="0:2:1,1:3:0")
+    res = hvdliterun("-np", "2", "--min-np", "1", "--reset-limit", "1", script=NUMPY_JOB,
+                     ELASTIC_KILL="0:2:1,1:5:0")
     assert res.returncode == 1, res.stdout + res.stderr
     assert "world 1: 1 ranks" in res.stderr
     assert "the number of resets reached --reset-limit 1" in res.stderr, res.stderr
