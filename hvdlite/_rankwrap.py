@@ -47,7 +47,11 @@ import subprocess
 import sys
 import threading
 import time
-from types import FrameType
+from types import FrameType, ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # only for the checker: this file runs without hvdlite on the path
+    from hvdlite._launch.monitor import Agent
 
 REPORT_DIR_ENV = "HVDLITE_RUN_REPORT_DIR"
 RANK_ENVS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
@@ -238,7 +242,7 @@ def _exit_like(code: int) -> None:
     sys.exit(128 + sig)
 
 
-def _load_monitor() -> object | None:
+def _load_monitor() -> ModuleType | None:
     """hvdlite/_launch/monitor.py, loaded by path (isolated mode: hvdlite is not importable)."""
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_launch", "monitor.py")
     name = "_hvdlite_launch_monitor"
@@ -258,7 +262,7 @@ class _Supervision:
 
     def __init__(self, rank: int | None) -> None:
         self.rank = rank
-        self.agent: object | None = None
+        self.agent: Agent | None = None
         self.child: subprocess.Popen[bytes] | None = None
         self.ended_by: str | None = None  # why the wrapper ended the rank
         self._mine: socket.socket | None = None
@@ -267,10 +271,12 @@ class _Supervision:
         monitor = _load_monitor() if os.environ.get("HVDLITE_MONITOR_ADDR") else None
         if monitor is None or rank is None:
             return
+        agent = monitor.Agent.from_env(rank, on_abort=self.end_rank,
+                                       on_lost=self._launcher_lost)
+        if agent is None:
+            return
         self._mine, self.theirs = socket.socketpair()
         os.set_inheritable(self.theirs.fileno(), True)  # close_fds=False passes it (and PMI's)
-        agent = monitor.Agent.from_env(rank, on_abort=self.end_rank,  # type: ignore[attr-defined]
-                                       on_lost=self._launcher_lost)
         try:
             agent.connect()
         except OSError as exc:
@@ -290,7 +296,7 @@ class _Supervision:
         if self.theirs is not None:
             self.theirs.close()  # the child holds its own copy
         if self.agent is not None:
-            self.agent.start()  # type: ignore[attr-defined]
+            self.agent.start()
             threading.Thread(target=self._relay, name="hvdliterun-relay", daemon=True).start()
 
     def _relay(self) -> None:
@@ -309,7 +315,7 @@ class _Supervision:
                 with contextlib.suppress(ValueError, KeyError, TypeError):
                     msg = json.loads(raw)
                     if msg.get("t") == "failing" and self.agent is not None:
-                        self.agent.report_exit(int(msg["code"]))  # type: ignore[attr-defined]
+                        self.agent.report_exit(int(msg["code"]))
 
     def _launcher_lost(self, reason: str) -> None:
         self.end_rank(f"rank {self.rank} (host {socket.gethostname()}): {reason}", 1)
@@ -338,8 +344,8 @@ class _Supervision:
         """The rank ended: report it to the monitor (True if it got there) and disconnect."""
         agent, reached = self.agent, False
         if agent is not None:
-            reached = bool(agent.report_exit(code, signalled))  # type: ignore[attr-defined]
-            agent.close()  # type: ignore[attr-defined]
+            reached = bool(agent.report_exit(code, signalled))
+            agent.close()
         if self._mine is not None:
             with contextlib.suppress(OSError):
                 self._mine.close()

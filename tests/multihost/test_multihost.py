@@ -16,7 +16,7 @@ from cluster import Cluster
 from jobs_util import REPO
 from mh_util import CLOCK_OFFSET_S, HERE, hosts_arg, hvdliterun, rank_env
 
-from timeline._trace import load
+from timeline._trace import clock_refs, load
 from timeline.merge import merge
 
 pytestmark = [pytest.mark.multihost, pytest.mark.timeout(240)]
@@ -48,6 +48,13 @@ def _check_merged_trace(paths: list[Path]) -> None:
     overlaps on all four ranks, and the ranks ran them in one order; merged on raw clocks,
     host 2 is off by the simulated offset."""
     traces = [load(str(p)) for p in paths]
+    # The true offset is known here: host 2's monotonic clock is host 1's + CLOCK_OFFSET_S.
+    offsets = [clock_refs(t.events)[1] for t in traces]
+    assert offsets[:2] == [0.0, 0.0], offsets  # rank 0's host: one clock
+    assert offsets[2] == offsets[3], offsets  # one measurement per host
+    error_us = abs(offsets[2] + CLOCK_OFFSET_S * 1e6)
+    print(f"clock offset of host 2 measured at init: {offsets[2]:.1f} us, error {error_us:.1f} us")
+    assert error_us < 1000.0, offsets
     aligned = _mpi_spans(merge(traces, align="offset"))
     # Reductions and gathers finish on no rank before every rank started them (a broadcast's
     # root may be done before the others start).
