@@ -133,7 +133,7 @@ class Engine:
 
     def open_timeline(self, path: str, mark_cycles: bool) -> Timeline | None:
         return open_timeline(path, self.rank, mark_cycles, self.config.timeline_max_bytes,
-                             self.clock_offset_us)
+                             self.clock_offset_us, self.config.cache_capacity)
 
     # -- submission (any thread) ------------------------------------------------------------
     def gpu_runtime(self) -> GpuRuntime:

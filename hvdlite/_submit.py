@@ -23,6 +23,7 @@ from hvdlite._control.replay import Lane, Results, span_of
 from hvdlite._control.work import Entry
 from hvdlite._engine import Engine, default_engine
 from hvdlite._handles import Handle
+from hvdlite._lru import Bounded
 from hvdlite._ops import Average, DType, ReduceOp, check_device_dtype, check_op, lookup_dtype
 from hvdlite._sets import set_id_of
 from hvdlite._steady import MISS, prepare, repeat, unit_entry
@@ -78,8 +79,9 @@ def _output(kind: Kind, ref: TensorRef, out: Any, inplace: bool, name: str) -> A
 
 
 # Checks that depend only on (dtype, device kind, collective, op, factors), done once per key
-# per process: a call that misses its lane still validates by one dict lookup.
-_checked: dict[tuple[Any, ...], tuple[int, float, float]] = {}
+# per process: a call that misses its lane still validates by one dict lookup. Bounded: a
+# schedule may change a factor every step.
+_checked: Bounded[tuple[Any, ...], tuple[int, float, float]] = Bounded(256)
 
 
 def _submit(
@@ -147,7 +149,7 @@ def _submit(
     if lane is not None:
         engine.tracer.stats.steady["results_allocated"] += lane.allocated
         if name is not None and splits is None:
-            channel.lanes.put(name, lane)
+            channel.lanes.keep(name, lane)
     return _enqueue(engine, channel, entry, framework, stream, block)
 
 
@@ -184,7 +186,7 @@ def _validated(kind: Kind, ref: TensorRef, name: str, op: ReduceOp, prescale: fl
         checked = _check_reduction(kind, row, ref.is_cuda, op, prescale, postscale,
                                    _what(kind, name))
         if key is not None:
-            _checked[key] = checked
+            _checked.keep(key, checked)
     return row, checked
 
 
@@ -207,10 +209,10 @@ def _new_single(channel: Channel, kind: Kind, tensor: Any, name: str, op: Reduce
         output = _output(kind, ref, out, inplace, name)
         user = tensor if inplace else out
     elif lane is not None:
-        res = lane.result()
+        res = lane.result(keep=False)  # kept from the name's second call on
         output = res.views[0] if res is not None else None
     else:
-        output = _empty(ref.array, ref.device_id) if preallocated else None
+        output = _empty(ref.array.shape, ref.array.dtype, ref.device_id) if preallocated else None
     handle = Handle(name)
     entry = Entry(req, ref.array, output, handle, 0, user, ref.device_id, to_user)
     return entry, lane, ref.framework
@@ -244,7 +246,9 @@ def _new_group(channel: Channel, kind: Kind, tensors: Sequence[Any], name: str,
                 _group_result_maker(arrays, first.device_id))
     lane.shapes = shapes
     lane.request_bytes = sum(a.nbytes for a in arrays)
-    lane.inputs = tuple(arrays)
+    # A lane matches the same member objects, so it holds them, but only for a name that
+    # repeats: a name's first lane holds none (its next call comes back here).
+    lane.inputs = tuple(arrays) if name in channel.lanes else ()
     lane.inplace = inplace
     if inplace:
         for i, ref in enumerate(refs):
@@ -252,7 +256,7 @@ def _new_group(channel: Channel, kind: Kind, tensors: Sequence[Any], name: str,
         lane.span = span_of(arrays, first.framework)
         entry = unit_entry(lane, arrays, arrays, lane.span, list(tensors))
     else:
-        res = lane.result()
+        res = lane.result(keep=bool(lane.inputs))
         assert res is not None
         entry = unit_entry(lane, arrays, res.views, res.flat, None)
     # A lane matches the caller's own objects, so only arrays hvdlite uses as they are (not
@@ -273,9 +277,7 @@ def _lane_types() -> tuple[type, ...]:
     return _LANE_TYPES
 
 
-def _empty(like: Any, device_id: int, shape: Any = None, dtype: Any = None) -> Any:
-    shape = like.shape if shape is None else shape
-    dtype = like.dtype if dtype is None else dtype
+def _empty(shape: Any, dtype: Any, device_id: int) -> Any:
     if device_id >= 0:
         import cupy
 
@@ -285,10 +287,10 @@ def _empty(like: Any, device_id: int, shape: Any = None, dtype: Any = None) -> A
 
 
 def _result_maker(array: Any, device_id: int) -> Any:
-    shape, dtype = array.shape, array.dtype
+    shape, dtype = array.shape, array.dtype  # not the array: a lane must not hold the input
 
     def make() -> Results:
-        return Results(None, [_empty(array, device_id, shape, dtype)])
+        return Results(None, [_empty(shape, dtype, device_id)])
 
     return make
 
@@ -302,9 +304,9 @@ def _group_result_maker(arrays: Sequence[Any], device_id: int) -> Any:
 
     def make() -> Results:
         if len(set(dtypes)) > 1:
-            return Results(None, [_empty(arrays[0], device_id, s, d)
+            return Results(None, [_empty(s, d, device_id)
                                   for s, d in zip(shapes, dtypes, strict=True)])
-        flat = _empty(arrays[0], device_id, (sum(sizes),), dtypes[0])
+        flat = _empty((sum(sizes),), dtypes[0], device_id)
         return Results(flat, _views(flat, shapes, sizes, device_id))
 
     return make
@@ -339,9 +341,10 @@ def _check_reduction(
     opv = 0
     reduces = SPECS[kind].reduces
     if reduces:
+        if op is ReduceOp.ADASUM and kind is not Kind.ALLREDUCE:  # whatever the dtype
+            raise NotImplementedError(f"{what}: op Adasum is implemented for allreduce only "
+                                      "(as in Horovod); use Sum or Average here")
         opv = int(check_op(row, op, what))
-        if opv == ReduceOp.ADASUM and kind is not Kind.ALLREDUCE:
-            raise TypeError(f"{what}: op Adasum is an allreduce op; use Sum or Average here")
         prescale = _check_factor(prescale, "prescale_factor", row, what)
         postscale = _check_factor(postscale, "postscale_factor", row, what)
     if is_cuda:

@@ -66,7 +66,8 @@ class _Entry:
         self.ref = ref
         self.device = ref.device_id  # CUDA ordinal, -1 on the host
         self.memo: Any = None  # the last call's checked facts, kept by hvdlite.torch
-        self.outs: list[Any] = []  # output tensors hvdlite.torch may hand out again
+        # Output tensors hvdlite.torch may hand out again (None until its first output).
+        self.outs: list[Any] | None = None
 
 
 _views: dict[int, _Entry] = {}

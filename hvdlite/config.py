@@ -289,7 +289,10 @@ class Config:
     cache_capacity: int = _knob(
         kind="int", parse=_parse_count, default=1024, unit="entries",
         aliases=("HOROVOD_CACHE_CAPACITY",),
-        help="Response-cache entries; 0 disables the cache.",
+        help="Tensor names whose state is kept between calls: response-cache slots, and "
+             "with them each name's request, replay lane, recycled results and plans (least "
+             "recently used out, agreed by every rank); a name not kept costs a full "
+             "negotiation round. 0 keeps nothing (no cache).",
     )  # fmt: skip
     async_completion: bool = _knob(
         kind="bool", parse=_parse_bool, default=False, unit="",

@@ -1,16 +1,20 @@
 """Memory soak job (run by tests/test_memory_job.py under ``mpiexec -n 2``; runs at any size).
 
-Every step submits ``--tensors`` tiny float32 allreduces asynchronously and waits for them all.
-``--names named`` (default) gives each tensor a fixed name (the cached steady state of a
-training loop); ``unnamed`` leaves names out, so every call gets a new automatic name;
-``mixed`` alternates. Resident memory is read from ``/proc/self/statm`` after
-``--baseline`` steps and every ``--every`` steps after it; each rank prints one line
+Every step submits ``--tensors`` float32 allreduces (``--elements`` each) asynchronously and
+waits for them all (``--blocking``: one blocking allreduce after the other, each result
+dropped once checked). ``--names named`` (default) gives each tensor a fixed name (the cached
+steady state of a training loop); ``unnamed`` leaves names out, so every call gets a new
+automatic name; ``mixed`` alternates; ``unique`` names every call ``u.<step>.<i>`` (a name
+never seen again: per-step names of a training or evaluation loop). ``--order random``: each
+rank submits and waits in its own order, drawn per step. Resident memory is read from
+``/proc/self/statm`` after ``--baseline`` steps (0: before the first) and every ``--every``
+steps after it; each rank prints one line
 
     MEM rank=R names=N steps=S baseline_step=B rss_baseline_kib=X rss_end_kib=Y
         growth_kib=Y-X max_growth_kib=M wall_s=T us_per_allreduce=U samples=[step:kib ...]
 
 and the job exits 1 if any rank grew by more than ``--limit-kib`` from the baseline to the end
-(or if a result was wrong), 0 otherwise. Results are checked exactly every ``--every`` steps.
+(or if a result was wrong), 0 otherwise. Every result is checked exactly.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import random
 import sys
 import time
 
@@ -42,8 +47,11 @@ def main() -> int:
     parser.add_argument("--baseline", type=int, default=500)
     parser.add_argument("--every", type=int, default=500)
     parser.add_argument("--limit-kib", type=int, default=4096)
-    parser.add_argument("--names", choices=["named", "unnamed", "mixed"], default="named",
-                        help="fixed names per tensor, automatic names, or every other one")
+    parser.add_argument("--names", choices=["named", "unnamed", "mixed", "unique"],
+                        default="named", help="fixed names per tensor, automatic names, every "
+                        "other one, or a new name every call")
+    parser.add_argument("--order", choices=["fixed", "random"], default="fixed")
+    parser.add_argument("--blocking", action="store_true")
     args = parser.parse_args()
 
     hvd.init()
@@ -52,21 +60,41 @@ def main() -> int:
     # Sum over ranks of (rank + i): exact in float32 for these sizes.
     wants = [np.full(args.elements, sum(r + i for r in range(size)), np.float32)
              for i in range(args.tensors)]  # fmt: skip
-    names = [f"mem.{i}" if args.names == "named" or (args.names == "mixed" and i % 2 == 0)
-             else None for i in range(args.tensors)]  # fmt: skip
+    names: list[str | None] = [
+        f"mem.{i}" if args.names == "named" or (args.names == "mixed" and i % 2 == 0)
+        else None for i in range(args.tensors)]  # fmt: skip
     samples: list[tuple[int, int]] = []
     baseline = -1
     bad = ""
+    order = list(range(args.tensors))
+    shuffle = random.Random(rank).shuffle
+    if args.baseline == 0:
+        gc.collect()
+        baseline = rss_kib()
+        samples.append((0, baseline))
     start = time.monotonic()
     for step in range(1, args.steps + 1):
-        handles = [hvd.allreduce_async(x, name=n, op=hvd.Sum)
-                   for x, n in zip(inputs, names, strict=True)]  # fmt: skip
-        results = [h.wait() for h in handles]
+        if args.names == "unique":
+            names = [f"u.{step}.{i}" for i in range(args.tensors)]
+        if args.order == "random":
+            shuffle(order)
+        if args.blocking:
+            for i in order:
+                got = hvd.allreduce(inputs[i], name=names[i], op=hvd.Sum)
+                if not np.array_equal(got, wants[i]):
+                    bad = bad or f"step {step} tensor {i}: got {got[:4]}, expected {wants[i][:4]}"
+            del got
+        else:
+            handles = {i: hvd.allreduce_async(inputs[i], name=names[i], op=hvd.Sum)
+                       for i in order}  # fmt: skip
+            if args.order == "random":
+                shuffle(order)
+            for i in order:
+                got = handles[i].wait()
+                if not np.array_equal(got, wants[i]):
+                    bad = bad or f"step {step} tensor {i}: got {got[:4]}, expected {wants[i][:4]}"
+            del handles, got
         if step % args.every == 0 or step == args.baseline:
-            for i, (got, want) in enumerate(zip(results, wants, strict=True)):
-                if not np.array_equal(got, want):
-                    bad = bad or f"step {step} tensor {i}: got {got[:4]}, expected {want[:4]}"
-            del results, handles
             gc.collect()
             rss = rss_kib()
             samples.append((step, rss))

@@ -27,11 +27,14 @@ from hvdlite._control.work import Entry
 from hvdlite._gpu.fused import FusedAllreduce, Phase, Reduction, group, transport_name
 from hvdlite._gpu.placement import Placement
 from hvdlite._gpu.runtime import DeviceContext, GpuRuntime
+from hvdlite._lru import Bounded
 from hvdlite._observe.tracer import Tracer
 from hvdlite._ops import DTYPES, DType, ReduceOp, finish_reduce, nccl_wire
 from hvdlite.config import Config
 
 __all__ = ["NcclBackend"]
+
+_MAX_REDUCTIONS = 256  # (dtype, op, factors) kept: a step uses a few
 
 
 class NcclBackend:
@@ -49,8 +52,10 @@ class NcclBackend:
         self.runtime = runtime
         self.config, self._wait = config, wait
         self.fusion = FusionBuffers(config.fusion_threshold, self._alloc)
-        self.fused = FusedAllreduce(self.cupy, nccl, self.fusion, config.fusion_direct_bytes)
-        self._reductions: dict[tuple[Any, ...], Reduction] = {}
+        self.fused = FusedAllreduce(self.cupy, nccl, self.fusion, config.fusion_direct_bytes,
+                                    config.cache_capacity)
+        # By (dtype, op, factors): bounded, a schedule may change a factor every step.
+        self._reductions: Bounded[tuple[Any, ...], Reduction] = Bounded(_MAX_REDUCTIONS)
         # The communicator of each device when one transport serves every bucket (the
         # common case: a dict lookup per bucket); empty under the "mixed" policy.
         self._comms: dict[int, Any] = {}
@@ -373,10 +378,11 @@ class NcclBackend:
             op = ReduceOp(head.op)
             wire, per = nccl_wire(row)
             avg = self._avg if op is ReduceOp.AVERAGE and row.kind == "float" else None
-            red = self._reductions[key] = Reduction(
+            red = Reduction(
                 row, wire, getattr(self.nccl, f"NCCL_{wire.upper()}"), per, op,
                 avg if avg is not None else self._op(row, op), avg is not None,
                 head.prescale, head.postscale, self.size, self.nccl.NCCL_SUM)
+            self._reductions.keep(key, red)
         return red
 
     # -- the other collectives -------------------------------------------------------------

@@ -20,6 +20,7 @@ from hvdlite._control.fusion import FusionBuffers, nbytes, plan_buckets
 from hvdlite._control.negotiation import SPECS, Request, Response
 from hvdlite._control.replay import Lanes
 from hvdlite._control.work import Entry
+from hvdlite._lru import Bounded
 from hvdlite.config import Config
 from hvdlite.errors import BackendUnavailableError, HvdliteError, MismatchError, StallError
 
@@ -32,11 +33,6 @@ if TYPE_CHECKING:
     from hvdlite._observe.tracer import Tracer
 
 __all__ = ["Channel"]
-
-_MAX_PLANS = 256  # cached execution plans per channel (see Channel.plan)
-# Request objects kept for reuse, by tensor name: a training step's named tensors fit many
-# times over; unnamed calls (a fresh name each) are forgotten in batches, so memory stays flat.
-_MAX_REMEMBERED = 2048
 
 
 class Channel:
@@ -55,17 +51,23 @@ class Channel:
         self.ctrl, self.data = ctrl, data
         self.rank, self.size = ctrl.Get_rank(), ctrl.Get_size()
         self.config, self.tracer = config, tracer
-        self.negotiator = Negotiator(ctrl, config, tracer, block, nap)
+        self.negotiator = Negotiator(ctrl, config, tracer, block, nap, self.forget)
         self.mpi = MPIBackend(data, fusion, self.negotiator.failures, tracer, block)
         self.backends: dict[str, Backend] = {"cpu": self.mpi}
         self.entries: dict[str, Entry] = {}
         self.in_flight: set[str] = set()
-        # The last request per tensor name: a call whose parameters did not change reuses it,
-        # so the response cache matches it by identity (see ResponseCache.lookup).
-        self.requests: dict[str, Request] = {}
-        self.lanes = Lanes()  # the steady state of each name's calls (see _control/replay.py)
-        self._plans: dict[tuple[int, ...], tuple[tuple[Response, ...],
-                                                 list[tuple[list[Response], int]]]] = {}
+        # Per tensor name: the last request (a call whose parameters did not change reuses
+        # it, so the cache matches it by identity, see ResponseCache.lookup) and the steady
+        # state of its calls (_control/replay.py). A name leaves both when the response cache
+        # lets it go (forget, agreed), so they hold the cached names; the bound (oldest out,
+        # hvdlite/_lru.py) leaves room for as many names again in flight or never cached.
+        capacity = config.cache_capacity
+        self.requests: Bounded[str, Request] = Bounded(2 * capacity)
+        self.lanes = Lanes(2 * capacity)
+        # Execution plans by agreed response list (see plan), least recently used out.
+        self._plans: Bounded[tuple[int, ...], tuple[tuple[Response, ...],
+                                                    list[tuple[list[Response], int]]]]
+        self._plans = Bounded(capacity)
         self._gpu = gpu
         self._agreed = agreed  # the engine's executor for set changes (agreed on this set)
         self._buckets = buckets
@@ -77,10 +79,22 @@ class Channel:
         """The request for ``fields``: the name's last one if nothing changed (any thread)."""
         req = self.requests.get(name)
         if req is None or req != fields:
-            if len(self.requests) > _MAX_REMEMBERED:
-                self.requests.clear()  # names made up per step must not pile up
-            req = self.requests[name] = Request._make(fields)
+            req = Request._make(fields)
+            self.requests.keep(name, req)
         return req
+
+    def forget(self, name: str, cached: Request | None) -> None:
+        """``name`` left the response cache (under the cycle lock, at the same point of the
+        agreed order on every rank), where it was cached for ``cached`` (None: this rank had
+        no request then): its request and lane go too, unless a call has already replaced
+        them with different parameters (the invalidation that let the name go was theirs).
+        A later call of the name builds them again and goes through a full round."""
+        req = self.requests.get(name)
+        if req is not None and (cached is None or req == cached):
+            self.requests.drop(name)
+        lane = self.lanes.get(name)
+        if lane is not None and (cached is None or lane.request == cached):
+            self.lanes.drop(name)
 
     # -- one round (under the engine's cycle lock) -------------------------------------------
     def negotiate(self, new: list[Entry], stopping: bool, expecting_stall: bool,
@@ -128,15 +142,12 @@ class Channel:
         if len(responses) == 1:
             return [(responses, nbytes(responses[0]))]
         key = tuple(map(id, responses))
-        plans = self._plans
-        hit = plans.pop(key, None)
+        hit = self._plans.used(key)
         if hit is not None:
-            plans[key] = hit  # least recently used last: a step's plans outlive one-offs
             return hit[1]
         plan = [(b, sum(nbytes(r) for r in b)) for b in plan_buckets(responses, threshold)]
-        if len(plans) >= _MAX_PLANS:
-            del plans[next(iter(plans))]
-        plans[key] = (tuple(responses), plan)
+        # Weighed by its responses: a plan over a step of names seen once holds them all.
+        self._plans.keep(key, (tuple(responses), plan), len(responses))
         return plan
 
     def _account(self, bucket: list[Response], payload: int, threshold: int) -> None:

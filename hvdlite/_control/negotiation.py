@@ -336,10 +336,15 @@ class ResponseCache:
     Every rank applies the same ``put``/``touch``/``evict`` calls in the same order (they come
     from the broadcast response list and from the agreed hit bits), so slot numbers agree
     everywhere and a hit is one bit. Least recently used slots are evicted when full.
+    ``forget`` is told every name that leaves (evicted, invalidated, or pushed out by a new
+    one) with the request it was cached for, so whatever else is kept per name leaves with
+    it, at the same point on every rank.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int,
+                 forget: Callable[[str, Request | None], None] | None = None) -> None:
         self.capacity = capacity
+        self._forget = forget
         self._by_name: OrderedDict[str, int] = OrderedDict()  # LRU order: oldest first
         self._slots: list[tuple[Response, Request | None] | None] = [None] * capacity
         self._free = list(range(capacity - 1, -1, -1))
@@ -374,9 +379,12 @@ class ResponseCache:
             self._free.append(old)
         victim = -1
         if not self._free:
-            _, victim = self._by_name.popitem(last=False)
+            gone, victim = self._by_name.popitem(last=False)
+            cached = self._slots[victim]
             self._slots[victim] = None
             self._free.append(victim)
+            if self._forget is not None and cached is not None:
+                self._forget(gone, cached[1])
         slot = self._free.pop()
         self._slots[slot] = (response, request)
         self._by_name[response.name] = slot
@@ -394,6 +402,8 @@ class ResponseCache:
         self._slots[slot] = None
         del self._by_name[cached[0].name]
         self._free.append(slot)
+        if self._forget is not None:
+            self._forget(cached[0].name, cached[1])
 
     def occupied(self) -> list[int]:
         return sorted(self._by_name.values())

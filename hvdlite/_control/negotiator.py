@@ -87,11 +87,13 @@ class Negotiator:
 
     def __init__(self, comm: MPI.Intracomm, config: Config, tracer: Tracer,
                  block_in_mpi: bool = False,
-                 nap: Callable[[float], bool] | None = None) -> None:
+                 nap: Callable[[float], bool] | None = None,
+                 forget: Callable[[str, Request | None], None] | None = None) -> None:
         self.comm = comm
         self.tracer = tracer
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
-        self.cache = ResponseCache(config.cache_capacity)
+        # ``forget``: told each name the cache lets go (the channel drops its per-name state)
+        self.cache = ResponseCache(config.cache_capacity, forget)
         self.words = math.ceil(config.cache_capacity / 64)
         self._all = (1 << (64 * self.words)) - 1  # every slot bit of one section
         self._vec_buf = bytearray(8 * (1 + 2 * self.words))

@@ -13,12 +13,18 @@ step after step. Two records turn that repeat into a few comparisons:
   their own (large ones, no copy) and which are fused, their offsets, and the pointer tables
   the device copy kernels read. It is rebuilt only when a member's address changed.
 
-Result arrays are recycled the way a caching allocator recycles memory: a result is handed
-out again only once nothing but hvdlite refers to it (the caller dropped it, every view of it
-and the handle that returned it), which ``sys.getrefcount`` tells exactly. On the device the
-new call's READY event orders the reuse after the caller's own stream, as CuPy's memory pool
-orders a freed block's reuse (a kernel on *another* stream still reading a dropped result is
-as unsafe here as with CuPy's pool).
+Both follow ``cache_capacity`` (``hvdlite/_lru.py``): a name's lane goes when the response
+cache lets the name go (an agreed eviction, the same on every rank: see ``Channel.forget``),
+or, oldest first, beyond twice that many lanes (names in flight or never cached); member
+plans, at most that many, least recently used out.
+
+Result arrays are recycled the way a caching allocator recycles memory, and only for a name
+that repeats (a lane's first call keeps nothing, so names made up per step hold no memory):
+a result is handed out again only once nothing but hvdlite refers to it (the caller dropped
+it, every view of it and the handle that returned it), which ``sys.getrefcount`` tells
+exactly. On the device the new call's READY event orders the reuse after the caller's own
+stream, as CuPy's memory pool orders a freed block's reuse (a kernel on *another* stream
+still reading a dropped result is as unsafe here as with CuPy's pool).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 from hvdlite._control.negotiation import Request, Response
+from hvdlite._lru import Bounded
 from hvdlite._ops import DTYPES, ReduceOp
 
 if TYPE_CHECKING:
@@ -39,9 +46,6 @@ if TYPE_CHECKING:
 __all__ = ["Lane", "Lanes", "Results", "MemberPlan", "span_of", "refcounts", "unit_groups"]
 
 _RESULT_SETS = 2  # result sets kept per lane: the one the caller holds and one to fill next
-# Lanes kept per process set: a training step's named tensors fit many times over; names made
-# up per step (never repeated) are forgotten in batches, so memory stays flat.
-_MAX_LANES = 4096
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 
@@ -127,11 +131,13 @@ class Lane:
                 and (self.device_id >= 0
                      or all(map(operator.is_, map(_DTYPE, tensors), repeat(self.dtype)))))
 
-    def result(self, reclaim: Callable[[], None] | None = None) -> Results | None:
+    def result(self, reclaim: Callable[[], None] | None = None,
+               keep: bool = True) -> Results | None:
         """A result set nothing outside hvdlite refers to, or a new one (kept for reuse while
-        fewer than ``_RESULT_SETS`` exist); None if the collective allocates no output.
-        ``reclaim`` drops hvdlite's own references to finished device work (its retirement),
-        tried once before allocating."""
+        fewer than ``_RESULT_SETS`` exist, and only if ``keep``: a name's first call keeps
+        none, since a name that never repeats would hold it for nothing); None if the
+        collective allocates no output. ``reclaim`` drops hvdlite's own references to finished
+        device work (its retirement), tried once before allocating."""
         if self.alloc is None:
             return None
         if reclaim is not None and self.results:
@@ -141,19 +147,16 @@ class Lane:
                 return res
         res = self.alloc()
         self.allocated += 1
-        if len(self.results) < _RESULT_SETS:
+        if keep and len(self.results) < _RESULT_SETS:
             res.free = res._counts()  # only ``res`` refers to them now
             self.results.append(res)
         return res
 
 
-class Lanes(dict[str, Lane]):
-    """The lanes of one process set, by tensor name (any thread: single dict operations)."""
-
-    def put(self, name: str, lane: Lane) -> None:
-        if len(self) >= _MAX_LANES:
-            self.clear()
-        self[name] = lane
+class Lanes(Bounded[str, Lane]):
+    """The lanes of one process set, by tensor name, at most ``capacity`` (any thread: single
+    dict operations). A call reads its lane with ``get``; the response cache's use order
+    decides which names go (``Channel.forget``), so a hit does not reorder here."""
 
 
 def span_of(arrays: Sequence[Any], framework: str) -> Any:

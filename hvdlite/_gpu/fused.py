@@ -30,11 +30,11 @@ from hvdlite._control.fusion import FusionBuffers
 from hvdlite._control.replay import MemberPlan
 from hvdlite._gpu.kernels import batched_copy
 from hvdlite._gpu.runtime import DeviceContext
+from hvdlite._lru import Bounded
 from hvdlite._ops import DType, ReduceOp, finish_reduce, scale_into
 
 __all__ = ["FusedAllreduce", "Reduction", "group", "transport_name"]
 
-_MAX_PLANS = 256  # member plans kept (a training step has a few dozen buckets at most)
 
 Phase = Callable[[str, dict[str, Any] | None], contextlib.AbstractContextManager[Any]]
 
@@ -71,13 +71,15 @@ class Reduction:
 class FusedAllreduce:
     """Runs fused allreduces on one NCCL data plane; keeps their member plans."""
 
-    def __init__(self, cupy: Any, nccl: Any, fusion: FusionBuffers, direct_bytes: int) -> None:
+    def __init__(self, cupy: Any, nccl: Any, fusion: FusionBuffers, direct_bytes: int,
+                 capacity: int) -> None:
         self.cupy, self.nccl = cupy, nccl
         self.fusion = fusion
         self.direct_bytes = direct_bytes
         self.copy_kernels = 0  # batched copy kernels launched (a zero-copy bucket adds none)
         self.plans_built = 0  # member plans made (a repeated step makes none)
-        self._plans: dict[tuple[int, int], tuple[object, MemberPlan]] = {}
+        # Plans of at most cache_capacity members in all, least recently used out (0: none).
+        self._plans: Bounded[tuple[int, int], tuple[object, MemberPlan]] = Bounded(capacity)
 
     def _plan(self, owner: object, part: int, srcs: Sequence[Any], per: int,
               itemsize: int) -> MemberPlan:
@@ -85,15 +87,11 @@ class FusedAllreduce:
         object every step while cached upstream, held here so its id is not reused; its
         shapes, so the members' counts, are part of it)."""
         key = (id(owner), part)
-        plans = self._plans
-        hit = plans.pop(key, None)
+        hit = self._plans.used(key)
         if hit is not None and hit[0] is owner:
-            plans[key] = hit  # least recently used last: a step's plans outlive one-offs
             return hit[1]
-        if len(plans) >= _MAX_PLANS:
-            del plans[next(iter(plans))]
         plan = MemberPlan([a.size * per for a in srcs], itemsize, self.direct_bytes)
-        plans[key] = (owner, plan)
+        self._plans.keep(key, (owner, plan), len(srcs))  # weighed by its members
         self.plans_built += 1
         return plan
 

@@ -111,7 +111,8 @@ class Timeline:
                  queue_size: int = 65536, max_files: int = 0,
                  flush_interval_s: float = FLUSH_INTERVAL_S,
                  clock_offset_us: float | None = None,
-                 flush_events: int = FLUSH_EVENTS, hook_signals: bool = True) -> None:
+                 flush_events: int = FLUSH_EVENTS, hook_signals: bool = True,
+                 max_tracks: int = 1024) -> None:
         if queue_size < 1:
             raise ValueError(f"timeline queue_size must be >= 1, got {queue_size}")
         if flush_events < 1 or flush_interval_s <= 0:
@@ -149,6 +150,7 @@ class Timeline:
         self._pending_bytes = 0  # counted only under a size cap
         self._offset_us = clock_offset_us
         self._next_tid = 1
+        self._max_tracks = max_tracks  # idle tensor tracks kept (cache_capacity), LRU out
         self._failed: OSError | None = None
         parent = os.path.dirname(self.path)
         if parent:
@@ -324,9 +326,25 @@ class Timeline:
             tid = 0 if tensor is None else self._next_tid
             if tensor is not None:
                 self._next_tid += 1
+                self._drop_idle_tracks()
             track = _Track(tid, _PROCESS_TRACK if tensor is None else tensor, self.rank)
             self._tracks[tensor] = track
         return track
+
+    def _drop_idle_tracks(self) -> None:
+        """Forget the least recently begun tracks with no open span beyond ``max_tracks``
+        (names made up per step must not pile up); a name seen again gets a new row."""
+        excess = len(self._tracks) - (None in self._tracks) + 1 - self._max_tracks
+        if excess <= 0:
+            return
+        idle: list[str] = []
+        for tensor, track in self._tracks.items():
+            if tensor is not None and not track.open:
+                idle.append(tensor)
+                if len(idle) == excess:
+                    break
+        for tensor in idle:
+            self._named.discard(self._tracks.pop(tensor).tid)
 
     def _name_lines(self, track: _Track) -> list[str]:
         """thread_name/sort metadata for ``track`` unless the current file has them."""
@@ -416,6 +434,8 @@ class Timeline:
             self._pending.append(rec)
         self._written += 1
         if kind == "B":
+            if not track.open and tensor is not None:  # most recently used last
+                self._tracks[tensor] = self._tracks.pop(tensor)
             track.open.append((name, close_len))
             self._reserve += close_len
         elif kind == "E":

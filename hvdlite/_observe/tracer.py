@@ -27,18 +27,19 @@ _NOTHING = contextlib.nullcontext()
 
 
 def open_timeline(path: str, rank: int, mark_cycles: bool, max_bytes: int = 0,
-                  clock_offset_us: float = 0.0) -> Timeline | None:
+                  clock_offset_us: float = 0.0, max_tracks: int = 1024) -> Timeline | None:
     """A writer for this rank: rank 0 only, unless ``path`` contains ``{rank}``.
 
     ``clock_offset_us`` (rank 0's clock minus this rank's, measured at init) goes into the
-    trace so ``timeline merge`` can line the ranks up.
+    trace so ``timeline merge`` can line the ranks up; ``max_tracks`` (``cache_capacity``)
+    bounds the idle tensor rows the writer remembers.
     """
     if rank != 0 and "{rank}" not in path:
         return None
     from hvdlite._observe.timeline import Timeline
 
     return Timeline(path, rank, mark_cycles=mark_cycles, max_bytes=max_bytes,
-                    clock_offset_us=clock_offset_us)
+                    clock_offset_us=clock_offset_us, max_tracks=max_tracks)
 
 
 # Horovod's timeline names (horovod/common/timeline.cc, common.h). A negotiation is

@@ -82,14 +82,15 @@ class Bucket:
         self.viewed = True
         self.realias()
 
-    def make_staging(self) -> None:
+    def make_staging(self, wire: torch.dtype | None = None) -> None:
         """Allocate the persistent staging buffer (``staging``; ``staged`` are the members'
-        views of it): each step the gradients are copied in by one batched copy, reduced there
-        as one array and copied back by one batched copy."""
+        views of it): each step the gradients are copied in by one batched copy (cast to
+        ``wire`` when given: a compressor's type), reduced there as one array and copied back
+        by one batched copy."""
         self.viewed = False
         first = self.params[0]
         total = sum(p.numel() for p in self.params)
-        self.staging = torch.zeros(total, dtype=first.dtype, device=first.device)
+        self.staging = torch.zeros(total, dtype=wire or first.dtype, device=first.device)
         self.staged, offset = [], 0
         for p in self.params:
             n = p.numel()

@@ -389,15 +389,20 @@ _storage_users: Callable[[int], int] = torch._C._storage_Use_Count
 
 
 def _output(t: torch.Tensor) -> Outputs:
+    """An output for ``t``: a free one of its ring, or a new one, kept in the ring only from
+    ``t``'s second output on (a tensor reduced once holds no spare memory)."""
     entry = _views[id(t)]  # _fast just viewed t
-    for out in entry.outs:
+    outs = entry.outs
+    for out in outs or ():
         if out.counts() == out.refs:
             return out
     made = Outputs(torch.empty_like(t), None)
     made.array = array_of(made.tensor, "allreduce output")
-    made.refs = made.counts()
-    if len(entry.outs) < _RING:
-        entry.outs.append(made)
+    if outs is None:
+        entry.outs = []
+    elif len(outs) < _RING:
+        made.refs = made.counts()
+        outs.append(made)
     return made
 
 

@@ -1,6 +1,7 @@
-"""DistributedOptimizer's default step (issue 25) against torch DDP (gloo) on the same ranks:
-bucket views by default and every fallback (a replaced, detached or missing ``.grad``, views
-off, fp16 compression, a sparse gradient), ``zero_grad`` with views, gradient accumulation
+"""DistributedOptimizer's step (issue 25) against torch DDP (gloo) on the same ranks: the
+default (each bucket staged through its buffer) and bucket views, and every case that leaves
+the plain path (a replaced, detached or missing ``.grad``, one replaced while on the wire,
+fp16 compression, a sparse gradient), ``zero_grad`` with views, gradient accumulation
 (``backward_passes_per_step``) and the AMP ``GradScaler`` recipe with ``skip_synchronize``.
 
 Every gradient is exact: the model is ``loss = sum_k (w_k * c_k).sum()`` so ``w_k.grad`` is
@@ -105,10 +106,22 @@ def _train(hvd: Any, opt: Any, model: Model, between: Any = None, before: Any = 
         opt.step()
 
 
-def test_default_bucket_views_equal_ddp(hvd: Any, ddp: None) -> None:
+def test_default_step_equals_ddp(hvd: Any, ddp: None) -> None:
     _exact(hvd)
     model = Model()
     opt = _hvd_opt(hvd, model, bucket_cap_mb=100 / 2**20)  # several buckets
+    assert len(opt._buckets) > 1
+    _train(hvd, opt, model)
+    _equal(model, _ddp_train(hvd))
+    assert all(b.staging is not None and not b.views for b in opt._buckets)
+    opt.zero_grad()
+    assert all(w.grad is None for w in model.ws)  # torch's semantics, untouched
+
+
+def test_bucket_views_equal_ddp(hvd: Any, ddp: None) -> None:
+    _exact(hvd)
+    model = Model()
+    opt = _hvd_opt(hvd, model, bucket_cap_mb=100 / 2**20, gradient_as_bucket_view=True)
     assert len(opt._buckets) > 1
     _train(hvd, opt, model)
     _equal(model, _ddp_train(hvd))
@@ -120,15 +133,16 @@ def test_default_bucket_views_equal_ddp(hvd: Any, ddp: None) -> None:
             ptr += w.numel() * w.element_size()
 
 
+@pytest.mark.parametrize("views", [False, True])
 @pytest.mark.parametrize("case", ["replaced", "detached", "missing", "module_zero_grad",
                                   "replaced_in_flight"])
-def test_each_fallback_equals_ddp(hvd: Any, ddp: None, case: str) -> None:
+def test_each_fallback_equals_ddp(hvd: Any, ddp: None, case: str, views: bool) -> None:
     """A ``.grad`` the user replaces (before backward: backward accumulates into it), detaches,
     sets to None, or replaces while its bucket is on the wire (the reduced value wins, as in
     Horovod): the bucket copies it in (one batched copy) and the step equals DDP's."""
     _exact(hvd)
     model = Model()
-    opt = _hvd_opt(hvd, model)
+    opt = _hvd_opt(hvd, model, gradient_as_bucket_view=views)
     want = _ddp_train(hvd)
     before = between = None
     if case == "replaced":
@@ -152,27 +166,28 @@ def test_each_fallback_equals_ddp(hvd: Any, ddp: None, case: str) -> None:
     _equal(model, want)
 
 
-@pytest.mark.parametrize("kwargs", [{"gradient_as_bucket_view": False},
-                                    {"compression": "fp16"}], ids=str)
-def test_views_off_and_compression_equal_ddp(hvd: Any, ddp: None,
-                                             kwargs: dict[str, Any]) -> None:
+@pytest.mark.parametrize("views", [False, True])
+def test_fp16_compression_casts_the_bucket_and_equals_ddp(hvd: Any, ddp: None,
+                                                          views: bool) -> None:
+    """fp16 compression: one cast of the bucket (its staging buffer is float16, or its views'
+    buffer has a float16 twin); halves up to 32 are exact in float16."""
     _exact(hvd)
-    if "compression" in kwargs:
-        kwargs = {"compression": hvd.Compression.fp16}  # halves up to 32: exact in float16
     model = Model()
-    opt = _hvd_opt(hvd, model, **kwargs)
+    opt = _hvd_opt(hvd, model, compression=hvd.Compression.fp16,
+                   gradient_as_bucket_view=views)
     _train(hvd, opt, model)
     _equal(model, _ddp_train(hvd))
     bucket = opt._buckets[0]
-    if "compression" in kwargs:
+    if views:
         assert bucket.views and bucket.wire is not None and bucket.wire.dtype == torch.float16
     else:
-        assert not bucket.views and bucket.staging is not None
+        assert bucket.staging is not None and bucket.staging.dtype == torch.float16
 
 
 def test_sparse_gradient_bucket_falls_back(hvd: Any) -> None:
     """An embedding with sparse gradients: its bucket never gets views (SparseAdam needs them
-    sparse); the dense bucket beside it does. Both equal the average of every rank's."""
+    sparse) and reduces the gradient itself; the dense bucket beside it does get views. Both
+    equal the average of every rank's."""
     _exact(hvd)
     n, me = hvd.size(), hvd.rank()
     torch.manual_seed(0)
@@ -183,7 +198,7 @@ def test_sparse_gradient_bucket_falls_back(hvd: Any) -> None:
     named = [("emb", emb.weight), ("lin", lin.weight)]
     with n_rank_path():
         opt = hvd.DistributedOptimizer(torch.optim.SGD([emb.weight, lin.weight], lr=0.0),
-                                       named_parameters=named,
+                                       named_parameters=named, gradient_as_bucket_view=True,
                                        groups=[[emb.weight], [lin.weight]])
     for _ in range(2):
         opt.zero_grad()
@@ -207,7 +222,7 @@ def test_zero_grad_with_views(hvd: Any) -> None:
     backward accumulates into them; ``zero_grad()``: None, as torch."""
     _exact(hvd)
     model = Model()
-    opt = _hvd_opt(hvd, model, bucket_cap_mb=100 / 2**20)
+    opt = _hvd_opt(hvd, model, bucket_cap_mb=100 / 2**20, gradient_as_bucket_view=True)
     assert all(w.grad is None for w in model.ws)
     model(_coeffs(1, hvd.rank())).backward()
     opt.step()

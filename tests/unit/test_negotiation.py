@@ -363,6 +363,23 @@ def test_cache_capacity_zero_never_stores() -> None:
     assert cache.occupied() == []
 
 
+def test_cache_tells_every_name_that_leaves() -> None:
+    """``forget`` hears each name the cache lets go, with the request it was cached for:
+    pushed out when full (least recently used), invalidated, never one that is replaced."""
+    gone: list[tuple[str, Any]] = []
+    cache = ResponseCache(2, lambda name, req: gone.append((name, req)))
+    a, b, c = allreduce("a"), allreduce("b"), allreduce("c")
+    cache.put(_resp("a"), a)
+    cache.put(_resp("b"), b)
+    cache.touch(cache.lookup(a)[0])  # a used last: b is the oldest
+    assert cache.put(_resp("c"), c) >= 0
+    assert gone == [("b", b)]
+    cache.put(_resp("c", shape=(5,)), replace(c, shape=(5,)))  # replaced: not gone
+    assert gone == [("b", b)]
+    cache.evict(cache.lookup(a)[0])
+    assert gone == [("b", b), ("a", a)] and len(cache) == 1
+
+
 def test_cache_put_lookup_match() -> None:
     cache = ResponseCache(4)
     req = allreduce("a")

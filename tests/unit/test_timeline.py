@@ -616,3 +616,32 @@ def test_nvtx_ranges_with_the_package() -> None:
     for _ in range(3):
         _nvtx.push("NEGOTIATE_ALLREDUCE grad/w", True)
         _nvtx.pop(True)
+
+
+def test_idle_tracks_bounded_least_recently_used_out(tmp_path: Path) -> None:
+    """At most ``max_tracks`` tensor rows are remembered (cache_capacity), least recently
+    begun out, but never one with an open span; a name seen again after its track went gets
+    a new row, named again, and the file stays valid."""
+    tl = Timeline(str(tmp_path / "t.json"), 0, max_tracks=3)
+    tl.begin("open", "QUEUE", ts_us=1.0)  # stays open throughout
+    ts = 2.0
+    for i in range(50):
+        tl.begin(f"u.{i}", "QUEUE", ts_us=ts)
+        tl.end(f"u.{i}", "QUEUE", ts_us=ts + 0.5)
+        ts += 1.0
+        tl.begin("kept", "QUEUE", ts_us=ts)  # used every step: never the oldest
+        tl.end("kept", "QUEUE", ts_us=ts + 0.5)
+        ts += 1.0
+        tl.flush()
+        tracks = [t for t in tl._tracks if t is not None]
+        assert len(tracks) <= 3 and "open" in tracks and "kept" in tracks, tracks
+        assert len(tl._named) <= len(tl._tracks)
+    assert "kept" in tl._tracks
+    tl.begin("u.0", "QUEUE", ts_us=ts)  # its first track was dropped long ago
+    tl.end("u.0", "QUEUE", ts_us=ts + 0.5)
+    tl.end("open", "QUEUE", ts_us=ts + 1.0)
+    tl.close()
+    events = _events(tmp_path / "t.json")
+    rows = [ev["args"]["name"] for ev in _meta(events, "thread_name")]
+    assert rows.count("u.0") == 2 and rows.count("kept") == 1 and rows.count("open") == 1
+    assert check_file(str(tmp_path / "t.json")).ok
