@@ -268,11 +268,12 @@ class _Supervision:
         self._mine: socket.socket | None = None
         self.theirs: socket.socket | None = None
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()  # lines to the rank come from two threads
         monitor = _load_monitor() if os.environ.get("HVDLITE_MONITOR_ADDR") else None
         if monitor is None or rank is None:
             return
         agent = monitor.Agent.from_env(rank, on_abort=self.end_rank,
-                                       on_lost=self._launcher_lost)
+                                       on_lost=self._launcher_lost, on_message=self._to_rank)
         if agent is None:
             return
         self._mine, self.theirs = socket.socketpair()
@@ -299,9 +300,16 @@ class _Supervision:
             self.agent.start()
             threading.Thread(target=self._relay, name="hvdliterun-relay", daemon=True).start()
 
+    def _to_rank(self, message: dict[str, object]) -> None:
+        """A message from the launcher for the rank (not an abort): hand it on."""
+        if self._mine is not None:
+            with self._send_lock, contextlib.suppress(OSError):
+                self._mine.sendall(json.dumps(message).encode() + b"\n")
+
     def _relay(self) -> None:
-        """The rank says it is failing (hvdlite's abort_job): tell the monitor now, before the
-        MPI launcher kills this wrapper (which would look like a lost host)."""
+        """Lines from the rank: ``failing`` (hvdlite's abort_job) becomes the exit report now,
+        before the MPI launcher kills this wrapper (which would look like a lost host); any
+        other message goes to the launcher's monitor as it is."""
         buf = b""
         while self._mine is not None:
             try:
@@ -314,8 +322,12 @@ class _Supervision:
             for raw in lines:
                 with contextlib.suppress(ValueError, KeyError, TypeError):
                     msg = json.loads(raw)
-                    if msg.get("t") == "failing" and self.agent is not None:
+                    if self.agent is None or not isinstance(msg.get("t"), str):
+                        continue
+                    if msg["t"] == "failing":
                         self.agent.report_exit(int(msg["code"]))
+                    else:
+                        self.agent.send(msg)
 
     def _launcher_lost(self, reason: str) -> None:
         self.end_rank(f"rank {self.rank} (host {socket.gethostname()}): {reason}", 1)
@@ -327,10 +339,7 @@ class _Supervision:
                 return
             self.ended_by = reason
         child = self.child
-        if self._mine is not None:
-            with contextlib.suppress(OSError):
-                self._mine.sendall(json.dumps({"t": "abort", "reason": reason,
-                                               "code": code}).encode() + b"\n")
+        self._to_rank({"t": "abort", "reason": reason, "code": code})
         if child is None:
             return
         for sig, grace in ((signal.SIGTERM, ABORT_GRACE_S), (signal.SIGKILL, TERM_GRACE_S)):
