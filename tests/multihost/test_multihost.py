@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster import Cluster
+from cluster import ALT_SSH_PORT, Cluster
 from jobs_util import REPO
 from mh_util import CLOCK_OFFSET_S, HERE, hosts_arg, hvdliterun, rank_env
 
@@ -132,6 +132,23 @@ def test_doctor_names_every_host_and_the_links(cluster: Cluster) -> None:
     assert f"{n1} <-> {n2}: TCP" in ran.out and f"eth0 {a1} <-> eth0 {a2}" in ran.out, ran.out
     assert f"within {n1} (ranks 0, 1): no TCP between them (shared memory)" in ran.out
     assert "all checks passed on 4 rank(s)" in ran.out
+
+
+_HELLO = "import hvdlite as hvd; hvd.init(); print('rank', hvd.rank(), 'of', hvd.size())"
+
+
+def test_ssh_port_and_identity_reach_the_check_and_mpi(cluster: Cluster) -> None:
+    # The hosts' sshd takes the alternate key only on port 2200, and only it there: the job
+    # runs only if both flags reach the start-up check and the MPI launcher's ssh.
+    ran = hvdliterun(cluster, "-np", "4", "-H", hosts_arg(cluster), "--tcp",
+                     "--ssh-port", str(ALT_SSH_PORT), "--ssh-identity-file",
+                     str(cluster.alt_key), "--", sys.executable, "-c", _HELLO)
+    _ok(ran)
+    assert sorted(ran.out.split("\n"))[1:] == [f"rank {r} of 4" for r in range(4)], ran.out
+    ran = hvdliterun(cluster, "-np", "4", "-H", hosts_arg(cluster), "--tcp", "-p",
+                     str(ALT_SSH_PORT), "--", sys.executable, "-c", _HELLO)
+    assert ran.rc == 255, ran
+    assert f"host {cluster.host(2).name} cannot be reached: ssh failed" in ran.err, ran.err
 
 
 def test_unreachable_host_is_named_at_start(cluster: Cluster) -> None:
