@@ -33,10 +33,10 @@ from hvdlite.torch.process_sets import global_process_set, resolve
 __all__ = ["DistributedOptimizer"]
 
 _TOO_MANY = ("gradients were computed more than backward_passes_per_step times before "
-             "optimizer.step(): a second backward() would overwrite a gradient while its "
-             "allreduce is in flight. Call optimizer.step() (or optimizer.synchronize()) "
-             "between backward passes, or raise backward_passes_per_step to accumulate "
-             "gradients locally.")
+             "optimizer.step(): this backward() accumulated into a gradient after its "
+             "bucket's allreduce had started, so this step's gradients are not to be "
+             "trusted. Call optimizer.step() (or optimizer.synchronize()) between backward "
+             "passes, or raise backward_passes_per_step to accumulate gradients locally.")
 _GRAD = operator.attrgetter("grad")
 _ZERO_GRAD = ("optimizer.zero_grad() was called after loss.backward() but before "
               "optimizer.step() or optimizer.synchronize(): the gradients' allreduces are still "
