@@ -47,7 +47,11 @@ import subprocess
 import sys
 import threading
 import time
-from types import FrameType
+from types import FrameType, ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # only for the checker: this file runs without hvdlite on the path
+    from hvdlite._launch.monitor import Agent
 
 REPORT_DIR_ENV = "HVDLITE_RUN_REPORT_DIR"
 RANK_ENVS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
@@ -238,7 +242,7 @@ def _exit_like(code: int) -> None:
     sys.exit(128 + sig)
 
 
-def _load_monitor() -> object | None:
+def _load_monitor() -> ModuleType | None:
     """hvdlite/_launch/monitor.py, loaded by path (isolated mode: hvdlite is not importable)."""
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_launch", "monitor.py")
     name = "_hvdlite_launch_monitor"
@@ -258,19 +262,22 @@ class _Supervision:
 
     def __init__(self, rank: int | None) -> None:
         self.rank = rank
-        self.agent: object | None = None
+        self.agent: Agent | None = None
         self.child: subprocess.Popen[bytes] | None = None
         self.ended_by: str | None = None  # why the wrapper ended the rank
         self._mine: socket.socket | None = None
         self.theirs: socket.socket | None = None
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()  # lines to the rank come from two threads
         monitor = _load_monitor() if os.environ.get("HVDLITE_MONITOR_ADDR") else None
         if monitor is None or rank is None:
             return
+        agent = monitor.Agent.from_env(rank, on_abort=self.end_rank,
+                                       on_lost=self._launcher_lost, on_message=self._to_rank)
+        if agent is None:
+            return
         self._mine, self.theirs = socket.socketpair()
         os.set_inheritable(self.theirs.fileno(), True)  # close_fds=False passes it (and PMI's)
-        agent = monitor.Agent.from_env(rank, on_abort=self.end_rank,  # type: ignore[attr-defined]
-                                       on_lost=self._launcher_lost, on_message=self.pass_on)
         try:
             agent.connect()
         except OSError as exc:
@@ -290,12 +297,19 @@ class _Supervision:
         if self.theirs is not None:
             self.theirs.close()  # the child holds its own copy
         if self.agent is not None:
-            self.agent.start()  # type: ignore[attr-defined]
+            self.agent.start()
             threading.Thread(target=self._relay, name="hvdliterun-relay", daemon=True).start()
 
+    def _to_rank(self, message: dict[str, object]) -> None:
+        """A message from the launcher for the rank (not an abort): hand it on."""
+        if self._mine is not None:
+            with self._send_lock, contextlib.suppress(OSError):
+                self._mine.sendall(json.dumps(message).encode() + b"\n")
+
     def _relay(self) -> None:
-        """The rank says it is failing (hvdlite's abort_job): tell the monitor now, before the
-        MPI launcher kills this wrapper (which would look like a lost host)."""
+        """Lines from the rank: ``failing`` (hvdlite's abort_job) becomes the exit report now,
+        before the MPI launcher kills this wrapper (which would look like a lost host); any
+        other message goes to the launcher's monitor as it is."""
         buf = b""
         while self._mine is not None:
             try:
@@ -308,18 +322,15 @@ class _Supervision:
             for raw in lines:
                 with contextlib.suppress(ValueError, KeyError, TypeError):
                     msg = json.loads(raw)
-                    if msg.get("t") == "failing" and self.agent is not None:
-                        self.agent.report_exit(int(msg["code"]))  # type: ignore[attr-defined]
+                    if self.agent is None or not isinstance(msg.get("t"), str):
+                        continue
+                    if msg["t"] == "failing":
+                        self.agent.report_exit(int(msg["code"]))
+                    else:
+                        self.agent.send(msg)
 
     def _launcher_lost(self, reason: str) -> None:
         self.end_rank(f"rank {self.rank} (host {socket.gethostname()}): {reason}", 1)
-
-    def pass_on(self, message: dict[str, object]) -> None:
-        """Any other message of the launcher (elastic training's host updates): to the rank's
-        watchdog, which keeps the last of each type (``watchdog.last_message``)."""
-        if self._mine is not None:
-            with self._lock, contextlib.suppress(OSError):
-                self._mine.sendall(json.dumps(message).encode() + b"\n")
 
     def end_rank(self, reason: str, code: int) -> None:
         """Hand ``reason`` to the rank's watchdog; SIGTERM, then SIGKILL, if it stays."""
@@ -328,10 +339,7 @@ class _Supervision:
                 return
             self.ended_by = reason
         child = self.child
-        if self._mine is not None:
-            with self._lock, contextlib.suppress(OSError):
-                self._mine.sendall(json.dumps({"t": "abort", "reason": reason,
-                                               "code": code}).encode() + b"\n")
+        self._to_rank({"t": "abort", "reason": reason, "code": code})
         if child is None:
             return
         for sig, grace in ((signal.SIGTERM, ABORT_GRACE_S), (signal.SIGKILL, TERM_GRACE_S)):
@@ -345,8 +353,8 @@ class _Supervision:
         """The rank ended: report it to the monitor (True if it got there) and disconnect."""
         agent, reached = self.agent, False
         if agent is not None:
-            reached = bool(agent.report_exit(code, signalled))  # type: ignore[attr-defined]
-            agent.close()  # type: ignore[attr-defined]
+            reached = bool(agent.report_exit(code, signalled))
+            agent.close()
         if self._mine is not None:
             with contextlib.suppress(OSError):
                 self._mine.close()

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -133,6 +133,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="IFACE",
         help="network interface between the hosts, for the launcher's connections and MPI's "
         "(default with remote hosts: the one this host routes to the first remote host by)",
+    )
+    mpi.add_argument(
+        "-p", "--ssh-port", type=int, metavar="PORT", help="ssh port on the hosts (Horovod's)"
+    )
+    mpi.add_argument(
+        "-i",
+        "--ssh-identity-file",
+        metavar="FILE",
+        help="ssh private key for the hosts (Horovod's)",
     )
     mpi.add_argument(
         "--tcp",
@@ -503,8 +512,12 @@ def _main(argv: Sequence[str] | None) -> int:
         return EXIT_NO_MPI
     hosts = _hosts(parser, ns)
     remote = [h.name for h in hosts if not launch_hosts.is_local(h.name)]
+    try:
+        ssh_args = launch_hosts.ssh_options(ns.ssh_port, ns.ssh_identity_file)
+    except ValueError as exc:
+        parser.error(str(exc))
     if remote:
-        problems = launch_hosts.check_ssh(remote, sys.executable)
+        problems = launch_hosts.check_ssh(remote, sys.executable, ssh_args)
         if problems:
             for host, what in problems.items():
                 _say(f"host {host} cannot be reached: {what}")
@@ -512,7 +525,7 @@ def _main(argv: Sequence[str] | None) -> int:
                  f"({', '.join(problems)}); fix them or leave them out of -H / --hostfile")
             return EXIT_UNREACHABLE
     try:
-        iface, address = _interface(ns.network_interface, remote)
+        iface, address = launch_hosts.choose_interface(ns.network_interface, remote)
     except OSError as exc:
         _say(f"cannot choose the network interface: {exc}; name one with --network-interface")
         return EXIT_USAGE
@@ -520,7 +533,7 @@ def _main(argv: Sequence[str] | None) -> int:
     report_base = os.environ.get(_rankwrap.REPORT_DIR_ENV) or None
     monitor_address = address if remote or ns.network_interface else "127.0.0.1"
     monitor = _monitor(config, monitor_address)
-    with monitor_closed(monitor), tempfile.TemporaryDirectory(
+    with contextlib.closing(monitor), tempfile.TemporaryDirectory(
             prefix="hvdliterun-", dir=report_base) as report_dir:
         flavor = mpi_flavor(mpiexec)
         try:
@@ -529,6 +542,8 @@ def _main(argv: Sequence[str] | None) -> int:
         except ValueError as exc:
             parser.error(str(exc))
         net_args, net_env = launch_hosts.transport(flavor, iface, ns.tcp)
+        ssh_launch_args, launcher_env = launch_hosts.ssh_for_mpi(flavor, ssh_args)
+        net_args += ssh_launch_args
         forward |= {k: v for k, v in net_env.items() if k not in os.environ}
         # Only what was set (flag, environment, --config): a knob left at its default must
         # not shadow a rank's own init(config=...) file, which the environment would beat.
@@ -536,7 +551,7 @@ def _main(argv: Sequence[str] | None) -> int:
         forward |= config.to_env(chosen) | monitor.env() | {_rankwrap.REPORT_DIR_ENV: report_dir}
         env = {k: v for k, v in os.environ.items()
                if k not in launch_hosts.PRIVATE_NAMES and k != CONFIG_ENV}
-        env |= forward
+        env |= forward | launcher_env
         spec = JobSpec(
             mpiexec=mpiexec,
             flavor=flavor,
@@ -577,20 +592,6 @@ def _hosts(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> list[laun
     return []
 
 
-def _interface(named: str | None, remote: list[str]) -> tuple[str | None, str]:
-    """(interface, its address): the named one, or the route to the first remote host; with
-    neither, no interface and the loopback address."""
-    if named:
-        first = named.split(",")[0]
-        address = launch_hosts.interface_address(first)
-        if address is None:
-            raise OSError(f"interface {first!r} has no IPv4 address on this host")
-        return named, address
-    if remote:
-        return launch_hosts.interface_for(remote[0])
-    return None, "127.0.0.1"
-
-
 def _monitor(config: Config, address: str) -> Monitor:
     """The ranks' monitor (hvdlite/_launch/monitor.py), its timeout from the settings."""
     timeout = config.peer_timeout_s
@@ -599,14 +600,6 @@ def _monitor(config: Config, address: str) -> Monitor:
     monitor = Monitor(address, beat_s=min(MONITOR_BEAT_S, timeout / 4), timeout_s=timeout)
     monitor.start()
     return monitor
-
-
-@contextlib.contextmanager
-def monitor_closed(monitor: Monitor) -> Iterator[Monitor]:
-    try:
-        yield monitor
-    finally:
-        monitor.close()
 
 
 if __name__ == "__main__":

@@ -13,10 +13,12 @@ import socket
 import struct
 import subprocess
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Host", "check_ssh", "forwarded_env", "interface_address", "interface_for",
-           "is_local", "parse_hostfile", "parse_hosts", "transport"]
+__all__ = ["Host", "check_ssh", "choose_interface", "forwarded_env", "interface_address",
+           "interface_for", "is_local", "parse_hostfile", "parse_hosts", "ssh_for_mpi",
+           "ssh_options", "transport"]
 
 SSH_CONNECT_TIMEOUT_S = 7  # a host that does not answer ssh in this long is unreachable
 SSH_CHECK_TIMEOUT_S = 9.5  # the whole check, all hosts at once (the promise: under 10 s)
@@ -119,10 +121,45 @@ def interface_for(host: str) -> tuple[str, str]:
     raise OSError(f"no interface has the address {local} that routes to {host} ({address})")
 
 
-def _ssh_one(host: str, python: str, out: dict[str, str]) -> None:
+def ssh_options(port: int | None, identity: str | None) -> list[str]:
+    """ssh's options for ``--ssh-port`` / ``--ssh-identity-file`` (Horovod's flags)."""
+    if identity is not None and not os.path.isfile(identity):
+        raise ValueError(f"--ssh-identity-file {identity}: no such file")
+    if identity is not None and any(c.isspace() for c in identity):
+        raise ValueError(f"--ssh-identity-file {identity!r}: a path without spaces, please "
+                         "(the MPI launchers split their ssh arguments on spaces)")
+    return ((["-p", str(port)] if port is not None else [])
+            + (["-i", os.path.abspath(identity)] if identity is not None else []))
+
+
+def ssh_for_mpi(flavor: str, ssh_args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """MPI launcher arguments and its own environment that give its ssh ``ssh_args``."""
+    if not ssh_args:
+        return [], {}
+    if flavor == "openmpi":
+        return ["--mca", "plm_rsh_args", " ".join(ssh_args)], {}
+    return [], {"HYDRA_LAUNCHER_EXTRA_ARGS": " ".join(ssh_args)}
+
+
+def choose_interface(named: str | None, remote: list[str]) -> tuple[str | None, str]:
+    """(interface, its address): the one named (``--network-interface``; the first of a
+    list), else the one this host routes to the first remote host by; with neither, no
+    interface and the loopback address. OSError when it cannot be found."""
+    if named:
+        first = named.split(",")[0]
+        address = interface_address(first)
+        if address is None:
+            raise OSError(f"interface {first!r} has no IPv4 address on this host")
+        return named, address
+    if remote:
+        return interface_for(remote[0])
+    return None, "127.0.0.1"
+
+
+def _ssh_one(host: str, python: str, ssh_args: list[str], out: dict[str, str]) -> None:
     remote = f"test -x {shlex.quote(python)} || {{ echo 'no {python} there'; exit 3; }}"
     cmd = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={SSH_CONNECT_TIMEOUT_S}",
-           host, remote]
+           *ssh_args, host, remote]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True,
                               timeout=SSH_CHECK_TIMEOUT_S, check=False)
@@ -140,14 +177,14 @@ def _ssh_one(host: str, python: str, out: dict[str, str]) -> None:
         out[host] = f"ssh failed: {text}"
 
 
-def check_ssh(hosts: list[str], python: str) -> dict[str, str]:
+def check_ssh(hosts: list[str], python: str, ssh_args: Sequence[str] = ()) -> dict[str, str]:
     """Reach every host over ssh (all at once) and check that ``python`` exists there.
 
     Returns ``{host: what went wrong}`` for the hosts that failed; empty when all are fine.
     Blocks at most ``SSH_CHECK_TIMEOUT_S`` (plus thread start-up)."""
     problems: dict[str, str] = {}
-    threads = [threading.Thread(target=_ssh_one, args=(h, python, problems), daemon=True)
-               for h in hosts]
+    threads = [threading.Thread(target=_ssh_one, args=(h, python, list(ssh_args), problems),
+                                daemon=True) for h in hosts]
     for t in threads:
         t.start()
     for t in threads:

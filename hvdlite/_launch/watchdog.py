@@ -11,41 +11,41 @@ timeline (the survivors' traces are kept), flushes stdio and ends the process wi
 ``os._exit(code)``, without MPI, which may never return. It does the same when the socket
 closes while the rank runs: the wrapper was killed (the MPI launcher ends a failed job by
 killing the wrappers; without this, a rank blocked in MPI would lose its trace to the guard's
-SIGKILL). Any other message (the launcher's elastic host updates) is kept, the last of each
-type, for :func:`last_message`.
+SIGKILL).
 
 Where the rank does not use hvdlite (or is stuck holding the GIL), the wrapper escalates to
-SIGTERM, then SIGKILL. Importing this module has no side effects.
+SIGTERM, then SIGKILL.
+
+The same socket carries the rank's side of the launcher <-> rank channel: :func:`send` a
+message to the launcher's monitor, :func:`subscribe` to the launcher's other messages (the
+hook for launcher-side control such as elastic training). Importing this module has no side
+effects.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from hvdlite import _exit
 
 if TYPE_CHECKING:
     from hvdlite._observe.timeline import Timeline
 
-__all__ = ["FD_ENV", "last_message", "start"]
+__all__ = ["FD_ENV", "send", "start", "subscribe"]
 
 FD_ENV = "HVDLITE_WATCHDOG_FD"
+log = logging.getLogger("hvdlite")
 
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
 _timeline_of: Callable[[], Timeline | None] | None = None
-_last: dict[str, dict[str, object]] = {}  # by message type; one entry per type the launcher uses
-
-
-def last_message(kind: str) -> dict[str, object] | None:
-    """The last message of type ``kind`` the launcher sent this rank (None: none yet)."""
-    with _lock:
-        return _last.get(kind)
+_subscribers: list[Callable[[dict[str, Any]], None]] = []
 
 
 def start(timeline_of: Callable[[], Timeline | None]) -> bool:
@@ -75,6 +75,29 @@ def start(timeline_of: Callable[[], Timeline | None]) -> bool:
         return True
 
 
+def subscribe(callback: Callable[[dict[str, Any]], None]) -> None:
+    """Call ``callback(message)`` for every message from the launcher other than ``abort``
+    (sent by ``Monitor.send`` / ``broadcast``), on the watchdog thread: keep it short. The
+    thread runs once :func:`start` was called (``hvdlite.init`` does). Any thread."""
+    with _lock:
+        _subscribers.append(callback)
+
+
+def send(message: dict[str, Any]) -> bool:
+    """Send ``message`` (a dict with a string ``"t"``, JSON-serialisable) to the launcher's
+    monitor, through the rank wrapper; it arrives as an ``Event`` of kind ``message``. False
+    when the process was not started by ``hvdliterun`` or the wrapper is gone. Any thread;
+    never blocks for long (one small write to a local socket)."""
+    text = os.environ.get(FD_ENV, "")
+    if not text.isdigit() or not isinstance(message.get("t"), str):
+        return False
+    try:
+        os.write(int(text), json.dumps(message).encode() + b"\n")
+    except OSError:
+        return False
+    return True
+
+
 def _watch(fd: int) -> None:
     buf = b""
     while True:
@@ -93,12 +116,18 @@ def _watch(fd: int) -> None:
                 msg = json.loads(raw)
             except ValueError:
                 continue
-            if isinstance(msg, dict) and msg.get("t") == "abort":
+            if not isinstance(msg, dict):
+                continue
+            if msg.get("t") == "abort":
                 _end(str(msg.get("reason", "the launcher ended the job")),
                      int(msg.get("code", 1)))
-            elif isinstance(msg, dict) and isinstance(msg.get("t"), str):
-                with _lock:
-                    _last[msg["t"]] = msg
+            with _lock:
+                callbacks = list(_subscribers)
+            for callback in callbacks:
+                try:
+                    callback(msg)
+                except Exception:  # a subscriber's bug must not stop the watchdog
+                    log.exception("hvdlite: a launcher message subscriber failed")
 
 
 def _end(reason: str, code: int) -> None:

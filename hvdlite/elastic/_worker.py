@@ -71,6 +71,7 @@ def context() -> Context | None:
         generation = int(os.environ.get(GENERATION_ENV, "0"))
     except ValueError:
         generation = 0
+    _listen()
     return Context(job_dir, generation)
 
 
@@ -120,13 +121,32 @@ def persist(ctx: Context, state: State) -> None:
         write_commit(ctx.state_dir, state._commit_number, state._payload())
 
 
+# The newest generation the driver told this process about (over the control channel).
+_told_generation = -1
+_listening = False
+
+
+def _on_message(message: dict[str, Any]) -> None:
+    global _told_generation
+    generation = message.get("generation")
+    if message.get("t") == HOSTS_UPDATED_MESSAGE and isinstance(generation, int):
+        _told_generation = max(_told_generation, generation)
+
+
+def _listen() -> None:
+    """Subscribe once to the launcher's messages (the rank wrapper hands them to the rank's
+    watchdog thread); the driver repeats its message until the world ends, so one sent
+    before this is not lost."""
+    global _listening
+    if not _listening:
+        _listening = True
+        watchdog.subscribe(_on_message)
+
+
 def _told(ctx: Context) -> bool:
-    """The driver said the hosts changed: through the launcher's control channel (the rank
-    wrapper passes it to the watchdog), or in the job directory where this host shares it."""
-    message = watchdog.last_message(HOSTS_UPDATED_MESSAGE)
-    if message is not None and message.get("generation") == ctx.generation:
-        return True
-    return os.path.exists(ctx.updates_file)
+    """The driver said the hosts changed: through the launcher's control channel, or in the
+    job directory where this host shares the launcher's file system."""
+    return _told_generation >= ctx.generation or os.path.exists(ctx.updates_file)
 
 
 def hosts_updated(ctx: Context) -> bool:

@@ -317,6 +317,7 @@ class _Driver:
         tell its ranks when the hosts change."""
         end_by: float | None = None
         notified = False
+        told_at = 0.0
         while True:
             try:
                 code = world.proc.wait(timeout=POLL_S)
@@ -350,12 +351,13 @@ class _Driver:
                 notified = True
                 _say(f"hosts changed to {_describe(self.hosts.assignment())}; asking the "
                      f"ranks to reset at their next commit")
-                if world.verdict is not None:
-                    world.verdict.monitor.broadcast({"t": _worker.HOSTS_UPDATED_MESSAGE,
-                                                     "generation": world.generation})
                 # Also in the job directory, for ranks on this host without a monitor link.
                 Path(_worker.generation_dir(self.job_dir, world.generation),
                      _worker.HOSTS_UPDATED_FILE).touch()
+            if notified and world.verdict is not None and now - told_at > DISCOVERY_INTERVAL_S:
+                told_at = now  # again each second: a rank may not have been listening yet
+                world.verdict.monitor.broadcast({"t": _worker.HOSTS_UPDATED_MESSAGE,
+                                                 "generation": world.generation})
 
     def lost(self, world: _World, now: float) -> bool:
         """The monitor lost ranks of ``world`` (their connections closed, or silence): their

@@ -13,6 +13,8 @@ from hvdlite._launch.hosts import (
     is_local,
     parse_hostfile,
     parse_hosts,
+    ssh_for_mpi,
+    ssh_options,
     transport,
 )
 from hvdlite.run import EXIT_UNREACHABLE, main
@@ -86,3 +88,15 @@ def test_unresolvable_host_named_before_start(capsys: pytest.CaptureFixture[str]
     err = capsys.readouterr().err
     assert "host no-such-host.invalid cannot be reached" in err
     assert "not started: 1 of 1 hosts unreachable (no-such-host.invalid)" in err
+
+
+def test_ssh_options(tmp_path: Path) -> None:
+    key = tmp_path / "key"
+    key.write_text("x")
+    assert ssh_options(None, None) == []
+    assert ssh_options(2222, str(key)) == ["-p", "2222", "-i", str(key)]
+    with pytest.raises(ValueError, match="no such file"):
+        ssh_options(None, str(tmp_path / "missing"))
+    assert ssh_for_mpi("hydra", ["-p", "2222"]) == ([], {"HYDRA_LAUNCHER_EXTRA_ARGS": "-p 2222"})
+    assert ssh_for_mpi("openmpi", ["-p", "2222"]) == (["--mca", "plm_rsh_args", "-p 2222"], {})
+    assert ssh_for_mpi("hydra", []) == ([], {})

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
+from jobs_util import REPO
 
+from hvdlite import _rankwrap
 from hvdlite._launch.monitor import Agent, Event, Monitor, group_by_host
 
 
@@ -150,3 +157,71 @@ def test_from_env_without_a_monitor() -> None:
         Agent("nowhere", "t", 0)
     with pytest.raises(ValueError, match="beat_s"):
         Monitor("127.0.0.1", beat_s=1.0, timeout_s=0.5)
+
+
+# -- the whole chain: monitor <-> rank wrapper (a real process) <-> the rank's watchdog --------
+
+_RANK = r"""
+import json, sys, threading, time
+from hvdlite._launch import watchdog
+got, box = threading.Event(), []
+watchdog.subscribe(lambda m: (box.append(m), got.set()))
+assert watchdog.start(lambda: None)
+assert watchdog.send({"t": "ping", "from": "rank"})
+if sys.argv[1] == "talk":
+    assert got.wait(20)
+    print(json.dumps(box[0]), flush=True)
+else:
+    time.sleep(600)  # blocked outside Python (as in an MPI call): only the watchdog can end it
+"""
+
+
+@pytest.fixture
+def patient() -> Monitor:
+    """A monitor that gives a loaded machine's processes 10 s of silence."""
+    mon = Monitor("127.0.0.1", beat_s=0.2, timeout_s=10.0)
+    mon.start()
+    yield mon
+    mon.close()
+
+
+def _wrapped_rank(monitor: Monitor, mode: str) -> subprocess.Popen[str]:
+    wrapper = Path(_rankwrap.__file__).resolve()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "PMI_"))}
+    env |= monitor.env() | {"PMI_RANK": "0", "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-I", str(wrapper), sys.executable, "-c", _RANK,
+                             mode], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def test_messages_both_ways_through_the_rank_wrapper(patient: Monitor) -> None:
+    monitor = patient
+    proc = _wrapped_rank(monitor, "talk")
+    try:
+        events = _wait_for(monitor, "message", timeout=30)
+        ping = [e for e in events if e.kind == "message"][0]
+        assert (ping.rank, ping.payload) == (0, {"t": "ping", "from": "rank"})
+        assert monitor.send(0, {"t": "pong", "n": 1})
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert json.loads(out) == {"t": "pong", "n": 1}
+    exited = [e for e in _wait_for(monitor, "exited") if e.kind == "exited"]
+    assert exited[0].code == 0
+
+
+def test_abort_ends_a_rank_blocked_outside_python(patient: Monitor) -> None:
+    monitor = patient
+    proc = _wrapped_rank(monitor, "block")
+    try:
+        _wait_for(monitor, "message", timeout=30)  # the rank's watchdog runs
+        start = time.monotonic()
+        assert monitor.abort("host n9 (ranks 4, 5) lost: test", code=5) == [0]
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert time.monotonic() - start < 3.0  # the watchdog, not the wrapper's SIGTERM at 4 s
+    assert proc.returncode == 5, err
+    assert ("[hvdlite rank 0] host n9 (ranks 4, 5) lost: test; this rank ends now (its "
+            "timeline is written)") in err

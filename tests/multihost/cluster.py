@@ -29,6 +29,7 @@ from pathlib import Path
 
 SUBNET = "10.213.7"  # inside the test's namespaces only
 START_TIMEOUT_S = 20.0
+ALT_SSH_PORT = 2200
 
 # The init (PID 1) of a host's PID namespace: mounts, hostname, then sshd; reaps orphans.
 _INIT = r"""
@@ -125,6 +126,11 @@ class Cluster:
     hosts: list[Host] = field(default_factory=list)
 
     @property
+    def alt_key(self) -> Path:
+        """The key that only port ALT_SSH_PORT accepts (and that port only it)."""
+        return self.base / "keys" / "alt_ed25519"
+
+    @property
     def ghost(self) -> str:
         """A host name every host resolves to an address on the bridge that nobody has."""
         return f"{self.tag}ghost"
@@ -179,6 +185,11 @@ class Cluster:
         _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "hvdlite-test",
              "-f", str(keys / "id_ed25519"))
         (self.base / "authorized_keys").write_text((keys / "id_ed25519.pub").read_text())
+        # A second key, accepted only on port ALT_SSH_PORT (and there only it): for hvdliterun's
+        # --ssh-port and --ssh-identity-file.
+        _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "hvdlite-test-alt",
+             "-f", str(keys / "alt_ed25519"))
+        (self.base / "alt_authorized_keys").write_text((keys / "alt_ed25519.pub").read_text())
         hosts_lines = ["127.0.0.1 localhost"]
         known = []
         for h in self.hosts:
@@ -205,7 +216,9 @@ class Cluster:
                 f"AuthorizedKeysFile {self.base / 'authorized_keys'}\n"
                 "PermitRootLogin prohibit-password\nPasswordAuthentication no\n"
                 "KbdInteractiveAuthentication no\nUsePAM no\nStrictModes no\nPidFile none\n"
-                "PrintMotd no\nMaxStartups 100\nMaxSessions 100\n")
+                "PrintMotd no\nMaxStartups 100\nMaxSessions 100\n"
+                f"Port {ALT_SSH_PORT}\nMatch LocalPort {ALT_SSH_PORT}\n"
+                f"  AuthorizedKeysFile {self.base / 'alt_authorized_keys'}\n")
         Path("/root/.ssh").mkdir(mode=0o700, exist_ok=True)  # the mount point
 
     def _boot(self, h: Host) -> None:

@@ -12,11 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster import Cluster
+from cluster import ALT_SSH_PORT, Cluster
 from jobs_util import REPO
 from mh_util import CLOCK_OFFSET_S, HERE, hosts_arg, hvdliterun, rank_env
 
-from timeline._trace import load
+from timeline._trace import clock_refs, load
 from timeline.merge import merge
 
 pytestmark = [pytest.mark.multihost, pytest.mark.timeout(240)]
@@ -48,6 +48,13 @@ def _check_merged_trace(paths: list[Path]) -> None:
     overlaps on all four ranks, and the ranks ran them in one order; merged on raw clocks,
     host 2 is off by the simulated offset."""
     traces = [load(str(p)) for p in paths]
+    # The true offset is known here: host 2's monotonic clock is host 1's + CLOCK_OFFSET_S.
+    offsets = [clock_refs(t.events)[1] for t in traces]
+    assert offsets[:2] == [0.0, 0.0], offsets  # rank 0's host: one clock
+    assert offsets[2] == offsets[3], offsets  # one measurement per host
+    error_us = abs(offsets[2] + CLOCK_OFFSET_S * 1e6)
+    print(f"clock offset of host 2 measured at init: {offsets[2]:.1f} us, error {error_us:.1f} us")
+    assert error_us < 1000.0, offsets
     aligned = _mpi_spans(merge(traces, align="offset"))
     # Reductions and gathers finish on no rank before every rank started them (a broadcast's
     # root may be done before the others start).
@@ -125,6 +132,23 @@ def test_doctor_names_every_host_and_the_links(cluster: Cluster) -> None:
     assert f"{n1} <-> {n2}: TCP" in ran.out and f"eth0 {a1} <-> eth0 {a2}" in ran.out, ran.out
     assert f"within {n1} (ranks 0, 1): no TCP between them (shared memory)" in ran.out
     assert "all checks passed on 4 rank(s)" in ran.out
+
+
+_HELLO = "import hvdlite as hvd; hvd.init(); print('rank', hvd.rank(), 'of', hvd.size())"
+
+
+def test_ssh_port_and_identity_reach_the_check_and_mpi(cluster: Cluster) -> None:
+    # The hosts' sshd takes the alternate key only on port 2200, and only it there: the job
+    # runs only if both flags reach the start-up check and the MPI launcher's ssh.
+    ran = hvdliterun(cluster, "-np", "4", "-H", hosts_arg(cluster), "--tcp",
+                     "--ssh-port", str(ALT_SSH_PORT), "--ssh-identity-file",
+                     str(cluster.alt_key), "--", sys.executable, "-c", _HELLO)
+    _ok(ran)
+    assert sorted(ran.out.split("\n"))[1:] == [f"rank {r} of 4" for r in range(4)], ran.out
+    ran = hvdliterun(cluster, "-np", "4", "-H", hosts_arg(cluster), "--tcp", "-p",
+                     str(ALT_SSH_PORT), "--", sys.executable, "-c", _HELLO)
+    assert ran.rc == 255, ran
+    assert f"host {cluster.host(2).name} cannot be reached: ssh failed" in ran.err, ran.err
 
 
 def test_unreachable_host_is_named_at_start(cluster: Cluster) -> None:
