@@ -22,6 +22,8 @@ from hvdlite._control.driver import Driver
 from hvdlite._control.fusion import FusionBuffers
 from hvdlite._control.negotiation import Response
 from hvdlite._control.work import Entry
+from hvdlite._launch import watchdog
+from hvdlite._observe import clocks
 from hvdlite._observe.tracer import Tracer, open_timeline
 from hvdlite.config import Config, load_config
 from hvdlite.errors import (
@@ -98,9 +100,11 @@ class Engine:
 
         self.fusion = FusionBuffers(self.config.fusion_threshold, host_alloc)
         cfg = self.config
-        self.clock_offset_us = _clock_offset_us(self._ctrl)
+        self.clock_offset_us = clocks.offset_to_root_us(self._ctrl)  # per host, Cristian
         self.tracer = Tracer(self.open_timeline(cfg.timeline, cfg.timeline_mark_cycles)
                              if cfg.timeline else None, cfg.nvtx)
+        # Under hvdliterun: ended by the launcher (a host lost) even while blocked in MPI.
+        watchdog.start(lambda: self.tracer.timeline)
         # Each rank runs two busy threads at times (training + background): waiting inside MPI
         # (a busy-wait) only pays off with a core for each.
         cores = _cores()
@@ -370,20 +374,6 @@ def _cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
-
-
-def _clock_offset_us(comm: MPI.Intracomm) -> float:
-    """Rank 0's timeline clock minus this rank's, in microseconds (collective, at init).
-
-    Three broadcasts of rank 0's clock; the smallest difference wins, since a late receive only
-    ever adds to it. Good to the broadcast latency, microseconds on one host.
-    """
-    best = float("inf")
-    for _ in range(3):
-        comm.Barrier()
-        theirs = comm.bcast(time.perf_counter_ns() / 1e3 if comm.Get_rank() == 0 else None)
-        best = min(best, time.perf_counter_ns() / 1e3 - theirs)
-    return -best if comm.Get_rank() else 0.0
 
 
 def _configure_logging(level: str) -> None:

@@ -22,6 +22,7 @@ Importing this module has no side effects and does not import MPI.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -140,6 +141,12 @@ def _report_to_launcher(exitcode: int) -> None:
     if os.environ.get(_rankwrap.REPORT_DIR_ENV):
         with contextlib.suppress(Exception):
             _rankwrap._write_report(_rankwrap.rank_from_env(), exitcode, signalled=False)
+    # And through the rank wrapper to hvdliterun's monitor (any host): the MPI launcher may
+    # kill the wrapper before it sees this process end, which would look like a lost host.
+    fd = os.environ.get(_rankwrap.WATCHDOG_FD_ENV, "")
+    if fd.isdigit():
+        with contextlib.suppress(OSError):
+            os.write(int(fd), json.dumps({"t": "failing", "code": exitcode}).encode() + b"\n")
 
 
 def _hard_exit_later(seconds: float, exitcode: int) -> None:

@@ -22,12 +22,22 @@ wrapper is gone it SIGKILLs a child that is still there (one blocked in C code, 
 signal handler runs, or one whose own handler goes on), and the child's process group with it.
 While the child runs, a marker ``live-<rank>`` in the report directory tells ``hvdliterun`` to
 wait for it before it returns.
+
+Under ``hvdliterun`` the wrapper also holds the rank's connection to the launcher's monitor
+(``hvdlite/_launch/monitor.py``, loaded by path): heartbeats both ways and the exit report,
+which reach the launcher from any host (the report directory is only on the launcher's). When
+the launcher orders the job ended (a host was lost), or the launcher goes silent (this host is
+cut off), the wrapper hands the reason to the rank's watchdog thread
+(``hvdlite/_launch/watchdog.py``, through a socket named by ``HVDLITE_WATCHDOG_FD``), which
+writes the timeline and ends the rank; ``ABORT_GRACE_S`` later a rank still there gets SIGTERM,
+then SIGKILL.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.util
 import json
 import os
 import resource
@@ -35,8 +45,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from types import FrameType
+from types import FrameType, ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # only for the checker: this file runs without hvdlite on the path
+    from hvdlite._launch.monitor import Agent
 
 REPORT_DIR_ENV = "HVDLITE_RUN_REPORT_DIR"
 RANK_ENVS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
@@ -54,6 +69,11 @@ _PR_SET_PDEATHSIG = 1
 # After the wrapper is gone, the child has this long to end (write its timeline) before SIGKILL.
 GUARD_GRACE_S = 5.0
 LIVE_PREFIX = "live-"
+WATCHDOG_FD_ENV = "HVDLITE_WATCHDOG_FD"  # hvdlite/_launch/watchdog.py reads it
+# After an abort was handed to the rank's watchdog: this long to end, then SIGTERM; SIGKILL
+# TERM_GRACE_S after that.
+ABORT_GRACE_S = 4.0
+TERM_GRACE_S = 2.0
 
 # The guard process. argv: the child's pid, the grace in seconds, the marker file ("" for
 # none). Its stdin is a pipe from the wrapper: EOF means the wrapper is gone (or done, and then
@@ -222,6 +242,125 @@ def _exit_like(code: int) -> None:
     sys.exit(128 + sig)
 
 
+def _load_monitor() -> ModuleType | None:
+    """hvdlite/_launch/monitor.py, loaded by path (isolated mode: hvdlite is not importable)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_launch", "monitor.py")
+    name = "_hvdlite_launch_monitor"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Supervision:
+    """The wrapper's link to the launcher's monitor and to the rank's watchdog thread."""
+
+    def __init__(self, rank: int | None) -> None:
+        self.rank = rank
+        self.agent: Agent | None = None
+        self.child: subprocess.Popen[bytes] | None = None
+        self.ended_by: str | None = None  # why the wrapper ended the rank
+        self._mine: socket.socket | None = None
+        self.theirs: socket.socket | None = None
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()  # lines to the rank come from two threads
+        monitor = _load_monitor() if os.environ.get("HVDLITE_MONITOR_ADDR") else None
+        if monitor is None or rank is None:
+            return
+        agent = monitor.Agent.from_env(rank, on_abort=self.end_rank,
+                                       on_lost=self._launcher_lost, on_message=self._to_rank)
+        if agent is None:
+            return
+        self._mine, self.theirs = socket.socketpair()
+        os.set_inheritable(self.theirs.fileno(), True)  # close_fds=False passes it (and PMI's)
+        try:
+            agent.connect()
+        except OSError as exc:
+            print(f"hvdliterun: rank {rank} (host {socket.gethostname()}): cannot reach the "
+                  f"launcher's monitor at {agent.address}: {exc}; this rank runs unsupervised",
+                  file=sys.stderr, flush=True)
+            return
+        self.agent = agent
+
+    def child_env(self) -> dict[str, str]:
+        if self.theirs is None:
+            return dict(os.environ)
+        return dict(os.environ) | {WATCHDOG_FD_ENV: str(self.theirs.fileno())}
+
+    def started(self, child: subprocess.Popen[bytes]) -> None:
+        self.child = child
+        if self.theirs is not None:
+            self.theirs.close()  # the child holds its own copy
+        if self.agent is not None:
+            self.agent.start()
+            threading.Thread(target=self._relay, name="hvdliterun-relay", daemon=True).start()
+
+    def _to_rank(self, message: dict[str, object]) -> None:
+        """A message from the launcher for the rank (not an abort): hand it on."""
+        if self._mine is not None:
+            with self._send_lock, contextlib.suppress(OSError):
+                self._mine.sendall(json.dumps(message).encode() + b"\n")
+
+    def _relay(self) -> None:
+        """Lines from the rank: ``failing`` (hvdlite's abort_job) becomes the exit report now,
+        before the MPI launcher kills this wrapper (which would look like a lost host); any
+        other message goes to the launcher's monitor as it is."""
+        buf = b""
+        while self._mine is not None:
+            try:
+                data = self._mine.recv(4096)
+            except OSError:
+                return
+            if not data:
+                return
+            *lines, buf = (buf + data).split(b"\n")
+            for raw in lines:
+                with contextlib.suppress(ValueError, KeyError, TypeError):
+                    msg = json.loads(raw)
+                    if self.agent is None or not isinstance(msg.get("t"), str):
+                        continue
+                    if msg["t"] == "failing":
+                        self.agent.report_exit(int(msg["code"]))
+                    else:
+                        self.agent.send(msg)
+
+    def _launcher_lost(self, reason: str) -> None:
+        self.end_rank(f"rank {self.rank} (host {socket.gethostname()}): {reason}", 1)
+
+    def end_rank(self, reason: str, code: int) -> None:
+        """Hand ``reason`` to the rank's watchdog; SIGTERM, then SIGKILL, if it stays."""
+        with self._lock:
+            if self.ended_by is not None:
+                return
+            self.ended_by = reason
+        child = self.child
+        self._to_rank({"t": "abort", "reason": reason, "code": code})
+        if child is None:
+            return
+        for sig, grace in ((signal.SIGTERM, ABORT_GRACE_S), (signal.SIGKILL, TERM_GRACE_S)):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.wait(timeout=grace)
+                return
+            with contextlib.suppress(OSError):
+                os.killpg(child.pid, sig)
+
+    def finish(self, code: int, signalled: bool) -> bool:
+        """The rank ended: report it to the monitor (True if it got there) and disconnect."""
+        agent, reached = self.agent, False
+        if agent is not None:
+            reached = bool(agent.report_exit(code, signalled))
+            agent.close()
+        if self._mine is not None:
+            with contextlib.suppress(OSError):
+                self._mine.close()
+        return reached
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run ``argv`` (default: ``sys.argv[1:]``) as the rank's program; exit as it did."""
     command = sys.argv[1:] if argv is None else argv
@@ -252,21 +391,28 @@ def main(argv: list[str] | None = None) -> None:
     _signal_on_parent_death(signal.SIGTERM)
     parent = os.getpid()
     marker = _live_marker(rank)
+    supervision = _Supervision(rank)
     try:
         child = subprocess.Popen(
-            command, preexec_fn=lambda: _die_with_parent(parent), close_fds=False
+            command, preexec_fn=lambda: _die_with_parent(parent), close_fds=False,
+            env=supervision.child_env()
         )
     except OSError as exc:
         print(f"hvdliterun: rank {rank}: cannot run {command[0]!r}: {exc}", file=sys.stderr)
         _write_report(rank, 127, signalled=False)
+        supervision.finish(127, False)
         _end_guard(None, marker)
         sys.exit(127)
+    supervision.started(child)
     guard = _start_guard(child.pid, marker)
     forward_pending()
     code = child.wait()
     _end_guard(guard, marker)
+    signalled = bool(received) or supervision.ended_by is not None
+    reported = _write_report(rank, code, signalled) if code != 0 else False
+    reported = supervision.finish(code, signalled) or reported
     # The launcher names the rank that failed first, once; print here only if it cannot.
-    if code != 0 and not _write_report(rank, code, signalled=bool(received)):
+    if code != 0 and not reported:
         cause = f" after it was sent {signal.Signals(received[0]).name}" if received else ""
         print(f"hvdliterun: rank {rank} ended with {describe_status(code)}{cause}",
               file=sys.stderr, flush=True)

@@ -336,6 +336,13 @@ class Config:
         help="Seconds of stall after which hvdlite fails with StallError; 0 = never. Needs "
              "stall_check; acts no earlier than stall_check_time_s.",
     )  # fmt: skip
+    peer_timeout_s: float = _knob(
+        kind="float", parse=_parse_positive, default=30.0, unit="s",
+        env="HVDLITE_PEER_TIMEOUT_SECONDS",
+        help="hvdliterun: seconds without a heartbeat from a rank's host before the host is "
+             "declared lost and the job ended (a host whose processes die is seen at once). "
+             "With stall_shutdown_time_s set, at most that + 3.",
+    )  # fmt: skip
     idle_backoff_max_ms: float = _knob(
         kind="float", parse=_parse_positive, default=20.0, unit="ms",
         help="Longest sleep of the background loop while no rank has work.",

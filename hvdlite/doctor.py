@@ -9,6 +9,11 @@ about ``--seconds`` (1 s) of allreduces through the public API (``hvdlite.init``
 ``allreduce_async``, ``shutdown``) on host memory, and on device memory when CuPy and a GPU are
 there, each result compared exactly with a NumPy reference built from every rank's inputs.
 
+Each rank also records its host's interfaces, the MPI transport asked for, and the TCP
+connections it holds after the self-test (:mod:`hvdlite._launch.links`); across hosts
+(``hvdliterun -H ... --check``), rank 0 prints which links carried the data between each pair
+of hosts (TCP, interface, addresses) and whether ranks on one host talked without TCP.
+
 Rank 0 prints every rank's report in rank order, then one verdict line. The exit status is 0
 when every check passed on every rank, 1 otherwise; every failure line ends with the fix. The
 whole run is bounded by ``--timeout`` (an :func:`hvdlite._exit.exit_guard`): a rank that never
@@ -34,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from hvdlite import _exit
+from hvdlite._launch import links
 from hvdlite.config import KNOBS, resolve
 from hvdlite.errors import ConfigError
 
@@ -55,6 +61,9 @@ class Report:
     size: int = 1
     lines: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    host: str = ""
+    addresses: dict[str, str] = field(default_factory=dict)  # {interface: IPv4}
+    peers: list[tuple[str, str]] = field(default_factory=list)  # TCP (local, remote) after tests
 
     def info(self, label: str, text: str) -> None:
         """An information line."""
@@ -340,6 +349,10 @@ def _print_all(reports: Sequence[dict[str, Any]]) -> int:
     failures = [f for r in reports for f in r["failures"]]
     for r in reports:
         print(Report(**r).text())
+    if len({r["host"] for r in reports}) > 1 or any(r["peers"] for r in reports):
+        print("== links (TCP connections the ranks held after the self-test) ==")
+        for line in links.describe_links(reports):
+            print(f"  {line}")
     n = len(reports)
     if failures:
         print(f"hvdlite doctor: {len(failures)} problem(s) on {n} rank(s):")
@@ -371,8 +384,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     guard = _exit.exit_guard(args.timeout, f"hvdlite doctor did not finish within "
                              f"{args.timeout:g} s: a rank is stuck or missing (rerun with "
                              f"--timeout larger, or check the launcher)", comm=world)
-    report = Report(rank=world.Get_rank(), size=world.Get_size())
-    report.info("host", f"{socket.gethostname()} (pid {os.getpid()})")
+    report = Report(rank=world.Get_rank(), size=world.Get_size(), host=socket.gethostname(),
+                    addresses=links.addresses())
+    report.info("host", f"{report.host} (pid {os.getpid()}); "
+                        + (", ".join(f"{k} {v}" for k, v in report.addresses.items())
+                           or "no IPv4 interface but loopback"))
+    report.info("MPI transport", links.mpi_transport())
     cupy = _import_cupy(report)
     nccl_missing = _versions(report, cupy, MPI)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -403,6 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          f"of {hvd.local_size()}")
     device = _gpus(report, cupy, hvd.local_rank(), nccl_missing)
     tests_ok = _run_self_tests(hvd, report, args.seconds, cupy, device)
+    report.peers = links.tcp_peers()  # the connections the self-test's traffic went over
     reports = _gather(hvd, report) if tests_ok else None
     if reports is None:  # not every rank got this far: say what this one knows, end the job
         print(report.text(), flush=True)

@@ -15,6 +15,7 @@ __all__ = [
     "StallError",
     "BackendUnavailableError",
     "ConfigError",
+    "HostsUpdatedInterrupt",
 ]
 
 
@@ -50,3 +51,18 @@ class ConfigError(HvdliteError, ValueError):
 
     Also a ``ValueError``, so code that validates arguments generically still catches it.
     """
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """Elastic training: the launcher changed the set of hosts (Horovod's name and meaning).
+
+    Raised on every rank at once by ``State.commit()`` / ``State.check_host_updates()`` when
+    the job runs under an elastic ``hvdliterun``; ``hvdlite.elastic.run`` catches it and the
+    job goes on in a world of the new size from that point. ``skip_sync``: True when hosts
+    were only removed (Horovod's flag; hvdlite always syncs, see docs/horovod.md).
+    Not an :class:`HvdliteError`: nothing failed.
+    """
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("the set of hosts changed; the elastic job restarts at the new size")
+        self.skip_sync = skip_sync

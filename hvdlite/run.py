@@ -18,6 +18,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -29,7 +30,11 @@ from types import FrameType
 from typing import Any
 
 from hvdlite import _rankwrap
+from hvdlite._launch import hosts as launch_hosts
+from hvdlite._launch.monitor import Monitor
+from hvdlite._launch.verdict import Verdict
 from hvdlite.config import CONFIG_ENV, KNOBS, Config, Knob, default_yaml_text, resolve
+from hvdlite.elastic import driver as elastic
 from hvdlite.errors import ConfigError
 
 __all__ = ["build_command", "build_parser", "find_mpiexec", "main", "mpi_flavor"]
@@ -37,6 +42,15 @@ __all__ = ["build_command", "build_parser", "find_mpiexec", "main", "mpi_flavor"
 EXIT_USAGE = 2
 EXIT_NO_MPI = 127
 EXIT_TIMEOUT = 124
+EXIT_UNREACHABLE = 255  # as ssh's own
+EXIT_HOST_LOST = 1
+MONITOR_BEAT_S = 1.0
+# With stall_shutdown_time_s set, a silent host is declared lost at most this long after it.
+STALL_MARGIN_S = 3.0
+# After the surviving ranks were told to end: their wrappers escalate to SIGTERM, then SIGKILL.
+LOST_GRACE_S = _rankwrap.ABORT_GRACE_S + _rankwrap.TERM_GRACE_S + 1.0
+# After the MPI launcher failed, this long for the monitor to report a loss it caused.
+SETTLE_S = 0.5
 # After a rank failed, the MPI launcher gets this long to end the job itself.
 FAILURE_GRACE_S = 3.0
 # After SIGTERM to the job's process group, this long before SIGKILL.
@@ -44,8 +58,6 @@ KILL_GRACE_S = 2.0
 POLL_S = 0.05
 # Beyond the rank guard's grace, how long to wait for a rank program left by the launcher.
 LIVE_SLACK_S = 3.0
-# Forwarded to Open MPI ranks explicitly (-x); Hydra passes the whole environment on.
-OPENMPI_PASSTHROUGH = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV")
 
 
 _METAVARS = {"bytes": "SIZE", "ms": "MS", "s": "SECONDS", "entries": "N", "path": "PATH"}
@@ -116,6 +128,36 @@ def build_parser() -> argparse.ArgumentParser:
     mpi.add_argument(
         "--mpiexec", metavar="PATH", help="MPI launcher to use (default: next to python, then PATH)"
     )
+    mpi.add_argument(
+        "--network-interface",
+        metavar="IFACE",
+        help="network interface between the hosts, for the launcher's connections and MPI's "
+        "(default with remote hosts: the one this host routes to the first remote host by)",
+    )
+    mpi.add_argument(
+        "-p", "--ssh-port", type=int, metavar="PORT", help="ssh port on the hosts (Horovod's)"
+    )
+    mpi.add_argument(
+        "-i",
+        "--ssh-identity-file",
+        metavar="FILE",
+        help="ssh private key for the hosts (Horovod's)",
+    )
+    mpi.add_argument(
+        "--tcp",
+        action="store_true",
+        help="MPI over TCP only (MPICH: ofi netmod, tcp provider; Open MPI: ob1/tcp), as "
+        "Horovod's --tcp",
+    )
+    mpi.add_argument(
+        "-x",
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME[=VALUE]",
+        help="forward this environment variable to every rank (repeatable); HVDLITE_*, "
+        "HOROVOD_*, PATH, PYTHONPATH, LD_LIBRARY_PATH and VIRTUAL_ENV always are",
+    )
     parser.add_argument(
         "--timeout", type=float, metavar="SECONDS", help="end the whole job after this many seconds"
     )
@@ -133,6 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="print configs/default.yaml (every knob, documented) and exit",
     )
+    elastic.add_flags(parser)
     return parser
 
 
@@ -249,7 +292,7 @@ def _end_job(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
-def _await_ranks(report_dir: str) -> None:
+def _await_ranks(report_dir: str, monitor: Monitor) -> None:
     """Wait (bounded) until every rank program the launcher left behind has ended.
 
     When a rank fails, the MPI launcher SIGKILLs the other ranks' wrappers; their programs run
@@ -259,7 +302,7 @@ def _await_ranks(report_dir: str) -> None:
     when hvdliterun returns.
     """
     deadline = time.monotonic() + _rankwrap.GUARD_GRACE_S + LIVE_SLACK_S
-    while any(Path(report_dir).glob(f"{_rankwrap.LIVE_PREFIX}*")):
+    while any(Path(report_dir).glob(f"{_rankwrap.LIVE_PREFIX}*")) or monitor.running():
         if time.monotonic() > deadline:
             return
         time.sleep(POLL_S)
@@ -297,8 +340,10 @@ class _Outcome:
     interrupted: int | None
 
 
-def _supervise(proc: subprocess.Popen[bytes], report_dir: str, timeout: float | None) -> _Outcome:
-    """Wait for the job; end it early on a rank failure, a signal to us, or the timeout."""
+def _supervise(proc: subprocess.Popen[bytes], report_dir: str, timeout: float | None,
+               verdict: Verdict) -> _Outcome:
+    """Wait for the job; end it early on a rank failure, a lost host, a signal to us, or the
+    timeout. A lost host: the other ranks are told to end (they write their timelines)."""
     start = time.monotonic()
     end_by: float | None = None  # when to stop waiting for the MPI launcher to end the job
     interrupted: list[int] = []
@@ -314,6 +359,8 @@ def _supervise(proc: subprocess.Popen[bytes], report_dir: str, timeout: float | 
         while True:
             try:
                 code = proc.wait(timeout=POLL_S)
+                if code != 0:
+                    _settle(verdict, report_dir)
                 _kill_group(proc.pid, signal.SIGKILL)  # stragglers whose launcher is gone
                 return _Outcome(code, False, interrupted[0] if interrupted else None)
             except subprocess.TimeoutExpired:
@@ -322,7 +369,13 @@ def _supervise(proc: subprocess.Popen[bytes], report_dir: str, timeout: float | 
             if timeout is not None and now - start > timeout:
                 _end_job(proc)
                 return _Outcome(proc.returncode, True, None)
-            if end_by is None and any(Path(report_dir).glob("rank-*.json")):
+            if _lost(verdict, now, report_dir):
+                end_by = now + LOST_GRACE_S
+            if verdict.lost_host and not verdict.monitor.running() and end_by:
+                # Every rank that can still be reached has ended; the MPI launcher may wait
+                # long for the lost host's proxy (a cut link): do not wait for it.
+                end_by = min(end_by, now + FAILURE_GRACE_S / 3)
+            if end_by is None and (verdict.failures or any(Path(report_dir).glob("rank-*.json"))):
                 end_by = now + FAILURE_GRACE_S
             if end_by is not None and now > end_by:
                 _end_job(proc)
@@ -332,11 +385,38 @@ def _supervise(proc: subprocess.Popen[bytes], report_dir: str, timeout: float | 
             signal.signal(sig, handler)
 
 
-def _conclude(outcome: _Outcome, report_dir: str, np: int, timeout: float | None) -> int:
+def _lost(verdict: Verdict, now: float, report_dir: str) -> bool:
+    """Read the monitor; when ranks were lost, tell the others to end (True, once)."""
+    verdict.poll()
+    lost = verdict.loss(now, _read_reports(report_dir)) if verdict.pending else None
+    if lost is not None:
+        verdict.monitor.abort(f"{lost}; hvdliterun ends the job", ranks=verdict.monitor.running())
+    return lost is not None
+
+
+def _settle(verdict: Verdict, report_dir: str) -> None:
+    """The MPI launcher failed: it may have noticed a lost host as soon as the monitor did.
+    Give the monitor's losses their gathering time, so the message names the host."""
+    start = time.monotonic()
+    while True:
+        now = time.monotonic()
+        if _lost(verdict, now, report_dir) or now - start > verdict.gather_s + SETTLE_S:
+            return
+        if not verdict.pending and now - start > SETTLE_S:
+            return
+        time.sleep(POLL_S)
+
+
+def _conclude(outcome: _Outcome, report_dir: str, np: int, timeout: float | None,
+              verdict: Verdict) -> int:
     if outcome.timed_out:
         _say(f"job of {_ranks(np)} exceeded --timeout {timeout:g} s; all ranks were killed")
         return EXIT_TIMEOUT
-    first = _first_failure(_read_reports(report_dir))
+    if verdict.lost_host:
+        _say(f"{verdict.lost_host}; the job of {_ranks(np)} was ended (the other ranks were "
+             "told to end and write their timelines)")
+        return EXIT_HOST_LOST
+    first = _first_failure(_read_reports(report_dir) + verdict.failures)
     if first is not None:
         status = _rankwrap.describe_status(first["code"])
         _say(
@@ -420,6 +500,7 @@ def _main(argv: Sequence[str] | None) -> int:
         sys.stdout.write(default_yaml_text())
         return 0
     config, sources = _resolve(parser, ns)
+    elastic_args = elastic.elastic_args(parser, ns) if elastic.is_elastic(ns) else None
     if ns.check:
         ns.command = _doctor_command(sources)
     mpiexec = find_mpiexec(ns.mpiexec)
@@ -429,39 +510,96 @@ def _main(argv: Sequence[str] | None) -> int:
             "PATH); install one, e.g. pip install 'hvdlite[local]'"
         )
         return EXIT_NO_MPI
+    hosts = _hosts(parser, ns)
+    remote = [h.name for h in hosts if not launch_hosts.is_local(h.name)]
+    try:
+        ssh_args = launch_hosts.ssh_options(ns.ssh_port, ns.ssh_identity_file)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if remote:
+        problems = launch_hosts.check_ssh(remote, sys.executable, ssh_args)
+        if problems:
+            for host, what in problems.items():
+                _say(f"host {host} cannot be reached: {what}")
+            _say(f"not started: {len(problems)} of {len(hosts)} hosts unreachable "
+                 f"({', '.join(problems)}); fix them or leave them out of -H / --hostfile")
+            return EXIT_UNREACHABLE
+    try:
+        iface, address = launch_hosts.choose_interface(ns.network_interface, remote)
+    except OSError as exc:
+        _say(f"cannot choose the network interface: {exc}; name one with --network-interface")
+        return EXIT_USAGE
     # A preset report directory (on a shared file system) lets ranks on other hosts report too.
     report_base = os.environ.get(_rankwrap.REPORT_DIR_ENV) or None
-    with tempfile.TemporaryDirectory(prefix="hvdliterun-", dir=report_base) as report_dir:
+    monitor_address = address if remote or ns.network_interface else "127.0.0.1"
+    monitor = _monitor(config, monitor_address)
+    with contextlib.closing(monitor), tempfile.TemporaryDirectory(
+            prefix="hvdliterun-", dir=report_base) as report_dir:
+        flavor = mpi_flavor(mpiexec)
+        try:
+            forward = launch_hosts.forwarded_env(dict(os.environ), ns.env,
+                                                 os.path.dirname(sys.executable))
+        except ValueError as exc:
+            parser.error(str(exc))
+        net_args, net_env = launch_hosts.transport(flavor, iface, ns.tcp)
+        ssh_launch_args, launcher_env = launch_hosts.ssh_for_mpi(flavor, ssh_args)
+        net_args += ssh_launch_args
+        forward |= {k: v for k, v in net_env.items() if k not in os.environ}
         # Only what was set (flag, environment, --config): a knob left at its default must
         # not shadow a rank's own init(config=...) file, which the environment would beat.
         chosen = [name for name, source in sources.items() if source != "default"]
-        forward = {**config.to_env(chosen), _rankwrap.REPORT_DIR_ENV: report_dir}
-        env = {k: v for k, v in os.environ.items() if k != CONFIG_ENV} | forward
-        flavor = mpi_flavor(mpiexec)
-        if flavor == "openmpi":
-            forward |= {k: os.environ[k] for k in OPENMPI_PASSTHROUGH if k in os.environ}
+        forward |= config.to_env(chosen) | monitor.env() | {_rankwrap.REPORT_DIR_ENV: report_dir}
+        env = {k: v for k, v in os.environ.items()
+               if k not in launch_hosts.PRIVATE_NAMES and k != CONFIG_ENV}
+        env |= forward | launcher_env
         spec = JobSpec(
             mpiexec=mpiexec,
             flavor=flavor,
             np=ns.np,
             command=tuple(ns.command),
             forward_env=tuple(forward.items()),
-            hosts=ns.hosts,
-            hostfile=ns.hostfile,
-            mpi_args=tuple(ns.mpi_args),
+            # One form for every MPI: hostfile formats differ (MPICH's has no slots=N).
+            hosts=",".join(f"{h.name}:{h.slots}" for h in hosts) or None,
+            mpi_args=tuple(net_args + ns.mpi_args),
             is_root=os.geteuid() == 0,
         )
         cmd = build_command(spec)
         if ns.verbose:
             _print_verbose(cmd, config, sources)
+        if elastic_args is not None:
+            return elastic.run_elastic(elastic_args, spec, env, report_dir, build_command,
+                                       ns.timeout, lambda: _monitor(config, monitor_address))
         try:
             proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         except OSError as exc:
             _say(f"cannot start {mpiexec!r}: {exc}")
             return EXIT_NO_MPI
-        outcome = _supervise(proc, report_dir, ns.timeout)
-        _await_ranks(report_dir)
-        return _conclude(outcome, report_dir, ns.np, ns.timeout)
+        verdict = Verdict(monitor, socket.gethostname())
+        outcome = _supervise(proc, report_dir, ns.timeout, verdict)
+        _await_ranks(report_dir, monitor)
+        return _conclude(outcome, report_dir, ns.np, ns.timeout, verdict)
+
+
+def _hosts(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> list[launch_hosts.Host]:
+    """The job's hosts from -H or --hostfile (empty: this host only)."""
+    try:
+        if ns.hosts:
+            return launch_hosts.parse_hosts(ns.hosts)
+        if ns.hostfile:
+            return launch_hosts.parse_hostfile(ns.hostfile)
+    except (OSError, ValueError) as exc:
+        parser.error(str(exc))
+    return []
+
+
+def _monitor(config: Config, address: str) -> Monitor:
+    """The ranks' monitor (hvdlite/_launch/monitor.py), its timeout from the settings."""
+    timeout = config.peer_timeout_s
+    if config.stall_shutdown_time_s > 0:
+        timeout = min(timeout, config.stall_shutdown_time_s + STALL_MARGIN_S)
+    monitor = Monitor(address, beat_s=min(MONITOR_BEAT_S, timeout / 4), timeout_s=timeout)
+    monitor.start()
+    return monitor
 
 
 if __name__ == "__main__":

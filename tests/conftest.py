@@ -13,5 +13,5 @@ from __future__ import annotations
 from jobs_util import under_mpi_launcher
 
 collect_ignore = (["test_mpi_jobs.py", "test_torch_jobs.py", "test_example_and_bench.py",
-                   "test_memory_job.py", "launcher"]
+                   "test_memory_job.py", "launcher", "multihost"]
                   if under_mpi_launcher() else ["mpi", "torch"])

@@ -16,7 +16,7 @@ except ImportError as _exc:  # pragma: no cover - exercised without torch only
     ) from _exc
 
 from hvdlite.errors import HvdliteError, MismatchError, NotInitializedError, ShutdownError
-from hvdlite.torch import mpi_ops
+from hvdlite.torch import elastic, mpi_ops
 from hvdlite.torch.basics import (
     Adasum,
     Average,
@@ -107,7 +107,7 @@ __all__ = [
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall",
     "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async",
     "broadcast_async_", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",
-    "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "gloo_built",
+    "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "elastic", "gloo_built",
     "gloo_enabled", "global_process_set", "grouped_allgather", "grouped_allgather_async",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
     "grouped_allreduce_async_", "grouped_reducescatter", "grouped_reducescatter_async", "init",

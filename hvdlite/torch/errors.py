@@ -6,7 +6,7 @@ A module of their own so that :mod:`hvdlite.torch.process_sets` and
 
 from __future__ import annotations
 
-from hvdlite.errors import HvdliteError, NotInitializedError
+from hvdlite.errors import HostsUpdatedInterrupt, HvdliteError, NotInitializedError
 
 __all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "InvalidArgumentError",
            "NotInitializedValueError"]
@@ -14,10 +14,6 @@ __all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "InvalidArgumentErro
 #: What Horovod users catch: hvdlite's run-time error (an alias, so every hvdlite failure is
 #: caught by ``except hvd.HorovodInternalError``).
 HorovodInternalError = HvdliteError
-
-
-class HostsUpdatedInterrupt(RuntimeError):
-    """Horovod's elastic-mode interrupt. hvdlite has no elastic mode; never raised."""
 
 
 class NotInitializedValueError(NotInitializedError, ValueError):

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jobs_util import clean_env
 
+from hvdlite._launch.hosts import PRIVATE_NAMES
 from hvdlite.config import KNOBS, Config, load_config
 from hvdlite.run import find_mpiexec, mpi_flavor
 
@@ -236,8 +237,10 @@ def test_settings_reach_every_rank_with_precedence(tmp_path: Path) -> None:
         assert report["env"]["HVDLITE_FUSION_THRESHOLD"] == "3000"
         # Exactly what was set is forwarded; knobs left at their defaults are not.
         set_here = {"fusion_threshold", "cycle_time_ms", "cache_capacity", "async_completion"}
+        launcher_own = PRIVATE_NAMES - {"HVDLITE_CONFIG"}  # the report dir, monitor, watchdog
         assert report["env"] == expected.to_env(set_here) | {
-            k: v for k, v in report["env"].items() if k == "HVDLITE_RUN_REPORT_DIR"}
+            k: v for k, v in report["env"].items() if k in launcher_own}
+        assert launcher_own - {"HVDLITE_RUN_REPORT_DIR"} <= set(report["env"])
         assert load_config(environ=report["env"]) == expected
         assert "HVDLITE_CONFIG" not in report["env"]
 
@@ -282,6 +285,7 @@ def test_every_knob_has_a_working_flag(tmp_path: Path) -> None:
         "timeline": ("/tmp/x.json", "/tmp/x.json"), "timeline_mark_cycles": (None, True),
         "stall_check": ("no", False), "stall_check_time_s": ("7", 7.0),
         "stall_shutdown_time_s": ("8", 8.0), "idle_backoff_max_ms": ("2", 2.0),
+        "peer_timeout_s": ("45", 45.0),
         "log_level": ("error", "error"), "nvtx": (None, True),
         "timeline_device_events": (None, True), "timeline_max_bytes": ("1MiB", 1 << 20),
         "gil_switch_interval_us": ("100", 100.0), "optimizer_size1_shortcut": ("no", False),

@@ -1,0 +1,189 @@
+"""The rank's side of an elastic job: where commits are kept, how a restarted world finds the
+newest one, and how a rank leaves its world for a reset.
+
+Standard library and hvdlite's core only (no torch). The elastic ``hvdliterun``
+(:mod:`hvdlite.elastic.driver`) starts every world with ``ELASTIC_DIR_ENV`` (the job's
+directory, the same path on every host) and ``GENERATION_ENV`` (0 for the first world, then
+1, 2, ... after each reset). Without them a rank is not elastic and nothing here touches the
+disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import re
+import socket
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import numpy as np
+
+import hvdlite
+from hvdlite._launch import watchdog
+
+if TYPE_CHECKING:
+    from hvdlite.elastic._state import State
+
+ELASTIC_DIR_ENV = "HVDLITE_ELASTIC_DIR"
+GENERATION_ENV = "HVDLITE_ELASTIC_GENERATION"
+# A rank that leaves its world for a reset exits with one of these; any other failure of a
+# rank marks its slot as failed (the driver starts the next world without it).
+EXIT_HOSTS_UPDATED = 75
+EXIT_INTERNAL_ERROR = 76
+RESET_EXIT_CODES = frozenset({EXIT_HOSTS_UPDATED, EXIT_INTERNAL_ERROR})
+HOSTS_UPDATED_FILE = "hosts-updated"
+HOSTS_UPDATED_MESSAGE = "elastic.hosts_updated"
+_COMMIT = re.compile(r"^commit-(\d+)\.pkl$")
+
+
+def generation_dir(job_dir: str, generation: int) -> str:
+    """Where the driver tells the ranks of world ``generation`` that hosts changed."""
+    return os.path.join(job_dir, f"gen-{generation}")
+
+
+@dataclass(frozen=True)
+class Context:
+    """This rank's elastic job: the job directory, its host's commits and the generation."""
+
+    job_dir: str
+    generation: int
+
+    @property
+    def state_dir(self) -> str:
+        # Per host: hosts that share a file system (namespaces of one machine, NFS) must not
+        # read each other's copies, or a host that lost its own would look as if it had one.
+        return os.path.join(self.job_dir, "state", socket.gethostname())
+
+    @property
+    def updates_file(self) -> str:
+        return os.path.join(generation_dir(self.job_dir, self.generation), HOSTS_UPDATED_FILE)
+
+
+def context() -> Context | None:
+    """The elastic job this rank belongs to, or None when it was not started elastically."""
+    job_dir = os.environ.get(ELASTIC_DIR_ENV)
+    if not job_dir:
+        return None
+    try:
+        generation = int(os.environ.get(GENERATION_ENV, "0"))
+    except ValueError:
+        generation = 0
+    _listen()
+    return Context(job_dir, generation)
+
+
+def newest_commit(state_dir: str) -> int:
+    """The number of the newest commit kept in ``state_dir`` (0: none)."""
+    try:
+        names = os.listdir(state_dir)
+    except OSError:
+        return 0
+    found = [int(m.group(1)) for m in map(_COMMIT.match, names) if m]
+    return max(found, default=0)
+
+
+def write_commit(state_dir: str, number: int, payload: Any) -> None:
+    """Keep ``payload`` as commit ``number`` (atomically: a rank killed while writing leaves
+    the previous commit), then drop the older ones."""
+    os.makedirs(state_dir, exist_ok=True)
+    final = os.path.join(state_dir, f"commit-{number}.pkl")
+    partial = f"{final}.{os.getpid()}.tmp"
+    with open(partial, "wb") as handle:
+        pickle.dump({"commit": number, "state": payload}, handle, protocol=5)
+    os.replace(partial, final)
+    for name in os.listdir(state_dir):
+        m = _COMMIT.match(name)
+        if m and int(m.group(1)) < number:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(state_dir, name))
+
+
+def read_commit(state_dir: str, number: int) -> Any:
+    """The payload of commit ``number``."""
+    with open(os.path.join(state_dir, f"commit-{number}.pkl"), "rb") as handle:
+        record = pickle.load(handle)
+    if record.get("commit") != number:
+        raise ValueError(f"{state_dir}: commit-{number}.pkl holds commit {record.get('commit')}")
+    return record["state"]
+
+
+def _reduce(value: int, op: Any, name: str) -> int:
+    out = hvdlite.allreduce(np.array([value], dtype=np.int64), op=op, name=name)
+    return int(out[0])
+
+
+def persist(ctx: Context, state: State) -> None:
+    """Keep ``state``'s saved copy on disk, once per host (the host's local rank 0)."""
+    if hvdlite.local_rank() == 0:
+        write_commit(ctx.state_dir, state._commit_number, state._payload())
+
+
+# The newest generation the driver told this process about (over the control channel).
+_told_generation = -1
+_listening = False
+
+
+def _on_message(message: dict[str, Any]) -> None:
+    global _told_generation
+    generation = message.get("generation")
+    if message.get("t") == HOSTS_UPDATED_MESSAGE and isinstance(generation, int):
+        _told_generation = max(_told_generation, generation)
+
+
+def _listen() -> None:
+    """Subscribe once to the launcher's messages (the rank wrapper hands them to the rank's
+    watchdog thread); the driver repeats its message until the world ends, so one sent
+    before this is not lost."""
+    global _listening
+    if not _listening:
+        _listening = True
+        watchdog.subscribe(_on_message)
+
+
+def _told(ctx: Context) -> bool:
+    """The driver said the hosts changed: through the launcher's control channel, or in the
+    job directory where this host shares the launcher's file system."""
+    return _told_generation >= ctx.generation or os.path.exists(ctx.updates_file)
+
+
+def hosts_updated(ctx: Context) -> bool:
+    """True on every rank when the driver reported changed hosts to any rank (collective)."""
+    seen = int(_told(ctx))
+    return _reduce(seen, hvdlite.Max, "hvdlite.elastic.hosts_updated") > 0
+
+
+def recover(ctx: Context, state: State) -> None:
+    """Agree on the newest commit any host kept, load it on the lowest rank that has it and
+    make that rank the root of the next ``sync()`` (collective)."""
+    mine = newest_commit(ctx.state_dir)
+    best = _reduce(mine, hvdlite.Max, "hvdlite.elastic.newest_commit")
+    if best == 0:
+        return
+    me, size = hvdlite.rank(), hvdlite.size()
+    root = _reduce(me if mine == best else size, hvdlite.Min, "hvdlite.elastic.commit_root")
+    if me == root:
+        state._load_payload(read_commit(ctx.state_dir, best))
+    state._commit_number = best
+    state._sync_root = root
+
+
+def leave_for_reset(ctx: Context, state: State, code: int, persist_state: bool) -> NoReturn:
+    """End this rank's part of the world so that the driver starts the next one.
+
+    With ``persist_state`` the current state becomes a commit first (Horovod keeps a rank's
+    in-memory state across a hosts-updated reset; a restarted process can only read it from
+    disk). The barrier makes every host's copy complete before any rank exits (the MPI
+    launcher ends the world as soon as one rank has exited). Without it, the commit that was
+    kept before ``check_host_updates``' collective stands; a broken world gets no barrier.
+    """
+    if persist_state:
+        state.save()
+        state._commit_number += 1
+        persist(ctx, state)
+        hvdlite.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    raise SystemExit(code)
