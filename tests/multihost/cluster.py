@@ -93,6 +93,11 @@ def unavailable() -> str | None:
     if missing:
         return f"multi-host tests need {', '.join(missing)} (apt-get install iproute2 " \
                "openssh-server openssh-client util-linux)"
+    probe = subprocess.run(["unshare", "--net", "--uts", "--mount", "--pid", "--fork", "true"],
+                           capture_output=True, text=True, check=False)
+    if probe.returncode != 0:
+        return ("multi-host tests cannot create namespaces here (a container without "
+                f"CAP_SYS_ADMIN?): {probe.stderr.strip() or probe.returncode}")
     return None
 
 

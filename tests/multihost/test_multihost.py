@@ -134,21 +134,25 @@ def test_doctor_names_every_host_and_the_links(cluster: Cluster) -> None:
     assert "all checks passed on 4 rank(s)" in ran.out
 
 
-_HELLO = "import hvdlite as hvd; hvd.init(); print('rank', hvd.rank(), 'of', hvd.size())"
+_HELLO = ("import socket, sys, hvdlite as hvd; hvd.init(); "
+          "open(f'{sys.argv[1]}/rank-{hvd.rank()}', 'w').write(socket.gethostname())")
 
 
 def test_ssh_port_and_identity_reach_the_check_and_mpi(cluster: Cluster) -> None:
     # The hosts' sshd takes the alternate key only on port 2200, and only it there: the job
     # runs only if both flags reach the start-up check and the MPI launcher's ssh.
+    out = cluster.shared / "ssh-flags"
+    out.mkdir()
     ran = hvdliterun(cluster, "-np", "4", "-H", hosts_arg(cluster), "--tcp",
                      "--ssh-port", str(ALT_SSH_PORT), "--ssh-identity-file",
-                     str(cluster.alt_key), "--", sys.executable, "-c", _HELLO)
+                     str(cluster.alt_key), "--", sys.executable, "-c", _HELLO, str(out))
     _ok(ran)
-    assert sorted(ran.out.split("\n"))[1:] == [f"rank {r} of 4" for r in range(4)], ran.out
+    n1, n2 = (h.name for h in cluster.hosts)
+    assert [(out / f"rank-{r}").read_text() for r in range(4)] == [n1, n1, n2, n2]
     ran = hvdliterun(cluster, "-np", "4", "-H", hosts_arg(cluster), "--tcp", "-p",
-                     str(ALT_SSH_PORT), "--", sys.executable, "-c", _HELLO)
+                     str(ALT_SSH_PORT), "--", sys.executable, "-c", _HELLO, str(out))
     assert ran.rc == 255, ran
-    assert f"host {cluster.host(2).name} cannot be reached: ssh failed" in ran.err, ran.err
+    assert f"host {n2} cannot be reached: ssh failed" in ran.err, ran.err
 
 
 def test_unreachable_host_is_named_at_start(cluster: Cluster) -> None:
