@@ -62,7 +62,7 @@ def _repeat(engine: Engine, channel: Channel, lane: Lane, kind: Kind, tensors: S
         tensor, (output, user) = tensors[0], single
 
         def make() -> Entry:
-            entry = Entry(lane.request, tensor, output, Handle(lane.request.name), 0, user,
+            entry = Entry(lane.request, tensor, output, Handle(lane.request.name), user,
                           lane.device_id, lane.to_user)
             prepare(engine, entry, lane.framework, stream)
             return entry
@@ -142,7 +142,7 @@ def _unit_parts(lane: Lane, tensors: Sequence[Any], params: tuple[Any, ...],
 
 def unit_entry(lane: Lane, members: Any, outputs: Any, span: Any, user: Any) -> Entry:
     """The entry of a grouped call of ``lane`` (one entry, one handle for all its members)."""
-    entry = Entry(lane.request, members[0], None, Handle(lane.request.name), 0, user,
+    entry = Entry(lane.request, members[0], None, Handle(lane.request.name), user,
                   lane.device_id, lane.to_user)
     entry.members, entry.outputs, entry.span = members, outputs, span
     entry.size = lane.request_bytes

@@ -214,7 +214,7 @@ def _new_single(channel: Channel, kind: Kind, tensor: Any, name: str, op: Reduce
     else:
         output = _empty(ref.array.shape, ref.array.dtype, ref.device_id) if preallocated else None
     handle = Handle(name)
-    entry = Entry(req, ref.array, output, handle, 0, user, ref.device_id, to_user)
+    entry = Entry(req, ref.array, output, handle, user, ref.device_id, to_user)
     return entry, lane, ref.framework
 
 

@@ -168,7 +168,7 @@ class Driver:
     def _alone(self, handle: Handle) -> bool:
         """Whether ``handle``'s tensors are all the work pending on this rank."""
         queued, channels = self.engine._queue, list(self.engine._channels.values())
-        return (len(queued) + sum(len(c.entries) for c in channels) <= len(handle._results)
+        return (len(queued) + sum(len(c.entries) for c in channels) <= 1
                 and all(e.handle is handle for e in queued)
                 and all(e.handle is handle for c in channels for e in c.entries.values()))
 
