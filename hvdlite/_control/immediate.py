@@ -25,17 +25,16 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from hvdlite._control.driver import POKE, Owner, cached_alone
 from hvdlite._control.negotiation import Request, Response
 from hvdlite._control.work import Entry
 
-POKE = object()  # wake-up token of a waiting caller (it cuts an idle nap short)
 _WAIT_FOR_LOOP_S = 0.005  # longest wait of a blocking call for the background thread's cycle
 
 if TYPE_CHECKING:
     from hvdlite._control.channel import Channel
-    from hvdlite._engine import Engine
 
-__all__ = ["DONE", "MISS", "Work", "run_now", "run_queued"]
+__all__ = ["DONE", "MISS", "Work", "run_now"]
 
 MISS = object()  # the call cannot take the immediate path: submit it the general way
 DONE = object()  # the call's collective ran on the calling thread: its results are ready
@@ -45,7 +44,7 @@ DONE = object()  # the call's collective ran on the calling thread: its results 
 Work = Callable[[Response, Any], Callable[[], object] | None]
 
 
-def run_now(engine: Engine, channel: Channel, request: Request, nbytes: int, work: Work,
+def run_now(engine: Owner, channel: Channel, request: Request, nbytes: int, work: Work,
             make_entry: Callable[[], Entry]) -> Any:
     """Run the blocking call of ``request`` immediately (see the module docstring): returns
     :data:`DONE` once its collective ran, a :class:`~hvdlite.Handle` to wait on if the round
@@ -65,7 +64,7 @@ def run_now(engine: Engine, channel: Channel, request: Request, nbytes: int, wor
         if not lock.acquire(timeout=_WAIT_FOR_LOOP_S):
             return MISS
     try:
-        found = _cached(engine, channel, request, 0)
+        found = cached_alone(engine, channel, request, 0)
         if found is None:
             return MISS
         slot, resp, backend = found
@@ -77,22 +76,7 @@ def run_now(engine: Engine, channel: Channel, request: Request, nbytes: int, wor
         lock.release()
 
 
-def _cached(engine: Engine, channel: Channel, request: Request,
-            queued: int) -> tuple[int, Response, Any] | None:
-    """(slot, cached response, backend) when a cycle may run for ``request`` alone: nothing
-    else pending (but ``queued`` entries, its own), its response cached, its backend made."""
-    if not engine.driver.quiet(channel, queued):
-        return None
-    neg = channel.negotiator
-    slot, same = neg.cache.lookup(request)
-    if not same or not neg.idle():
-        return None
-    resp = neg.cache.response(slot)
-    backend = channel.backends.get(resp.device)
-    return None if backend is None else (slot, resp, backend)
-
-
-def _cycle(engine: Engine, channel: Channel, name: str, slot: int, nbytes: int,
+def _cycle(engine: Owner, channel: Channel, name: str, slot: int, nbytes: int,
            step: Callable[[], object], make_entry: Callable[[], Entry]) -> Any:
     neg = channel.negotiator
     neg.in_caller = channel.mpi.in_caller = True
@@ -124,45 +108,3 @@ def _cycle(engine: Engine, channel: Channel, name: str, slot: int, nbytes: int,
     if interrupt is not None:
         raise interrupt  # held while the peers were in the round (see Driver._caller_cycle)
     return DONE
-
-
-def run_queued(engine: Engine, entry: Entry) -> bool:
-    """Run ``entry`` (a waiting caller's own, queued, and the only work of this rank) in a
-    cycle of its own, as :func:`run_now` runs a blocking call: its round, then its bucket on
-    the backend as the general cycle would (its READY and DONE events kept). False if it
-    cannot (the general cycle runs it). Under the cycle lock."""
-    channel = entry.channel
-    if len(engine._queue) != 1 or engine._queue[0] is not entry:
-        return False
-    found = _cached(engine, channel, entry.request, 1)
-    if found is None or found[2].direct(found[1]) is None:
-        return False
-    slot, backend, neg = found[0], found[2], channel.negotiator
-    with engine._lock:
-        if engine._queue != [entry]:
-            return False
-        engine._queue = []
-    neg.in_caller = channel.mpi.in_caller = True
-    engine.driver.last_cycle = time.perf_counter()
-    engine.reclaim()
-    now = time.monotonic()
-    try:
-        hits, invalid = neg.round_one(slot, entry.request.name, now)
-        agreed = neg.agreed_one(slot, hits, invalid)
-        if agreed is None:
-            engine.driver.adopt(channel, entry,
-                         lambda: neg.conclude(hits, invalid, channel.entries, False, now))
-            return True
-        with engine._lock:
-            channel.in_flight.discard(entry.request.name)
-        engine.tracer.stats.record_bucket(1, entry.nbytes(), entry.nbytes())
-        backend.run([agreed], [entry])
-    except BaseException as exc:  # as in Driver._caller_cycle
-        engine._die(exc)
-        if not isinstance(exc, Exception):
-            raise
-        return True
-    interrupt = neg.failures.take_deferred()
-    if interrupt is not None:
-        raise interrupt
-    return True
