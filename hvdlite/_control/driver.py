@@ -50,6 +50,9 @@ class Owner(Protocol):
     _stopped: bool
     _stop_requested: bool
     _expecting_stall: int
+    _gpu: Any  # the device runtime once made (else None)
+
+    def gpu_runtime(self) -> Any: ...
 
     def reclaim(self) -> None: ...
 

@@ -26,7 +26,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from hvdlite._control.driver import POKE, Owner, cached_alone
-from hvdlite._control.negotiation import Request, Response
+from hvdlite._control.negotiation import Response
+from hvdlite._control.replay import Call, Lane
 from hvdlite._control.work import Entry
 
 _WAIT_FOR_LOOP_S = 0.005  # longest wait of a blocking call for the background thread's cycle
@@ -34,21 +35,15 @@ _WAIT_FOR_LOOP_S = 0.005  # longest wait of a blocking call for the background t
 if TYPE_CHECKING:
     from hvdlite._control.channel import Channel
 
-__all__ = ["DONE", "MISS", "Work", "run_now"]
+__all__ = ["DONE", "MISS", "run_now", "prepare"]
 
 MISS = object()  # the call cannot take the immediate path: submit it the general way
 DONE = object()  # the call's collective ran on the calling thread: its results are ready
 
-# What a call's data step is, given the agreed response and its backend: the step to run once
-# the round agreed on it alone, or None if this call cannot run immediately.
-Work = Callable[[Response, Any], Callable[[], object] | None]
-
-
-def run_now(engine: Owner, channel: Channel, request: Request, nbytes: int, work: Work,
-            make_entry: Callable[[], Entry]) -> Any:
-    """Run the blocking call of ``request`` immediately (see the module docstring): returns
-    :data:`DONE` once its collective ran, a :class:`~hvdlite.Handle` to wait on if the round
-    agreed on more than this call (``make_entry`` made it an ordinary entry), or
+def run_now(engine: Owner, channel: Channel, lane: Lane, call: Call, stream: Any) -> Any:
+    """Run the blocking allreduce ``call`` of ``lane`` immediately (see the module docstring):
+    returns :data:`DONE` once its collective ran, a :class:`~hvdlite.Handle` to wait on if
+    the round agreed on more than this call (the call became an ordinary entry), or
     :data:`MISS` if the call must be submitted the general way."""
     driver = engine.driver
     lock = driver.cycle_lock
@@ -64,21 +59,89 @@ def run_now(engine: Owner, channel: Channel, request: Request, nbytes: int, work
         if not lock.acquire(timeout=_WAIT_FOR_LOOP_S):
             return MISS
     try:
-        found = cached_alone(engine, channel, request, 0)
+        found = cached_alone(engine, channel, lane.request, 0)
         if found is None:
             return MISS
         slot, resp, backend = found
-        step = work(resp, backend)
+        step = (_unit_step if lane.shapes else _single_step)(engine, lane, call, resp, backend,
+                                                              stream)
         if step is None:
             return MISS
-        return _cycle(engine, channel, request.name, slot, nbytes, step, make_entry)
+        return _cycle(engine, channel, lane, call, slot, step, stream)
     finally:
         lock.release()
 
 
-def _cycle(engine: Owner, channel: Channel, name: str, slot: int, nbytes: int,
-           step: Callable[[], object], make_entry: Callable[[], Entry]) -> Any:
+def prepare(engine: Owner, entry: Entry, framework: str, stream: Any) -> None:
+    """Record READY for a device entry on the caller's stream (``stream``, default current):
+    the cycle orders hvdlite's stream after it (cudaStreamWaitEvent) instead of waiting for
+    the producer on the CPU."""
+    if entry.device_id >= 0:
+        runtime = engine._gpu or engine.gpu_runtime()
+        device_id = entry.device_id
+        entry.ready = runtime.record_ready(framework, device_id, stream)
+        entry.handle.attach_device(runtime.stream_waiter(framework, device_id),
+                                   runtime.async_completion, device_id, entry.ready)
+
+
+def _target(lane: Lane, stream: Any) -> Any:
+    if stream is not None:
+        return stream
+    from hvdlite._gpu.runtime import current_stream
+
+    return current_stream(lane.framework, lane.device_id)
+
+
+def _single_step(engine: Owner, lane: Lane, call: Call, resp: Response, backend: Any,
+                 stream: Any) -> Callable[[], object] | None:
+    """The data step of a single tensor once the round agreed on it alone (None: it cannot
+    run here)."""
+    spec = backend.direct(resp)
+    if spec is None:
+        return None
+    tensor, output = call.inputs, call.output
+    if lane.device_id < 0:
+        return lambda: backend.reduce_one(resp, tensor, output, spec)
+    sync = not engine.gpu_runtime().async_completion
+
+    def step() -> None:
+        target = _target(lane, stream)
+        backend.reduce_now(tensor, output, lane.device_id, target, spec)
+        if sync:
+            target.synchronize()
+
+    return step
+
+
+def _unit_step(engine: Owner, lane: Lane, call: Call, resp: Response, backend: Any,
+               stream: Any) -> Callable[[], object] | None:
+    """The data step of a grouped call (one unit) once the round agreed on it alone."""
+    if type(resp.dtype) is not str or resp.joined:
+        return None
+    members, outputs, span = call.inputs, call.output, call.span
+    if lane.device_id < 0:
+        return lambda: backend.unit_now(resp, members, outputs, span)
+    # On the device: a span only (no fusion buffer shared with hvdlite's stream) and sync
+    # completion only, so nothing of it is left running on the caller's stream.
+    if span is None or engine.gpu_runtime().async_completion:
+        return None
+
+    def step() -> None:
+        target = _target(lane, stream)
+        if stream is None:
+            backend.unit_now(resp, members, outputs, span, lane.device_id, target)
+        else:
+            with target:  # the copy kernels launch on the current stream
+                backend.unit_now(resp, members, outputs, span, lane.device_id, target)
+        target.synchronize()
+
+    return step
+
+
+def _cycle(engine: Owner, channel: Channel, lane: Lane, call: Call, slot: int,
+           step: Callable[[], object], stream: Any) -> Any:
     neg = channel.negotiator
+    name, nbytes = lane.request.name, call.nbytes
     neg.in_caller = channel.mpi.in_caller = True
     t0 = time.perf_counter()
     engine.driver.last_cycle = t0
@@ -88,7 +151,8 @@ def _cycle(engine: Owner, channel: Channel, name: str, slot: int, nbytes: int,
         hits, invalid = neg.round_one(slot, name, now)
         if neg.agreed_one(slot, hits, invalid) is None:
             # Other work in this round: the general cycle takes it from here.
-            entry = make_entry()
+            entry = call.entry(lane)
+            prepare(engine, entry, lane.framework, stream)
             engine.driver.adopt(channel, entry,
                                 lambda: neg.conclude(hits, invalid, channel.entries, False,
                                                      now))
