@@ -7,7 +7,8 @@ the model, in alternating blocks, ranks meeting at a barrier before every step, 
 rank per step counted, medians reported:
 
 - no communication: the plain optimizer (the baseline);
-- ``hvd.DistributedOptimizer`` as Horovod users write it (buckets formed automatically);
+- ``hvd.DistributedOptimizer`` as Horovod users write it (the defaults: buckets formed
+  automatically, each staged through one buffer);
 - the same with ``gradient_as_bucket_view=True``;
 - one allreduce per parameter, as Horovod does (``bucket_cap_mb`` below one parameter);
 - torch DDP (gloo), when ``torch.distributed`` can start.

@@ -36,6 +36,17 @@ def test_torch_process_sets_on_four_ranks(tmp_path: Path) -> None:
                    OMP_NUM_THREADS="1")
 
 
+@pytest.mark.mpi
+@pytest.mark.timeout(2 * SETS_TIMEOUT_S + 60)
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed")
+@pytest.mark.parametrize("np_", [1, 4])
+def test_torch_optimizer_step_on_one_and_four_ranks(tmp_path: Path, np_: int) -> None:
+    """``tests/torch/test_optimizer_step.py`` (the default step against DDP) alone at 1 and 4
+    ranks; the 2-rank job above runs it with the rest."""
+    run_pytest_job(np_, TORCH_TESTS / "test_optimizer_step.py", tmp_path, SETS_TIMEOUT_S,
+                   OMP_NUM_THREADS="1")
+
+
 @pytest.mark.timeout(60)
 def test_without_torch_hvdlite_imports_and_hvdlite_torch_says_how_to_install() -> None:
     code = (

@@ -82,19 +82,28 @@ class Bucket:
         self.viewed = True
         self.realias()
 
-    def make_staging(self) -> None:
+    def make_staging(self, wire: torch.dtype | None = None) -> None:
         """Allocate the persistent staging buffer (``staging``; ``staged`` are the members'
-        views of it): each step the gradients are copied in by one batched copy, reduced there
-        as one array and copied back by one batched copy."""
+        views of it): each step the gradients are copied in by one batched copy (cast to
+        ``wire`` when given: a compressor's type), reduced there as one array and copied back
+        by one batched copy."""
         self.viewed = False
         first = self.params[0]
         total = sum(p.numel() for p in self.params)
-        self.staging = torch.zeros(total, dtype=first.dtype, device=first.device)
+        self.staging = torch.zeros(total, dtype=wire or first.dtype, device=first.device)
         self.staged, offset = [], 0
         for p in self.params:
             n = p.numel()
             self.staged.append(self.staging[offset:offset + n].view(p.shape))
             offset += n
+
+    def repoint(self) -> None:
+        """Point every member's ``.grad`` at its view (holding the reduced gradient): a
+        ``.grad`` replaced while the bucket was on the wire is overwritten, as Horovod writes
+        the reduced value back over it."""
+        if not all(map(operator.is_, map(_GRAD, self.params), self.views)):
+            for p, view in zip(self.params, self.views, strict=True):
+                p.grad = view
 
     def realias(self) -> bool:
         """Make every member's ``.grad`` its view again (a user may have replaced it or set

@@ -2,9 +2,9 @@
 
 One hook per parameter counts it ready the moment autograd has accumulated its gradient
 (``register_post_accumulate_grad_hook``); the last member of a bucket starts that bucket's one
-in-place grouped allreduce, so communication overlaps the rest of the backward pass. By
-default the gradients live in the buckets' flat buffers (views), so the allreduce copies
-nothing. ``step()`` orders the current CUDA stream after each bucket's collective (no host
+allreduce, of the bucket's flat buffer (its gradients copied in by one batched copy, or, with
+``gradient_as_bucket_view``, living there), so communication overlaps the rest of the
+backward pass. ``step()`` orders the current CUDA stream after each bucket's collective (no host
 wait on the device), then runs the wrapped optimizer's own step, whose kernels follow on that
 stream.
 """
@@ -12,6 +12,7 @@ stream.
 from __future__ import annotations
 
 import contextlib
+import operator
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -32,10 +33,11 @@ from hvdlite.torch.process_sets import global_process_set, resolve
 __all__ = ["DistributedOptimizer"]
 
 _TOO_MANY = ("gradients were computed more than backward_passes_per_step times before "
-             "optimizer.step(): a second backward() would overwrite a gradient while its "
-             "allreduce is in flight. Call optimizer.step() (or optimizer.synchronize()) "
-             "between backward passes, or raise backward_passes_per_step to accumulate "
-             "gradients locally.")
+             "optimizer.step(): this backward() accumulated into a gradient after its "
+             "bucket's allreduce had started, so this step's gradients are not to be "
+             "trusted. Call optimizer.step() (or optimizer.synchronize()) between backward "
+             "passes, or raise backward_passes_per_step to accumulate gradients locally.")
+_GRAD = operator.attrgetter("grad")
 _ZERO_GRAD = ("optimizer.zero_grad() was called after loss.backward() but before "
               "optimizer.step() or optimizer.synchronize(): the gradients' allreduces are still "
               "in flight and would race with the zeroing. Call step() or synchronize() first.")
@@ -120,14 +122,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             members = self._user_groups(plist)
         passes = self.backward_passes_per_step
         for i, ps in enumerate(members):
-            bucket = Bucket(ps, f"DistributedOptimizer.bucket.{i}", passes)
+            # Named after its first member, so two optimizers' buckets never share a name.
+            bucket = Bucket(ps, f"{self._parameter_names[ps[0]]}.bucket{i}", passes)
             self._buckets.append(bucket)
             for p in ps:
                 self._bucket_of[p] = bucket
-            if not bucket.viewable() or self._wire_type(bucket) is False:
+            wire = self._wire_type(bucket)
+            if not bucket.viewable() or wire is False:
                 bucket.viewed = False
             elif not self.gradient_as_bucket_view:
-                bucket.make_staging()
+                bucket.make_staging(wire if isinstance(wire, torch.dtype) else None)
             # else: the views are made at the bucket's first start, once its gradients are
             # seen to be dense (a sparse one keeps the bucket out of views for good).
         self._unbucketed = [p for p in self._unbucketed if p not in self._bucket_of]
@@ -262,7 +266,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         assert bucket.staging is not None
         staged = _reduce.allreduce_one(bucket.staging, bucket.name, self.op, pre, post,
                                        self.process_set, True, "DistributedOptimizer")
-        return _Flight(None, [], [], [], staged, grads + list(bucket.staged))
+        return _Flight(None, list(bucket.params), [], [], staged, grads + list(bucket.staged))
 
     def _finish(self, flight: _Flight, stream: Any) -> None:
         """Hand every member of ``flight`` its reduced gradient. ``stream``: CUDA work reads
@@ -277,6 +281,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if bucket.wire is not None:
                 assert bucket.buffer is not None
                 bucket.buffer.copy_(bucket.wire)
+            bucket.repoint()
             return
         if flight.staged is not None:
             if stream is None:
@@ -284,7 +289,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             else:
                 flight.staged.wait_stream(stream)
             half = len(flight.targets) // 2
-            torch._foreach_copy_(flight.targets[:half], flight.targets[half:])
+            grads = flight.targets[:half]
+            torch._foreach_copy_(grads, flight.targets[half:])
+            params = flight.dense
+            if not all(map(operator.is_, map(_GRAD, params), grads)):
+                for p, grad in zip(params, grads, strict=True):  # replaced while on the wire:
+                    p.grad = grad  # the reduced value wins, as Horovod writes it back
         if flight.handle is not None:
             outs = flight.handle.wait() if stream is None else flight.handle.wait_stream(stream)
             if len(flight.dense) == 1 and not isinstance(outs, list):
@@ -427,7 +437,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                          groups: Any = None, sparse_as_dense: bool = False,
                          process_set: Any = global_process_set, *,
-                         gradient_as_bucket_view: bool = True,
+                         gradient_as_bucket_view: bool = False,
                          bucket_cap_mb: float = 25.0) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so each ``step()`` uses gradients averaged over all ranks (over the
     members of ``process_set`` when one is given).
@@ -445,22 +455,26 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
 
     hvdlite's own keywords (Horovod has neither): without ``groups``, gradients are reduced
     in buckets of at most ``bucket_cap_mb`` MiB (reverse parameter order, one device and dtype
-    each), each by one grouped allreduce once all its gradients are ready.
-    ``gradient_as_bucket_view`` (on by default): each bucket owns one flat buffer; when the
-    bucket is reduced, its gradients are copied into the buffer by one batched copy (none when
-    they are its views already), reduced there in place as one array, and every member's
-    ``.grad`` is then a view of it, which ``step()`` reads. ``zero_grad()`` (``set_to_none``)
-    sets them to None, as torch does, so backward makes fresh gradients instead of
-    accumulating into the views (one kernel per parameter); ``zero_grad(set_to_none=False)``
-    zeroes each buffer in place (one memset) and keeps the views, which backward then
-    accumulates into. As with DDP's option of that name: ``p.grad.detach_()`` raises while
-    ``p.grad`` is a view, and a tensor you keep from ``p.grad`` changes with the buffer. A
-    ``.grad`` you replace, or set to None, is copied in (zeroed) when its bucket is reduced.
-    A bucket whose gradient is sparse at its first reduction never gets views, and with a
-    compressor other than ``Compression.fp16``/``bf16`` no bucket does;
-    ``Compression.fp16``/``bf16`` cast the whole buffer at once. False: the gradients stay
-    their own tensors; each bucket is copied into a staging buffer (one batched copy),
-    reduced there and copied back (one batched copy).
+    each), each by one allreduce of the bucket's flat buffer once all its gradients are
+    ready. By default the gradients stay their own tensors (``zero_grad()`` sets them to None,
+    as torch does): each bucket's are copied into its buffer by one batched copy, reduced
+    there, and copied back by one batched copy; no per-parameter device work, and nothing of
+    torch's gradient semantics changes. ``gradient_as_bucket_view=True`` (off by default:
+    measured slower, see docs/benchmarks.md, issue 25): when a bucket is reduced, its
+    gradients are copied into the buffer (none when they are its views already), reduced
+    there in place, and every member's ``.grad`` is then a view of it, which ``step()``
+    reads. ``zero_grad()`` (``set_to_none``) sets them to None, so backward makes fresh
+    gradients instead of accumulating into the views (one kernel per parameter);
+    ``zero_grad(set_to_none=False)`` zeroes each buffer in place (one memset) and keeps the
+    views, which backward then accumulates into. As with DDP's option of that name:
+    ``p.grad.detach_()`` raises while ``p.grad`` is a view, and a tensor you keep from
+    ``p.grad`` changes with the buffer. A bucket whose gradient is sparse at its first
+    reduction never gets views, and with a compressor other than ``Compression.fp16``/``bf16``
+    no bucket does; ``Compression.fp16``/``bf16`` cast the whole buffer at once. Either way
+    a ``.grad`` you replace or set to None before its bucket is reduced is what is reduced,
+    and one replaced while its bucket is on the wire gets the reduced value back (Horovod's
+    write-back); a sparse gradient, a compressor, or gradients of mixed types make their
+    bucket fall back to one call per bucket over the gradients themselves.
 
     Completion: ``step()`` and ``synchronize()`` never wait on the host for CUDA work
     (except with the timeline on): they order torch's current stream after each bucket's

@@ -3,7 +3,10 @@
 The response cache changes only at agreed points (broadcast responses, agreed bits), and the
 state kept per name beside it (a name's remembered request and lane) leaves with the cache's
 evictions. So whatever order each rank submits its names in, every rank's cache holds the
-same names in the same slots and the same use order, and the same lanes, after every step;
+same names in the same slots and the same use order after every step, and each rank's lanes
+are a subset of those names (a lane is a rank's own shortcut to the agreed cache: a call that
+raced with its name's eviction leaves that rank without the lane, and its next call of the
+name takes the full round once, so lanes need not be equal across ranks);
 a name evicted and seen again is exact; capacity 0 keeps nothing; a name that never repeats
 holds no result memory.
 """
@@ -84,7 +87,6 @@ def test_caches_agree_under_random_name_orders(hvd: Any, restart: Callable[..., 
         assert set(requests) <= {n for n, _ in cached}, (requests, cached)
         assert len(channel._plans) <= CAPACITY
         _agreed(f"step {step}: cache (names, slots, use order)", cached)
-        _agreed(f"step {step}: lanes", lanes)
 
 
 def test_evicted_name_seen_again_is_exact(hvd: Any, restart: Callable[..., Any]) -> None:

@@ -86,7 +86,7 @@ def test_bucket_views_alias_their_buffer_and_reduce_exactly(hvd: Any, cap_mb: fl
 def test_bucket_views_take_back_a_replaced_or_missing_grad(hvd: Any) -> None:
     _needs_ranks(hvd)
     params = _params()
-    opt = _optimizer(hvd, params)  # bucket views: the default
+    opt = _optimizer(hvd, params, gradient_as_bucket_view=True)
     _backward(params, _coeffs(6, hvd.rank()))
     opt.step()
     views = [p.grad for p in params]

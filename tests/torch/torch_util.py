@@ -6,7 +6,9 @@ inputs and compute the expected result itself, without communication.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import dataclasses
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -61,3 +63,18 @@ def reduce_ref(inputs: list[torch.Tensor], op: str, pre: float = 1.0,
     if bf16:
         return (acc * post).to(dtype)
     return scale_ref(acc.to(dtype), post)
+
+
+@contextlib.contextmanager
+def n_rank_path() -> Iterator[None]:
+    """Within: a ``DistributedOptimizer`` built now runs its N-rank path even at one rank (the
+    ``optimizer_size1_shortcut`` knob off; the optimizer reads it only when it is built)."""
+    from hvdlite._engine import default_engine
+
+    engine = default_engine()
+    config = engine.config
+    engine.config = dataclasses.replace(config, optimizer_size1_shortcut=False)
+    try:
+        yield
+    finally:
+        engine.config = config
