@@ -57,7 +57,7 @@ def _callbacks() -> queue.SimpleQueue[tuple[Handle, Callable[[Any], Any], Handle
 
 
 class Handle:
-    """The pending result of one collective (or one group of them).
+    """The pending result of one collective (a grouped call is one collective).
 
     Every ``*_async`` function returns a ``Handle``. Its result is the output array (a list of
     arrays for grouped calls, the last joined rank for :func:`hvdlite.join`).
@@ -70,7 +70,6 @@ class Handle:
 
     __slots__ = (
         "name",
-        "_as_list",
         "_async",
         "_completions",
         "_device",
@@ -81,24 +80,19 @@ class Handle:
         "_gate",
         "_keep",
         "_ready",
-        "_remaining",
         "_resolved",
-        "_results",
-        "_unenqueued",
+        "_result",
         "_waiter",
     )
 
-    def __init__(self, name: str, parts: int = 1, as_list: bool = False) -> None:
+    def __init__(self, name: str) -> None:
         self.name = name
-        self._as_list = as_list
         self._gate: threading.Lock | None = None  # made by the first thread that must block
         self._resolved = False
         self._done = False
-        self._remaining = parts  # parts without a result
-        self._unenqueued = parts  # parts not yet resolved (result, or enqueued on a device)
-        self._results: list[Any] = [None] * parts
+        self._result: Any = None
         self._exc: BaseException | None = None
-        # Device work: DONE events, the callables that complete the parts once DONE finished
+        # Device work: DONE events, the callables that complete the handle once DONE finished
         # (sync completion; whoever runs one first wins), the device, and the stream waiter.
         self._events: list[Any] = _NONE
         self._completions: list[Callable[[], None]] = _NONE
@@ -127,51 +121,32 @@ class Handle:
         self._keep = [*self._keep, *objs]
 
     # -- completion, called by hvdlite's threads -----------------------------------------
-    def set_parts(self, parts: Sequence[tuple[int, Any]], events: Sequence[Any] = (),
-                  was_enqueued: bool = False) -> None:
-        """Results for some parts (one bucket's members of this handle); ignored once failed.
-
-        ``events`` (device work, async completion): DONE events attached in the same step, so
-        no waiter sees the result before it can order its stream after them.
-        ``was_enqueued``: these parts were resolved by :meth:`enqueued` before (sync device
-        completion), so they count toward done only."""
+    def set_result(self, value: Any, events: Sequence[Any] = ()) -> None:
+        """The result (ignored once done or failed). ``events`` (device work, async
+        completion): DONE events attached in the same step, so no waiter sees the result
+        before it can order its stream after them."""
         with _BOOK:
-            if self._remaining <= 0:
+            if self._done:
                 return
-            for index, value in parts:
-                self._results[index] = value
+            self._result = value
             if events:
                 self._events = [*self._events, *events]
-            self._remaining -= len(parts)
-            if not was_enqueued:
-                self._unenqueued -= len(parts)
-            if self._remaining > 0:
-                resolve = self._unenqueued <= 0 and not self._resolved
-                if resolve:
-                    self._resolved = True
-            else:
-                self._done = True
-                self._driver = None
-                resolve = not self._resolved
-                self._resolved = True
-            gate = self._gate if resolve else None
+            self._done = True
+            self._driver = None
+            gate = None if self._resolved else self._gate
+            self._resolved = True
         if gate is not None:
             gate.release()
 
-    def set_result(self, value: Any) -> None:
-        """The result of a one-part handle (the hot path of host work)."""
-        self.set_parts(((0, value),))
-
-    def enqueued(self, events: Sequence[Any], parts: int, completion: Callable[[], None]) -> None:
-        """Sync device completion: ``parts`` parts' work is enqueued, ``events`` complete when
-        it has run, and ``completion`` then sets their results (whoever runs it first)."""
+    def enqueued(self, events: Sequence[Any], completion: Callable[[], None]) -> None:
+        """Sync device completion: the work is enqueued, ``events`` complete when it has run,
+        and ``completion`` then sets the result (whoever runs it first)."""
         with _BOOK:
-            if self._remaining <= 0:
+            if self._done:
                 return
             self._events = [*self._events, *events]
             self._completions = [*self._completions, completion]
-            self._unenqueued -= parts
-            if self._unenqueued > 0 or self._resolved:
+            if self._resolved:
                 return
             self._resolved = True
             self._driver = None
@@ -182,10 +157,9 @@ class Handle:
     def fail(self, exc: BaseException) -> None:
         """The collective failed: every waiter raises ``exc``. Ignored once done."""
         with _BOOK:
-            if self._remaining <= 0:
+            if self._done:
                 return
             self._exc = exc
-            self._remaining = 0
             self._done = True
             self._keep = _NONE
             self._driver = None
@@ -228,7 +202,7 @@ class Handle:
         if self._async and self._waiter is not None:
             # Sync completion needs no stream wait: DONE has completed on the device.
             self._waiter(self, None)
-        return self._results if self._as_list else self._results[0]
+        return self._result
 
     synchronize = wait
 
@@ -253,7 +227,7 @@ class Handle:
 
     def _finish(self) -> None:
         """Sync completion of device work, on this thread: wait for DONE (CuPy releases the
-        GIL), then complete the parts (a no-op if retirement got there first)."""
+        GIL), then complete the handle (a no-op if retirement got there first)."""
         for event in list(self._events):
             event.synchronize()
         for completion in list(self._completions):
@@ -306,10 +280,9 @@ class Handle:
                 done = cupy.cuda.Event(block=False, disable_timing=True)
                 done.record(stream)
             if self._async:
-                child.set_parts(((0, out),), (done,))
+                child.set_result(out, (done,))
             else:
-                child.enqueued((done,), 1, lambda: child.set_parts(((0, out),),
-                                                                     was_enqueued=True))
+                child.enqueued((done,), lambda: child.set_result(out))
         except BaseException as exc:  # noqa: BLE001 - delivered through the child handle
             child.fail(exc)
 
@@ -319,7 +292,7 @@ class Handle:
         self._await_resolved(None)
         if self._exc is not None:
             raise self._exc
-        return self._results if self._as_list else self._results[0]
+        return self._result
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """Wait like :meth:`wait`, then return the failure (``None`` on success)."""

@@ -1,11 +1,14 @@
-"""The one template every collective follows: validate the arguments, resolve the process set,
-the tensor (framework, device, stream) and its dtype, build the request and the output, and
-submit to the engine. ``hvdlite/_collectives.py`` holds the public functions over it.
+"""The one route of every collective call (``hvdlite/_collectives.py`` holds the public
+functions over it), top to bottom in :func:`_submit`:
 
-A call that repeats the last call of its name (same layout, same parameters) takes the lane
-of that name (``_steady.py``, ``_control/replay.py``): everything the template would compute
-is known, so the call costs a few comparisons, a handle, an entry and the queue, or less
-(the immediate path). A grouped call is one entry.
+1. the plan: the name's lane (``_control/replay.py``) if the call repeats it (same layout,
+   same parameters: a few comparisons, ``Lane.bind``), else a new one built by the template
+   (validate the arguments, resolve the tensor, its dtype and device, build the request and
+   the output: :func:`_build`), kept as the name's lane;
+2. a repeated blocking allreduce with nothing else pending leaves here: its round and its
+   collective run on the calling thread (``_control/immediate.py``);
+3. every other call leaves here: one entry (a grouped call is one) on the engine's queue,
+   negotiated and run by a cycle.
 """
 
 from __future__ import annotations
@@ -18,15 +21,15 @@ import numpy as np
 
 from hvdlite._adasum import check_size
 from hvdlite._control.channel import Channel
+from hvdlite._control.immediate import DONE, MISS, prepare, run_now
 from hvdlite._control.negotiation import SPECS, Kind, Request
-from hvdlite._control.replay import Lane, Results, span_of
+from hvdlite._control.replay import Call, Lane, Results, span_of
 from hvdlite._control.work import Entry
 from hvdlite._engine import Engine, default_engine
 from hvdlite._handles import Handle
 from hvdlite._lru import Bounded
 from hvdlite._ops import Average, DType, ReduceOp, check_device_dtype, check_op, lookup_dtype
 from hvdlite._sets import set_id_of
-from hvdlite._steady import MISS, prepare, repeat, unit_entry
 from hvdlite._tensors import TensorRef, identity, wrap
 
 __all__ = ["_submit", "_as_list"]
@@ -123,34 +126,55 @@ def _submit(
     # pass for each other on a lane.
     params = (kind, op, type(op), prescale, type(prescale), postscale, type(postscale), root,
               type(root), inplace, group, stream)
-    if name is not None and splits is None:
-        lane = channel.lanes.get(name)
-        if lane is not None:
-            out = outs[0] if outs is not None else None
-            value = repeat(engine, channel, lane, kind, tensors, out, inplace, group, params,
-                           stream, block)
-            if value is not MISS:
-                return value
-    elif name is not None and type(name) is not str:
+    out = outs[0] if outs is not None else None
+    # 1. The call's plan: its name's lane, if the call repeats it ...
+    lane = channel.lanes.get(name) if name is not None and splits is None else None
+    call = None
+    if lane is not None:
+        steady = engine.tracer.stats.steady
+        made = lane.allocated
+        call = lane.bind(tensors, out, inplace, params, engine.reclaim)
+        steady["lane_misses" if call is None else "lane_hits"] += 1
+        steady["results_allocated"] += lane.allocated - made
+        # 2. ... which a blocking allreduce with nothing else pending runs on this thread.
+        if call is not None and block and kind is Kind.ALLREDUCE:
+            done = run_now(engine, channel, lane, call, stream)
+            if done is DONE:
+                steady["immediate"] += 1
+                return call.value(lane)
+            if done is not MISS:
+                return done.wait()  # the round agreed on more: the call was queued
+    if lane is None or call is None:
+        # ... or a new plan, built by the template (and kept as the name's lane).
+        lane, call = _build(engine, channel, kind, tensors, name, op, root, prescale,
+                            postscale, splits, out, inplace, group, stream, params)
+    # 3. Everything else: the queue, negotiated and run by a cycle.
+    entry = call.entry(lane)
+    prepare(engine, entry, lane.framework, stream)
+    engine.submit_one(entry, not block, channel)
+    return entry.handle.wait() if block else entry.handle
+
+
+def _build(engine: Engine, channel: Channel, kind: Kind, tensors: Sequence[Any],
+           name: str | None, op: ReduceOp, root: int, prescale: float, postscale: float,
+           splits: Sequence[int] | None, out: Any, inplace: bool, group: bool, stream: Any,
+           params: tuple[Any, ...]) -> tuple[Lane, Call]:
+    """The template: a new plan (lane) for the call, and the call bound to it."""
+    if name is not None and type(name) is not str:
         _check_name(name)
     base = name if name is not None else engine.auto_name(kind.name.lower(), channel.id)
-    if type(base) is not str:
-        _check_name(base)
     if group:
-        entry, lane, framework = _new_group(channel, kind, tensors, base, op, prescale,
-                                            postscale, inplace, params)
+        lane, call, kept = _new_group(channel, kind, tensors, base, op, prescale, postscale,
+                                      inplace, params)
     else:
-        entry, lane, framework = _new_single(channel, kind, tensors[0], base, op, root,
-                                             prescale, postscale, splits,
-                                             outs[0] if outs is not None else None, inplace,
-                                             params)
-    if stream is not None and entry.device_id >= 0:
-        _check_stream(stream, entry.device_id, kind, base)
-    if lane is not None:
-        engine.tracer.stats.steady["results_allocated"] += lane.allocated
-        if name is not None and splits is None:
-            channel.lanes.keep(name, lane)
-    return _enqueue(engine, channel, entry, framework, stream, block)
+        lane, call, kept = _new_single(channel, kind, tensors[0], base, op, root, prescale,
+                                       postscale, splits, out, inplace, params)
+    if stream is not None and lane.device_id >= 0:
+        _check_stream(stream, lane.device_id, kind, base)
+    engine.tracer.stats.steady["results_allocated"] += lane.allocated
+    if kept and name is not None and splits is None:
+        channel.lanes.keep(name, lane)
+    return lane, call
 
 
 def _check_stream(stream: Any, device_id: int, kind: Kind, name: str) -> None:
@@ -163,13 +187,6 @@ def _check_stream(stream: Any, device_id: int, kind: Kind, name: str) -> None:
         raise ValueError(f"{_what(kind, name)}: stream= is a stream of device {where}, the "
                          f"tensor is on device {device_id}; pass a stream of the tensor's "
                          "device, or none (its current stream)")
-
-
-def _enqueue(engine: Engine, channel: Channel, entry: Entry, framework: str, stream: Any,
-             block: bool) -> Any:
-    prepare(engine, entry, framework, stream)
-    engine.submit_one(entry, not block, channel)
-    return entry.handle.wait() if block else entry.handle
 
 
 # -- the template, for a call its lane cannot serve ----------------------------------------
@@ -193,34 +210,30 @@ def _validated(kind: Kind, ref: TensorRef, name: str, op: ReduceOp, prescale: fl
 def _new_single(channel: Channel, kind: Kind, tensor: Any, name: str, op: ReduceOp,
                 root: int, prescale: float, postscale: float, splits: Sequence[int] | None,
                 out: Any, inplace: bool,
-                params: tuple[Any, ...]) -> tuple[Entry, Lane | None, str]:
+                params: tuple[Any, ...]) -> tuple[Lane, Call, bool]:
     ref = wrap(tensor, kind, name)
     row, checked = _validated(kind, ref, name, op, prescale, postscale)
     fields = _fields(channel, kind, name, ref, row.name, checked, root, splits, "", 0)
     req = channel.remember(name, fields)
     to_user = None if ref.to_user is identity else ref.to_user
-    preallocated = SPECS[kind].preallocated
-    lane = None
-    if type(tensor) in _lane_types():
-        lane = Lane(req, params, ref.array, ref.device_id, ref.framework, to_user,
-                    _result_maker(ref.array, ref.device_id) if preallocated else None)
+    lane = Lane(req, params, ref.array, ref.device_id, ref.framework, to_user,
+                _result_maker(ref.array, ref.device_id) if SPECS[kind].preallocated else None)
     user = None
     if inplace or out is not None:
         output = _output(kind, ref, out, inplace, name)
         user = tensor if inplace else out
-    elif lane is not None:
+    else:
         res = lane.result(keep=False)  # kept from the name's second call on
         output = res.views[0] if res is not None else None
-    else:
-        output = _empty(ref.array.shape, ref.array.dtype, ref.device_id) if preallocated else None
-    handle = Handle(name)
-    entry = Entry(req, ref.array, output, handle, 0, user, ref.device_id, to_user)
-    return entry, lane, ref.framework
+    # A lane matches the caller's array type: only arrays hvdlite uses as they are (not torch
+    # tensors, viewed anew per call).
+    return lane, Call(ref.array, output, None, user, ref.array.nbytes), (
+        type(tensor) in _lane_types())
 
 
 def _new_group(channel: Channel, kind: Kind, tensors: Sequence[Any], name: str,
                op: ReduceOp, prescale: float, postscale: float, inplace: bool,
-               params: tuple[Any, ...]) -> tuple[Entry, Lane | None, str]:
+               params: tuple[Any, ...]) -> tuple[Lane, Call, bool]:
     refs = [wrap(t, kind, f"{name}.{i}") for i, t in enumerate(tensors)]
     devices = {r.device_id for r in refs}
     if len(devices) > 1:
@@ -254,15 +267,15 @@ def _new_group(channel: Channel, kind: Kind, tensors: Sequence[Any], name: str,
         for i, ref in enumerate(refs):
             _output(kind, ref, None, True, f"{name}.{i}")
         lane.span = span_of(arrays, first.framework)
-        entry = unit_entry(lane, arrays, arrays, lane.span, list(tensors))
+        call = Call(arrays, arrays, lane.span, list(tensors), lane.request_bytes)
     else:
         res = lane.result(keep=bool(lane.inputs))
         assert res is not None
-        entry = unit_entry(lane, arrays, res.views, res.flat, None)
+        call = Call(arrays, res.views, res.flat, None, lane.request_bytes)
     # A lane matches the caller's own objects, so only arrays hvdlite uses as they are (not
     # torch tensors, viewed anew per call) of one dtype (what matches_group compares).
     reusable = all(type(t) in _lane_types() for t in tensors) and type(dtype) is str
-    return entry, (lane if reusable else None), first.framework
+    return lane, call, reusable
 
 
 def _lane_types() -> tuple[type, ...]:

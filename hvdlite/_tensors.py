@@ -7,54 +7,19 @@ importing hvdlite never imports them.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["TensorRef", "wrap", "identity"]
+from hvdlite._tensorref import TensorRef, identity, label
 
-
-@dataclass(frozen=True, slots=True)
-class TensorRef:
-    """A caller's tensor seen as an array hvdlite can move.
-
-    ``array`` is a NumPy array for host memory or a CuPy array for device memory (a torch
-    tensor is viewed without a copy); ``device`` is "cpu" or "cuda:<id>"; ``to_user`` turns an
-    array of the same kind back into the caller's framework type.
-    """
-
-    array: Any
-    device: str
-    framework: str
-    to_user: Callable[[Any], Any]
-    device_id: int = -1  # CUDA device ordinal; -1 for host memory
-
-    @property
-    def is_cuda(self) -> bool:
-        return self.device_id >= 0
-
+__all__ = ["TensorRef", "wrap", "identity", "label"]
 
 _CUDA_NAMES = tuple(f"cuda:{i}" for i in range(16))
 
 
-def _identity(a: Any) -> Any:
-    return a
-
-
-identity = _identity  # the converter of arrays hvdlite hands back as they are
-
-
 def _module_of(obj: Any) -> str:
     return type(obj).__module__.split(".", 1)[0]
-
-
-def label(what: Any, name: str | None) -> str:
-    """The call as error messages name it: ``what`` itself, or "<kind> of tensor '<name>'"
-    when a collective kind and a tensor name are given (formatted only on error)."""
-    if name is None:
-        return str(what)
-    return f"{what.name.lower()} of tensor {name!r}"
 
 
 def wrap(obj: Any, what: Any, name: str | None = None) -> TensorRef:
@@ -63,14 +28,14 @@ def wrap(obj: Any, what: Any, name: str | None = None) -> TensorRef:
     if type(obj) is np.ndarray:
         if not obj.flags.c_contiguous:
             _require_contiguous(False, label(what, name), "np.ascontiguousarray(x)")
-        return TensorRef(obj, "cpu", "numpy", _identity)
+        return TensorRef(obj, "cpu", "numpy", identity)
     module = _module_of(obj)
     if module == "cupy":
         if not obj.flags.c_contiguous:
             _require_contiguous(False, label(what, name), "cupy.ascontiguousarray(x)")
         device_id = obj.data.device_id  # an int attribute; obj.device builds an object
         return TensorRef(obj, _CUDA_NAMES[device_id] if device_id < len(_CUDA_NAMES)
-                         else f"cuda:{device_id}", "cupy", _identity, device_id)
+                         else f"cuda:{device_id}", "cupy", identity, device_id)
     if module == "torch":
         return _wrap_torch(obj, what, name)
     if isinstance(obj, np.ndarray):  # a subclass
@@ -88,9 +53,11 @@ def _require_contiguous(ok: bool, what: str, fix: str) -> None:
 
 
 def _load_torch_wrapper(t: Any, what: Any, name: str | None) -> TensorRef:
-    from hvdlite import _torchref  # rebinds _wrap_torch to its cached ref_of on import
+    global _wrap_torch
+    from hvdlite._torchref import ref_of
 
-    return _torchref.ref_of(t, what, name)
+    _wrap_torch = ref_of  # from now on, straight to the cached views
+    return ref_of(t, what, name)
 
 
 # The torch adapter (hvdlite/_torchref.py) caches each tensor's view: no torch operator per

@@ -21,8 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hvdlite import _tensors
-from hvdlite._tensors import TensorRef, label
+from hvdlite._tensorref import TensorRef, label
 
 __all__ = ["array_of", "ref_of", "stream_of", "to_torch", "numpy_dtype"]
 
@@ -95,7 +94,7 @@ def array_of(t: torch.Tensor, what: Any, name: str | None = None) -> Any:
 
     ``t`` must be a dense, C-contiguous CPU or CUDA tensor of a dtype NumPy can hold;
     otherwise ``ValueError`` (not contiguous) or ``TypeError`` naming the call (``what``, or
-    ``what`` a collective kind and ``name`` the tensor, as ``hvdlite._tensors.label``).
+    ``what`` a collective kind and ``name`` the tensor, as ``hvdlite._tensorref.label``).
     """
     entry = _lookup(t)
     if entry is None:
@@ -184,5 +183,3 @@ def to_torch(array: Any) -> torch.Tensor:
         return torch.from_numpy(array)
     return torch.from_dlpack(array)
 
-
-_tensors._wrap_torch = ref_of

@@ -13,18 +13,21 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
-from hvdlite._control.immediate import POKE, run_queued
+from hvdlite._control.negotiation import Request, Response
 from hvdlite._control.work import Entry
 
 if TYPE_CHECKING:
     from hvdlite._control.channel import Channel
-    from hvdlite._control.negotiator import CycleResult
-    from hvdlite._engine import Engine
+    from hvdlite._control.negotiator import CycleResult, Negotiator
     from hvdlite._handles import Handle
+    from hvdlite._observe.tracer import Tracer
+    from hvdlite.errors import HvdliteError
 
-__all__ = ["Driver"]
+__all__ = ["Driver", "Owner", "POKE", "cached_alone"]
+
+POKE = object()  # wake-up token of a waiting caller (it cuts an idle nap short)
 
 _MAX_NAP_S = 200e-6  # longest pause of a waiting caller between rounds without its result
 _LOCK_POLL_S = 200e-6  # how often a caller waiting for the cycle lock looks at its handle
@@ -33,12 +36,37 @@ _LOCK_POLL_S = 200e-6  # how often a caller waiting for the cycle lock looks at 
 _SETTLE_NAP_S = 200e-6
 
 
+class Owner(Protocol):
+    """What the driver (and the immediate path) use of the engine that owns them: its state,
+    as ``_engine.Engine`` keeps it. A protocol, so this layer never imports the engine."""
+
+    driver: Driver
+    tracer: Tracer
+    negotiator: Negotiator
+    _channels: dict[int, Channel]
+    _queue: list[Entry]
+    _lock: threading.Lock
+    _error: HvdliteError | None
+    _stopped: bool
+    _stop_requested: bool
+    _expecting_stall: int
+    _gpu: Any  # the device runtime once made (else None)
+
+    def gpu_runtime(self) -> Any: ...
+
+    def reclaim(self) -> None: ...
+
+    def _die(self, exc: BaseException) -> None: ...
+
+    def _finish(self, reason: HvdliteError) -> None: ...
+
+
 class Driver:
     """Runs an engine's cycles: its background thread (:meth:`run`) and progress on wait
     (:meth:`progress`). Thread-safety: every cycle runs under ``cycle_lock``, one at a time,
     in the same order on every rank whichever thread runs it."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Owner) -> None:
         self.engine = engine
         # Serialises cycles: held by the background thread or by a waiting caller running the
         # pending cycle itself (progress). MPI sees one cycle at a time from this process, in
@@ -105,7 +133,7 @@ class Driver:
         try:
             # Alone and cached: a cycle of its own (_control/immediate.py).
             queued = self.engine._queue
-            if (queued and queued[0].handle is handle and run_queued(self.engine, queued[0])
+            if (queued and queued[0].handle is handle and _run_queued(self.engine, queued[0])
                     and (handle._resolved or self.engine._stopped)):
                 return
             misses = 0
@@ -168,7 +196,7 @@ class Driver:
     def _alone(self, handle: Handle) -> bool:
         """Whether ``handle``'s tensors are all the work pending on this rank."""
         queued, channels = self.engine._queue, list(self.engine._channels.values())
-        return (len(queued) + sum(len(c.entries) for c in channels) <= len(handle._results)
+        return (len(queued) + sum(len(c.entries) for c in channels) <= 1
                 and all(e.handle is handle for e in queued)
                 and all(e.handle is handle for c in channels for e in c.entries.values()))
 
@@ -298,3 +326,60 @@ class Driver:
             self.engine.tracer.negotiating(new)
         return new
 
+
+def cached_alone(engine: Owner, channel: Channel, request: Request,
+            queued: int) -> tuple[int, Response, Any] | None:
+    """(slot, cached response, backend) when a cycle may run for ``request`` alone: nothing
+    else pending (but ``queued`` entries, its own), its response cached, its backend made."""
+    if not engine.driver.quiet(channel, queued):
+        return None
+    neg = channel.negotiator
+    slot, same = neg.cache.lookup(request)
+    if not same or not neg.idle():
+        return None
+    resp = neg.cache.response(slot)
+    backend = channel.backends.get(resp.device)
+    return None if backend is None else (slot, resp, backend)
+
+
+def _run_queued(engine: Owner, entry: Entry) -> bool:
+    """Run ``entry`` (a waiting caller's own, queued, and the only work of this rank) in a
+    cycle of its own, as :func:`run_now` runs a blocking call: its round, then its bucket on
+    the backend as the general cycle would (its READY and DONE events kept). False if it
+    cannot (the general cycle runs it). Under the cycle lock. (The blocking call's twin,
+    which needs no entry at all, is ``_control/immediate.py``.)"""
+    channel = entry.channel
+    if len(engine._queue) != 1 or engine._queue[0] is not entry:
+        return False
+    found = cached_alone(engine, channel, entry.request, 1)
+    if found is None or found[2].direct(found[1]) is None:
+        return False
+    slot, backend, neg = found[0], found[2], channel.negotiator
+    with engine._lock:
+        if engine._queue != [entry]:
+            return False
+        engine._queue = []
+    neg.in_caller = channel.mpi.in_caller = True
+    engine.driver.last_cycle = time.perf_counter()
+    engine.reclaim()
+    now = time.monotonic()
+    try:
+        hits, invalid = neg.round_one(slot, entry.request.name, now)
+        agreed = neg.agreed_one(slot, hits, invalid)
+        if agreed is None:
+            engine.driver.adopt(channel, entry,
+                         lambda: neg.conclude(hits, invalid, channel.entries, False, now))
+            return True
+        with engine._lock:
+            channel.in_flight.discard(entry.request.name)
+        engine.tracer.stats.record_bucket(1, entry.nbytes(), entry.nbytes())
+        backend.run([agreed], [entry])
+    except BaseException as exc:  # as in Driver._caller_cycle
+        engine._die(exc)
+        if not isinstance(exc, Exception):
+            raise
+        return True
+    interrupt = neg.failures.take_deferred()
+    if interrupt is not None:
+        raise interrupt
+    return True

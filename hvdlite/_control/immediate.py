@@ -25,31 +25,25 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from hvdlite._control.negotiation import Request, Response
+from hvdlite._control.driver import POKE, Owner, cached_alone
+from hvdlite._control.negotiation import Response
+from hvdlite._control.replay import Call, Lane
 from hvdlite._control.work import Entry
 
-POKE = object()  # wake-up token of a waiting caller (it cuts an idle nap short)
 _WAIT_FOR_LOOP_S = 0.005  # longest wait of a blocking call for the background thread's cycle
 
 if TYPE_CHECKING:
     from hvdlite._control.channel import Channel
-    from hvdlite._engine import Engine
 
-__all__ = ["DONE", "MISS", "Work", "run_now", "run_queued"]
+__all__ = ["DONE", "MISS", "run_now", "prepare"]
 
 MISS = object()  # the call cannot take the immediate path: submit it the general way
 DONE = object()  # the call's collective ran on the calling thread: its results are ready
 
-# What a call's data step is, given the agreed response and its backend: the step to run once
-# the round agreed on it alone, or None if this call cannot run immediately.
-Work = Callable[[Response, Any], Callable[[], object] | None]
-
-
-def run_now(engine: Engine, channel: Channel, request: Request, nbytes: int, work: Work,
-            make_entry: Callable[[], Entry]) -> Any:
-    """Run the blocking call of ``request`` immediately (see the module docstring): returns
-    :data:`DONE` once its collective ran, a :class:`~hvdlite.Handle` to wait on if the round
-    agreed on more than this call (``make_entry`` made it an ordinary entry), or
+def run_now(engine: Owner, channel: Channel, lane: Lane, call: Call, stream: Any) -> Any:
+    """Run the blocking allreduce ``call`` of ``lane`` immediately (see the module docstring):
+    returns :data:`DONE` once its collective ran, a :class:`~hvdlite.Handle` to wait on if
+    the round agreed on more than this call (the call became an ordinary entry), or
     :data:`MISS` if the call must be submitted the general way."""
     driver = engine.driver
     lock = driver.cycle_lock
@@ -65,36 +59,89 @@ def run_now(engine: Engine, channel: Channel, request: Request, nbytes: int, wor
         if not lock.acquire(timeout=_WAIT_FOR_LOOP_S):
             return MISS
     try:
-        found = _cached(engine, channel, request, 0)
+        found = cached_alone(engine, channel, lane.request, 0)
         if found is None:
             return MISS
         slot, resp, backend = found
-        step = work(resp, backend)
+        step = (_unit_step if lane.shapes else _single_step)(engine, lane, call, resp, backend,
+                                                              stream)
         if step is None:
             return MISS
-        return _cycle(engine, channel, request.name, slot, nbytes, step, make_entry)
+        return _cycle(engine, channel, lane, call, slot, step, stream)
     finally:
         lock.release()
 
 
-def _cached(engine: Engine, channel: Channel, request: Request,
-            queued: int) -> tuple[int, Response, Any] | None:
-    """(slot, cached response, backend) when a cycle may run for ``request`` alone: nothing
-    else pending (but ``queued`` entries, its own), its response cached, its backend made."""
-    if not engine.driver.quiet(channel, queued):
-        return None
-    neg = channel.negotiator
-    slot, same = neg.cache.lookup(request)
-    if not same or not neg.idle():
-        return None
-    resp = neg.cache.response(slot)
-    backend = channel.backends.get(resp.device)
-    return None if backend is None else (slot, resp, backend)
+def prepare(engine: Owner, entry: Entry, framework: str, stream: Any) -> None:
+    """Record READY for a device entry on the caller's stream (``stream``, default current):
+    the cycle orders hvdlite's stream after it (cudaStreamWaitEvent) instead of waiting for
+    the producer on the CPU."""
+    if entry.device_id >= 0:
+        runtime = engine._gpu or engine.gpu_runtime()
+        device_id = entry.device_id
+        entry.ready = runtime.record_ready(framework, device_id, stream)
+        entry.handle.attach_device(runtime.stream_waiter(framework, device_id),
+                                   runtime.async_completion, device_id, entry.ready)
 
 
-def _cycle(engine: Engine, channel: Channel, name: str, slot: int, nbytes: int,
-           step: Callable[[], object], make_entry: Callable[[], Entry]) -> Any:
+def _target(lane: Lane, stream: Any) -> Any:
+    if stream is not None:
+        return stream
+    from hvdlite._gpu.runtime import current_stream
+
+    return current_stream(lane.framework, lane.device_id)
+
+
+def _single_step(engine: Owner, lane: Lane, call: Call, resp: Response, backend: Any,
+                 stream: Any) -> Callable[[], object] | None:
+    """The data step of a single tensor once the round agreed on it alone (None: it cannot
+    run here)."""
+    spec = backend.direct(resp)
+    if spec is None:
+        return None
+    tensor, output = call.inputs, call.output
+    if lane.device_id < 0:
+        return lambda: backend.reduce_one(resp, tensor, output, spec)
+    sync = not engine.gpu_runtime().async_completion
+
+    def step() -> None:
+        target = _target(lane, stream)
+        backend.reduce_now(tensor, output, lane.device_id, target, spec)
+        if sync:
+            target.synchronize()
+
+    return step
+
+
+def _unit_step(engine: Owner, lane: Lane, call: Call, resp: Response, backend: Any,
+               stream: Any) -> Callable[[], object] | None:
+    """The data step of a grouped call (one unit) once the round agreed on it alone."""
+    if type(resp.dtype) is not str or resp.joined:
+        return None
+    members, outputs, span = call.inputs, call.output, call.span
+    if lane.device_id < 0:
+        return lambda: backend.unit_now(resp, members, outputs, span)
+    # On the device: a span only (no fusion buffer shared with hvdlite's stream) and sync
+    # completion only, so nothing of it is left running on the caller's stream.
+    if span is None or engine.gpu_runtime().async_completion:
+        return None
+
+    def step() -> None:
+        target = _target(lane, stream)
+        if stream is None:
+            backend.unit_now(resp, members, outputs, span, lane.device_id, target)
+        else:
+            with target:  # the copy kernels launch on the current stream
+                backend.unit_now(resp, members, outputs, span, lane.device_id, target)
+        target.synchronize()
+
+    return step
+
+
+def _cycle(engine: Owner, channel: Channel, lane: Lane, call: Call, slot: int,
+           step: Callable[[], object], stream: Any) -> Any:
     neg = channel.negotiator
+    name, nbytes = lane.request.name, call.nbytes
     neg.in_caller = channel.mpi.in_caller = True
     t0 = time.perf_counter()
     engine.driver.last_cycle = t0
@@ -104,7 +151,8 @@ def _cycle(engine: Engine, channel: Channel, name: str, slot: int, nbytes: int,
         hits, invalid = neg.round_one(slot, name, now)
         if neg.agreed_one(slot, hits, invalid) is None:
             # Other work in this round: the general cycle takes it from here.
-            entry = make_entry()
+            entry = call.entry(lane)
+            prepare(engine, entry, lane.framework, stream)
             engine.driver.adopt(channel, entry,
                                 lambda: neg.conclude(hits, invalid, channel.entries, False,
                                                      now))
@@ -124,45 +172,3 @@ def _cycle(engine: Engine, channel: Channel, name: str, slot: int, nbytes: int,
     if interrupt is not None:
         raise interrupt  # held while the peers were in the round (see Driver._caller_cycle)
     return DONE
-
-
-def run_queued(engine: Engine, entry: Entry) -> bool:
-    """Run ``entry`` (a waiting caller's own, queued, and the only work of this rank) in a
-    cycle of its own, as :func:`run_now` runs a blocking call: its round, then its bucket on
-    the backend as the general cycle would (its READY and DONE events kept). False if it
-    cannot (the general cycle runs it). Under the cycle lock."""
-    channel = entry.channel
-    if len(engine._queue) != 1 or engine._queue[0] is not entry:
-        return False
-    found = _cached(engine, channel, entry.request, 1)
-    if found is None or found[2].direct(found[1]) is None:
-        return False
-    slot, backend, neg = found[0], found[2], channel.negotiator
-    with engine._lock:
-        if engine._queue != [entry]:
-            return False
-        engine._queue = []
-    neg.in_caller = channel.mpi.in_caller = True
-    engine.driver.last_cycle = time.perf_counter()
-    engine.reclaim()
-    now = time.monotonic()
-    try:
-        hits, invalid = neg.round_one(slot, entry.request.name, now)
-        agreed = neg.agreed_one(slot, hits, invalid)
-        if agreed is None:
-            engine.driver.adopt(channel, entry,
-                         lambda: neg.conclude(hits, invalid, channel.entries, False, now))
-            return True
-        with engine._lock:
-            channel.in_flight.discard(entry.request.name)
-        engine.tracer.stats.record_bucket(1, entry.nbytes(), entry.nbytes())
-        backend.run([agreed], [entry])
-    except BaseException as exc:  # as in Driver._caller_cycle
-        engine._die(exc)
-        if not isinstance(exc, Exception):
-            raise
-        return True
-    interrupt = neg.failures.take_deferred()
-    if interrupt is not None:
-        raise interrupt
-    return True

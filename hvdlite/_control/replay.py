@@ -34,16 +34,16 @@ import operator
 import sys
 from collections.abc import Callable, Sequence
 from itertools import repeat
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hvdlite._control.negotiation import Request, Response
+from hvdlite._control.work import Entry
+from hvdlite._handles import Handle
 from hvdlite._lru import Bounded
 from hvdlite._ops import DTYPES, ReduceOp
 
-if TYPE_CHECKING:
-    from hvdlite._control.work import Entry
-
-__all__ = ["Lane", "Lanes", "Results", "MemberPlan", "span_of", "refcounts", "unit_groups"]
+__all__ = ["Call", "Lane", "Lanes", "Results", "MemberPlan", "span_of", "refcounts",
+           "unit_groups"]
 
 _RESULT_SETS = 2  # result sets kept per lane: the one the caller holds and one to fill next
 _SHAPE = operator.attrgetter("shape")
@@ -78,6 +78,44 @@ class Results:
 
     def idle(self) -> bool:
         return self._counts() == self.free
+
+
+class Call:
+    """One call bound to its lane (the plan): what it moves and where the results go.
+
+    ``inputs`` is the input array (a grouped call: the tuple of member arrays), ``output`` the
+    result array (a grouped call: the list of result arrays; None where the collective
+    allocates it), ``span`` one flat array over a grouped call's outputs when they lie end to
+    end, ``user`` the caller's own object(s) to hand back (in place or ``out=``), ``nbytes``
+    the payload.
+    """
+
+    __slots__ = ("inputs", "output", "span", "user", "nbytes")
+
+    def __init__(self, inputs: Any, output: Any, span: Any, user: Any, nbytes: int) -> None:
+        self.inputs, self.output, self.span, self.user = inputs, output, span, user
+        self.nbytes = nbytes
+
+    def value(self, lane: Lane) -> Any:
+        """What a blocking call returns when its collective ran on the calling thread."""
+        if self.user is not None:
+            return list(self.user) if lane.shapes else self.user
+        if lane.shapes:
+            return (list(self.output) if lane.to_user is None
+                    else [lane.to_user(r) for r in self.output])
+        return self.output if lane.to_user is None else lane.to_user(self.output)
+
+    def entry(self, lane: Lane) -> Entry:
+        """The call as the engine's queue takes it (one entry, one handle)."""
+        handle = Handle(lane.request.name)
+        if not lane.shapes:
+            return Entry(lane.request, self.inputs, self.output, handle, self.user,
+                         lane.device_id, lane.to_user)
+        entry = Entry(lane.request, self.inputs[0], None, handle, self.user, lane.device_id,
+                      lane.to_user)
+        entry.members, entry.outputs, entry.span = self.inputs, self.output, self.span
+        entry.size = self.nbytes
+        return entry
 
 
 class Lane:
@@ -130,6 +168,39 @@ class Lane:
                 and tuple(map(_SHAPE, tensors)) == self.shapes
                 and (self.device_id >= 0
                      or all(map(operator.is_, map(_DTYPE, tensors), repeat(self.dtype)))))
+
+    def bind(self, tensors: Sequence[Any], out: Any, inplace: bool, params: tuple[Any, ...],
+             reclaim: Callable[[], None]) -> Call | None:
+        """This call bound to the lane if it repeats it (same layout, same parameters, for a
+        grouped call the same member objects), else None (the call builds a new lane)."""
+        if self.shapes:
+            if not self.matches_group(tensors, params):
+                return None
+            members = self.inputs
+            if self.inplace:
+                return Call(members, members, self.span, members, self.request_bytes)
+            res = self.result(reclaim)
+            assert res is not None  # an allreduce always has results
+            return Call(members, res.views, res.flat, None, self.request_bytes)
+        tensor = tensors[0]
+        if not self.matches(tensor, params):
+            return None
+        user = None
+        if inplace:
+            if self.device_id < 0 and not tensor.flags.writeable:
+                return None  # building the lane raises the error
+            output = user = tensor
+        elif out is not None:
+            if not (type(out) is self.ttype and out.shape == self.shape
+                    and out.dtype is self.dtype and out.strides == self.strides
+                    and (out.data.device_id == self.device_id if self.device_id >= 0
+                         else out.flags.writeable)):
+                return None
+            output = user = out
+        else:
+            res = self.result(reclaim)
+            output = res.views[0] if res is not None else None
+        return Call(tensor, output, None, user, tensor.nbytes)
 
     def result(self, reclaim: Callable[[], None] | None = None,
                keep: bool = True) -> Results | None:

@@ -14,7 +14,7 @@ __all__ = ["Entry", "finish_all"]
 
 class Entry:
     """A submitted tensor (or grouped call) on this rank, from enqueue until its handle
-    part completes.
+    completes.
 
     ``array`` is the input as a NumPy (host) or CuPy (device) array; ``device_id`` its CUDA
     device (-1: host); ``to_user`` turns a result array back into the caller's framework type
@@ -31,18 +31,17 @@ class Entry:
     bucket layout), else None; ``array`` is the first member and ``output`` is None.
     """
 
-    __slots__ = ("request", "array", "output", "handle", "index", "enqueued_at", "ready",
+    __slots__ = ("request", "array", "output", "handle", "enqueued_at", "ready",
                  "user", "stats", "channel", "device_id", "to_user", "members", "outputs",
                  "span", "size", "ready_done")
 
     def __init__(self, request: Request, array: Any, output: Any, handle: Handle,
-                 index: int = 0, user: Any = None, device_id: int = -1,
+                 user: Any = None, device_id: int = -1,
                  to_user: Callable[[Any], Any] | None = None) -> None:
         self.request = request
         self.array = array
         self.output = output
         self.handle = handle
-        self.index = index
         self.user = user
         self.device_id = device_id
         self.to_user = to_user
@@ -57,11 +56,11 @@ class Entry:
         self.size = -1  # payload bytes of a unit (known from its lane)
 
     def finish(self, value: Any) -> None:
-        """Complete this entry's part of its handle with ``value`` (host work, barrier, join)."""
+        """Complete this entry's handle with ``value`` (host work, barrier, join)."""
         if self.stats is not None:
             self.stats.record_op(self.request.kind.name.lower(), self.nbytes(),
                                  time.perf_counter() - self.enqueued_at)
-        self.handle.set_parts(((self.index, self.user_value(value)),))
+        self.handle.set_result(self.user_value(value))
 
     def nbytes(self) -> int:
         """Payload bytes of this rank's tensor(s) (0 for barrier and join)."""
@@ -83,11 +82,11 @@ class Entry:
         self.handle.fail(exc)
 
 
-def finish_all(entries: list[Entry | None], values: list[Any], events: tuple[Any, ...] = (),
-               was_enqueued: bool = False) -> None:
+def finish_all(entries: list[Entry | None], values: list[Any],
+               events: tuple[Any, ...] = ()) -> None:
     """Complete a bucket's entries: one stats update, then each entry's handle (every entry
-    has a handle of its own: a grouped call is one entry). ``events`` and ``was_enqueued``
-    are passed to :meth:`Handle.set_parts`."""
+    has a handle of its own: a grouped call is one entry). ``events`` are passed to
+    :meth:`Handle.set_result`."""
     live = [(e, v) for e, v in zip(entries, values, strict=True) if e is not None]
     if not live:
         return
@@ -97,4 +96,4 @@ def finish_all(entries: list[Entry | None], values: list[Any], events: tuple[Any
         stats.record_ops(live[0][0].request.kind.name.lower(),
                          [(e.nbytes(), now - e.enqueued_at) for e, _ in live])
     for e, v in live:
-        e.handle.set_parts(((e.index, e.user_value(v)),), events, was_enqueued)
+        e.handle.set_result(e.user_value(v), events)

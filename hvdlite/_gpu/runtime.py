@@ -287,13 +287,10 @@ class GpuRuntime:
             finish_all(entries, outputs, (done,))
             self.retirer.track(done, spans, keep)
             return
-        once = _Once(lambda: finish_all(entries, outputs, was_enqueued=True))
-        parts: dict[int, list[Any]] = {}
-        for e in entries:
+        once = _Once(lambda: finish_all(entries, outputs))
+        for e in entries:  # every entry has a handle of its own
             if e is not None:
-                parts.setdefault(id(e.handle), [e.handle, 0])[1] += 1
-        for handle, n in parts.values():
-            handle.enqueued((done,), n, once)
+                e.handle.enqueued((done,), once)
         if spans is None:
             self.retirer.track(done, once, keep)
             return

@@ -3,7 +3,9 @@ each rank in its own submission and wait order, results exact; then device memor
 and hvdlite's own buffers) and host memory flat after warm-up.
 
 At 2 ranks on one GPU this runs through CUDA IPC; at 1 rank through NCCL. Both completion
-modes (the ``completion`` parameter re-inits hvdlite).
+modes (the ``completion`` parameter re-inits hvdlite), and two kinds of names: the same names
+every step, or new names every step (``unique``: issue 26, the per-name state bounded by
+``cache_capacity``, so memory flat as well).
 """
 
 from __future__ import annotations
@@ -59,14 +61,16 @@ def completion(request: pytest.FixtureRequest, hvd: Any) -> Iterator[str]:
 
 
 @pytest.mark.timeout(400, func_only=True)
-def test_device_soak_exact_and_memory_flat(hvd: Any, completion: str) -> None:
-    done = run_soak(hvd, WARM_STEPS, DEVICE)  # every form covered; pools and plans warm
+@pytest.mark.parametrize("names", ["repeated", "unique"])
+def test_device_soak_exact_and_memory_flat(hvd: Any, completion: str, names: str) -> None:
+    unique = names == "unique"
+    done = run_soak(hvd, WARM_STEPS, DEVICE, unique=unique)  # every form covered, warm
     cupy.cuda.Device().synchronize()
     gc.collect()
     dev0, rss0 = _device_bytes(), _rss_kib()
     step = WARM_STEPS
     while done < OPS or step < 2 * WARM_STEPS:
-        chunk = run_soak(hvd, 40, DEVICE, first_step=step)
+        chunk = run_soak(hvd, 40, DEVICE, first_step=step, unique=unique)
         done += chunk
         step += 40
     cupy.cuda.Device().synchronize()
@@ -75,8 +79,9 @@ def test_device_soak_exact_and_memory_flat(hvd: Any, completion: str) -> None:
     grew = allgather_ints(dev1 - dev0, "device memory growth")
     host = allgather_ints(rss1 - rss0, "host memory growth")
     if hvd.rank() == 0:
-        print(f"\ndevice soak ({completion}): {done} collectives per rank, {step} steps; device "
-              f"memory {dev0 / 2**20:.1f} -> {dev1 / 2**20:.1f} MiB (growth per rank {grew} B), "
+        print(f"\ndevice soak ({completion}, {names} names): {done} collectives per rank, "
+              f"{step} steps; device memory {dev0 / 2**20:.1f} -> {dev1 / 2**20:.1f} MiB "
+              f"(growth per rank {grew} B), "
               f"host RSS growth per rank {host} KiB")
     assert done >= OPS
     assert max(grew) <= LIMIT_BYTES, f"device memory grew {grew} bytes per rank after warm-up"

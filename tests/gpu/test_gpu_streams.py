@@ -149,7 +149,7 @@ def test_wait_stream_orders_a_fresh_stream(hvd: Any, completion: str) -> None:
     consumer_stream = cupy.cuda.Stream(non_blocking=True)
     h.wait_stream(consumer_stream)
     with consumer_stream:
-        y = h._results[0] + 0.0 if h.poll() else None
+        y = h._result + 0.0 if h.poll() else None
     if y is None:  # sync mode, not yet complete: read through wait() instead
         got = h.wait()
         with consumer_stream:

@@ -104,8 +104,10 @@ def _value_range(op: str) -> tuple[int, int]:
 class _Step:
     """Builds one step's collectives for this rank (the mix is drawn from the shared seed)."""
 
-    def __init__(self, hvd: Any, step: int, seen: set[str], mem: Memory = HOST) -> None:
+    def __init__(self, hvd: Any, step: int, seen: set[str], mem: Memory = HOST,
+                 unique: bool = False) -> None:
         self.hvd, self.step, self.seen, self.mem = hvd, step, seen, mem
+        self.prefix = f"soak.{step}" if unique else "soak"  # unique: names never seen again
         self.dtypes = list(mem.dtypes)
         self.rank, self.size = hvd.rank(), hvd.size()
         self.rng = np.random.default_rng([SEED, step])  # the same on every rank
@@ -115,7 +117,7 @@ class _Step:
     def _name(self, kind: str) -> str:
         j = self.count.get(kind, 0)
         self.count[kind] = j + 1
-        return f"soak.{kind}.{j}"
+        return f"{self.prefix}.{kind}.{j}"
 
     def _seed(self, name: str) -> int:
         return seed_for(SEED, self.step, name)
@@ -338,15 +340,17 @@ def test_random_order_soak(hvd: Any) -> None:
     run_soak(hvd, STEPS.get(hvd.size(), 40), HOST)
 
 
-def run_soak(hvd: Any, steps: int, mem: Memory, first_step: int = 0) -> int:
+def run_soak(hvd: Any, steps: int, mem: Memory, first_step: int = 0,
+             unique: bool = False) -> int:
     """``steps`` soak steps from ``first_step`` in ``mem``; returns the collectives run.
-    Checks every result, and (when ``first_step`` is 0) that every form was covered."""
+    Checks every result, and (when ``first_step`` is 0) that every form was covered.
+    ``unique``: every step's names are new (``soak.<step>.<kind>.<i>``)."""
     rank, size = hvd.rank(), hvd.size()
     start = time.monotonic()
     total = 0
     seen: set[str] = set()
     for step in range(first_step, first_step + steps):
-        ops = _Step(hvd, step, seen, mem).build()
+        ops = _Step(hvd, step, seen, mem, unique).build()
         mine = np.random.default_rng([SEED, rank, step])
         submit_order = mine.permutation(len(ops)).tolist()
         wait_order = mine.permutation(len(ops)).tolist()

@@ -1,6 +1,6 @@
 """Handle semantics for host work: completion from other threads, timeouts, failures, ``then``.
 
-The parts are completed the way the background thread does it (``set_parts`` / ``fail``),
+Handles are completed the way the background thread does it (``set_result`` / ``fail``),
 from real threads, so the waits below really block and wake.
 """
 
@@ -35,7 +35,7 @@ def test_poll_false_until_done_then_true() -> None:
     h = Handle("a")
     assert not h.poll() and not h.done()
     assert "pending" in repr(h)
-    thread = later(lambda: h.set_parts(((0, 42),)))
+    thread = later(lambda: h.set_result(42))
     assert h.wait(WAIT_S) == 42
     thread.join()
     assert h.poll() and h.done()
@@ -45,20 +45,13 @@ def test_poll_false_until_done_then_true() -> None:
     assert h.synchronize() == 42
 
 
-def test_grouped_handle_returns_list_in_part_order() -> None:
-    h = Handle("g", parts=3, as_list=True)
-    h.set_parts(((2, "c"),))
-    h.set_parts(((0, "a"),))
+def test_grouped_call_is_one_result() -> None:
+    """A grouped call is one collective: its handle's result is the list, set once."""
+    h = Handle("g")
     assert not h.poll()
-    thread = later(lambda: h.set_parts(((1, "b"),)))
+    thread = later(lambda: h.set_result(["a", "b", "c"]))
     assert h.wait(WAIT_S) == ["a", "b", "c"]
     thread.join()
-
-
-def test_single_part_list_handle() -> None:
-    h = Handle("g1", parts=1, as_list=True)
-    h.set_parts(((0, 7),))
-    assert h.wait() == [7]
 
 
 def test_wait_timeout_then_completion() -> None:
@@ -68,14 +61,13 @@ def test_wait_timeout_then_completion() -> None:
     assert not h.poll()
     with pytest.raises(TimeoutError):
         h.exception(timeout=0.01)
-    thread = later(lambda: h.set_parts(((0, "late"),)))
+    thread = later(lambda: h.set_result("late"))
     assert h.wait(WAIT_S) == "late"
     thread.join()
 
 
-def test_failed_part_makes_wait_raise() -> None:
-    h = Handle("m", parts=2, as_list=True)
-    h.set_parts(((0, "ok"),))
+def test_failure_makes_wait_raise() -> None:
+    h = Handle("m")
     err = MismatchError("tensor 'm.1': dtype differs across ranks")
     thread = later(lambda: h.fail(err))
     with pytest.raises(MismatchError) as info:
@@ -85,16 +77,16 @@ def test_failed_part_makes_wait_raise() -> None:
     assert h.poll()
     assert h.exception() is err
     assert repr(h) == "<hvdlite.Handle 'm' failed>"
-    h.set_parts(((1, "too late"),))  # ignored once failed
+    h.set_result("too late")  # ignored once failed
     with pytest.raises(MismatchError):
         h.wait()
 
 
 def test_completion_after_success_is_ignored() -> None:
     h = Handle("s")
-    h.set_parts(((0, 1),))
+    h.set_result(1)
     h.fail(ShutdownError("gone"))
-    h.set_parts(((0, 2),))
+    h.set_result(2)
     assert h.wait() == 1
     assert h.exception() is None
 
@@ -120,7 +112,7 @@ def test_many_waiters_all_wake() -> None:
     threads = [threading.Thread(target=waiter) for _ in range(4)]
     for t in threads:
         t.start()
-    h.set_parts(((0, "x"),))
+    h.set_result("x")
     for t in threads:
         t.join(WAIT_S)
     assert results == ["x"] * 4
@@ -131,15 +123,14 @@ def test_then_on_host_handle() -> None:
     child = h.then(lambda v: v * 2)
     assert child.name == "t.then"
     assert not child.poll()
-    h.set_parts(((0, 21),))
+    h.set_result(21)
     assert child.wait(WAIT_S) == 42
 
 
 def test_then_chains() -> None:
-    h = Handle("t2", parts=2, as_list=True)
+    h = Handle("t2")
     grand = h.then(sum).then(lambda v: v + 1)
-    h.set_parts(((0, 3),))
-    h.set_parts(((1, 4),))
+    h.set_result([3, 4])
     assert grand.wait(WAIT_S) == 8
 
 
@@ -150,7 +141,7 @@ def test_then_propagates_fn_exception() -> None:
         raise ValueError(f"bad value {value}")
 
     child = h.then(boom)
-    h.set_parts(((0, 5),))
+    h.set_result(5)
     with pytest.raises(ValueError, match="bad value 5"):
         child.wait(WAIT_S)
     assert isinstance(child.exception(), ValueError)
@@ -168,7 +159,7 @@ def test_then_propagates_collective_failure() -> None:
 
 def test_wait_stream_on_host_handle_waits() -> None:
     h = Handle("ws")
-    thread = later(lambda: h.set_parts(((0, "v"),)), 0.05)
+    thread = later(lambda: h.set_result("v"), 0.05)
     h.wait_stream()
     assert h.poll()
     thread.join()
@@ -194,7 +185,7 @@ class _DoneEvent:
 
 
 def _sync_device_handle() -> Handle:
-    h = Handle("dev", parts=1)
+    h = Handle("dev")
     h.attach_device(lambda handle, stream: None, False, 0)  # as _prepare_device, sync mode
     return h
 
@@ -209,10 +200,10 @@ def test_sync_device_wait_completes_on_the_waiting_thread() -> None:
 
     def complete() -> None:
         ran_on.append(threading.current_thread().name)
-        h.set_parts(((0, "result"),), was_enqueued=True)
+        h.set_result("result")
 
     def loop_enqueues() -> None:  # what GpuRuntime.complete does for sync completion
-        h.enqueued((ev,), 1, complete)
+        h.enqueued((ev,), complete)
 
     t = later(loop_enqueues, 0.05)
     assert h.wait() == "result"
@@ -237,6 +228,6 @@ def test_sync_device_wait_with_timeout_leaves_completion_to_others() -> None:
     h = _sync_device_handle()
     with pytest.raises(TimeoutError):
         h.wait(timeout=0.01)
-    t = later(lambda: h.set_parts(((0, 7),)))
+    t = later(lambda: h.set_result(7))
     assert h.wait(timeout=WAIT_S) == 7
     t.join(WAIT_S)

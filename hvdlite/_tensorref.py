@@ -1,0 +1,46 @@
+"""What the core sees of a caller's tensor: :class:`TensorRef` (array, device, converter back
+to the caller's type), shared by the NumPy/CuPy adapter (``_tensors.py``) and the torch one
+(``_torchref.py``), which import it and not each other's internals."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["TensorRef", "identity", "label"]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRef:
+    """A caller's tensor seen as an array hvdlite can move.
+
+    ``array`` is a NumPy array for host memory or a CuPy array for device memory (a torch
+    tensor is viewed without a copy); ``device`` is "cpu" or "cuda:<id>"; ``to_user`` turns an
+    array of the same kind back into the caller's framework type.
+    """
+
+    array: Any
+    device: str
+    framework: str
+    to_user: Callable[[Any], Any]
+    device_id: int = -1  # CUDA device ordinal; -1 for host memory
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device_id >= 0
+
+
+def _identity(a: Any) -> Any:
+    return a
+
+
+identity = _identity  # the converter of arrays hvdlite hands back as they are
+
+
+def label(what: Any, name: str | None) -> str:
+    """The call as error messages name it: ``what`` itself, or "<kind> of tensor '<name>'"
+    when a collective kind and a tensor name are given (formatted only on error)."""
+    if name is None:
+        return str(what)
+    return f"{what.name.lower()} of tensor {name!r}"
