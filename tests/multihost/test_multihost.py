@@ -54,7 +54,10 @@ def _check_merged_trace(paths: list[Path]) -> None:
     assert offsets[2] == offsets[3], offsets  # one measurement per host
     error_us = abs(offsets[2] + CLOCK_OFFSET_S * 1e6)
     print(f"clock offset of host 2 measured at init: {offsets[2]:.1f} us, error {error_us:.1f} us")
-    assert error_us < 1000.0, offsets
+    # The error is at most half the fastest of the init's ping-pongs: tens of us on a quiet
+    # machine (0.6-147 us seen), a few ms on the 2-core box at load 16 (1.6 ms seen); the
+    # spans below are the property that matters.
+    assert error_us < 10_000.0, offsets
     aligned = _mpi_spans(merge(traces, align="offset"))
     # Reductions and gathers finish on no rank before every rank started them (a broadcast's
     # root may be done before the others start).
