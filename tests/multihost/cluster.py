@@ -24,8 +24,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 SUBNET = "10.213.7"  # inside the test's namespaces only
 START_TIMEOUT_S = 20.0
@@ -316,3 +318,24 @@ class Cluster:
                     h.proc.wait(timeout=10)
         for name in [h.netns for h in self.hosts] + [self.switch]:
             subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+
+
+@contextlib.contextmanager
+def running_cluster(base: Path, **kwargs: Any) -> Iterator[Cluster]:
+    """A started :class:`Cluster` under ``base`` for the block, stopped after it; the test is
+    skipped, with the reason, where hosts cannot be built or inside an MPI job (the
+    multi-host tests start their own jobs)."""
+    import pytest
+    from jobs_util import under_mpi_launcher
+
+    why = unavailable()
+    if why is None and under_mpi_launcher():
+        why = "multi-host tests start their own jobs; not inside an MPI job"
+    if why is not None:
+        pytest.skip(why)
+    hosts = Cluster(base=base / "_hosts", shared=base, **kwargs)
+    hosts.start()
+    try:
+        yield hosts
+    finally:
+        hosts.stop()

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import elastic_numpy
 import pytest
-from cluster import Cluster, unavailable
+from cluster import Cluster, running_cluster
 from elastic_util import RECOVERY_LIMIT_S, TRAIN, check_job, events
-from jobs_util import REPO, under_mpi_launcher
+from jobs_util import REPO
 from mh_util import rank_env
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
@@ -29,18 +29,8 @@ ELASTIC_TIMEOUT_S = 60
 
 @pytest.fixture(scope="module")
 def three_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    why = unavailable()
-    if why is None and under_mpi_launcher():
-        why = "multi-host tests start their own jobs; not inside an MPI job"
-    if why is not None:
-        pytest.skip(why)
-    shared = tmp_path_factory.mktemp("elastic-hosts")
-    hosts = Cluster(base=shared / "_hosts", shared=shared, n=3)
-    hosts.start()
-    try:
+    with running_cluster(tmp_path_factory.mktemp("elastic-hosts"), n=3) as hosts:
         yield hosts
-    finally:
-        hosts.stop()
 
 
 def _wait(what: str, ok: object, proc: subprocess.Popen[bytes], out: Path, err: Path,
