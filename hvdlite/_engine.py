@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 from hvdlite import _exit
 from hvdlite._control.channel import Channel
 from hvdlite._control.driver import Driver
-from hvdlite._control.fusion import FusionBuffers
-from hvdlite._control.negotiation import Response
-from hvdlite._control.work import Entry
 from hvdlite._launch import watchdog
 from hvdlite._observe import clocks
 from hvdlite._observe.tracer import Tracer, open_timeline
+from hvdlite._vocab.entry import Entry
+from hvdlite._vocab.fusion import FusionBuffers
+from hvdlite._vocab.messages import Response
 from hvdlite.config import Config, load_config
 from hvdlite.errors import (
     HvdliteError,

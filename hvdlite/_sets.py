@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from hvdlite._control.negotiation import Kind, Request
-from hvdlite._control.work import Entry
 from hvdlite._engine import default_engine
 from hvdlite._handles import Handle
+from hvdlite._vocab.entry import Entry
+from hvdlite._vocab.messages import Kind, Request
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
            "set_id_of"]

@@ -1,7 +1,7 @@
 """The one route of every collective call (``hvdlite/_collectives.py`` holds the public
 functions over it), top to bottom in :func:`_submit`:
 
-1. the plan: the name's lane (``_control/replay.py``) if the call repeats it (same layout,
+1. the plan: the name's lane (``_vocab/plans.py``) if the call repeats it (same layout,
    same parameters: a few comparisons, ``Lane.bind``), else a new one built by the template
    (validate the arguments, resolve the tensor, its dtype and device, build the request and
    the output: :func:`_build`), kept as the name's lane;
@@ -22,15 +22,15 @@ import numpy as np
 from hvdlite._adasum import check_size
 from hvdlite._control.channel import Channel
 from hvdlite._control.immediate import DONE, MISS, prepare, run_now
-from hvdlite._control.negotiation import SPECS, Kind, Request
-from hvdlite._control.replay import Call, Lane, Results, span_of
-from hvdlite._control.work import Entry
 from hvdlite._engine import Engine, default_engine
 from hvdlite._handles import Handle
 from hvdlite._lru import Bounded
 from hvdlite._ops import Average, DType, ReduceOp, check_device_dtype, check_op, lookup_dtype
 from hvdlite._sets import set_id_of
 from hvdlite._tensors import TensorRef, identity, wrap
+from hvdlite._vocab.entry import Entry
+from hvdlite._vocab.messages import SPECS, Kind, Request
+from hvdlite._vocab.plans import Call, Lane, Results, span_of
 
 __all__ = ["_submit", "_as_list"]
 

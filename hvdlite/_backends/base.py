@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from hvdlite._control.negotiation import Response
-    from hvdlite._control.work import Entry
+    from hvdlite._vocab.entry import Entry
+    from hvdlite._vocab.messages import Response
 
 __all__ = ["Backend"]
 

@@ -15,13 +15,13 @@ import numpy as np
 from mpi4py import MPI
 
 from hvdlite._adasum import adasum
-from hvdlite._control.failures import FailureChannel
-from hvdlite._control.fusion import FusionBuffers
-from hvdlite._control.negotiation import Kind, Response, is_unit
-from hvdlite._control.replay import unit_groups
-from hvdlite._control.work import Entry, finish_all
+from hvdlite._backends.failures import FailureChannel
 from hvdlite._observe.tracer import Tracer
 from hvdlite._ops import DTYPES, DType, ReduceOp, finish_reduce, scale_into
+from hvdlite._vocab.entry import Entry, finish_all
+from hvdlite._vocab.fusion import FusionBuffers
+from hvdlite._vocab.messages import Kind, Response, is_unit
+from hvdlite._vocab.plans import unit_groups
 from hvdlite.errors import HvdliteError
 
 __all__ = ["MPIBackend", "mpi_datatype", "mpi_op"]

@@ -20,16 +20,16 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from hvdlite._control.fusion import FusionBuffers, nbytes
-from hvdlite._control.negotiation import Kind, Response, is_unit
-from hvdlite._control.replay import unit_groups
-from hvdlite._control.work import Entry
 from hvdlite._gpu.fused import FusedAllreduce, Phase, Reduction, group, transport_name
 from hvdlite._gpu.placement import Placement
 from hvdlite._gpu.runtime import DeviceContext, GpuRuntime
 from hvdlite._lru import Bounded
 from hvdlite._observe.tracer import Tracer
 from hvdlite._ops import DTYPES, DType, ReduceOp, finish_reduce, nccl_wire
+from hvdlite._vocab.entry import Entry
+from hvdlite._vocab.fusion import FusionBuffers, nbytes
+from hvdlite._vocab.messages import Kind, Response, is_unit
+from hvdlite._vocab.plans import unit_groups
 from hvdlite.config import Config
 
 __all__ = ["NcclBackend"]

@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from hvdlite._control.negotiation import Request, Response
-from hvdlite._control.work import Entry
+from hvdlite._vocab.entry import Entry
+from hvdlite._vocab.messages import Request, Response
 
 if TYPE_CHECKING:
     from hvdlite._control.channel import Channel

@@ -1,6 +1,6 @@
 """The immediate path of a blocking allreduce: one cached tensor, nothing else pending.
 
-A blocking call that repeats its lane (same name, layout and parameters, ``_control/replay.py``)
+A blocking call that repeats its lane (same name, layout and parameters, ``_vocab/plans.py``)
 while nothing else is pending on this rank needs no queue, no entry, no handle and no thread
 hand-off. The calling thread takes the cycle lock, runs the cycle's round for that one cached
 tensor and, when every rank agreed on it alone, runs the collective at once and returns the
@@ -26,9 +26,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from hvdlite._control.driver import POKE, Owner, cached_alone
-from hvdlite._control.negotiation import Response
-from hvdlite._control.replay import Call, Lane
-from hvdlite._control.work import Entry
+from hvdlite._vocab.entry import Entry
+from hvdlite._vocab.messages import Response
+from hvdlite._vocab.plans import Call, Lane
 
 _WAIT_FOR_LOOP_S = 0.005  # longest wait of a blocking call for the background thread's cycle
 

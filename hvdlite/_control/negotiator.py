@@ -25,22 +25,21 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from hvdlite._control.failures import FailureChannel
-from hvdlite._control.negotiation import (
+from hvdlite._backends.failures import FailureChannel
+from hvdlite._control.negotiation import CoordinatorTable, ResponseCache
+from hvdlite._control.stall import StallInspector
+from hvdlite._observe.tracer import Tracer
+from hvdlite._vocab.entry import Entry
+from hvdlite._vocab.messages import (
     SPECS,
-    CoordinatorTable,
     Kind,
     Request,
     Response,
-    ResponseCache,
     pack_request,
     pack_response,
     unpack_request,
     unpack_response,
 )
-from hvdlite._control.stall import StallInspector
-from hvdlite._control.work import Entry
-from hvdlite._observe.tracer import Tracer
 from hvdlite.config import Config
 from hvdlite.errors import HvdliteError, ShutdownError, StallError
 
@@ -110,7 +109,6 @@ class Negotiator:
         self._uncached: list[Request] = []
         self._invalid: set[int] = set()
         self._hits: dict[int, tuple[str, float]] = {}  # slot -> (name, since)
-        self.cycles = 0
         self.cache_hits = 0
         self.failures = FailureChannel(comm, comm.bcast(time.time_ns() if self.rank == 0
                                                         else None))
@@ -134,11 +132,6 @@ class Negotiator:
         self._next_demote = 0.0
 
     # -- pacing ------------------------------------------------------------------------
-    @property
-    def busy(self) -> bool:
-        """Whether the last cycle moved work (on any rank)."""
-        return self._busy
-
     def next_wait_s(self, has_pending: bool) -> float:
         """How long the loop may sleep before the next cycle if nothing is enqueued."""
         if self._unready:  # a producer may finish any moment: look again soon
@@ -153,7 +146,6 @@ class Negotiator:
     def cycle(self, new: list[Entry], entries: dict[str, Entry], stopping: bool,
               expecting_stall: bool = False) -> CycleResult:
         now = time.monotonic()
-        self.cycles += 1
         if self._unready:
             self._unready = [e for e in self._unready if not self._released(e, entries, now)]
         for e in new:
@@ -191,7 +183,6 @@ class Negotiator:
     def round_one(self, slot: int, name: str, now: float) -> tuple[list[int], list[int]]:
         """The round of a cycle whose only local work is the cached tensor ``name`` (its
         slot): what :meth:`cycle` would send for it, without an entry behind it."""
-        self.cycles += 1
         self._hits[slot] = (name, now)
         self._busy = True
         return self._allreduce(PENDING | self._local_flags({}, False, now))

@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from hvdlite._control.work import finish_all
 from hvdlite._observe.tracer import Tracer
+from hvdlite._vocab.entry import finish_all
 from hvdlite.errors import BackendUnavailableError
 
 __all__ = ["GpuRuntime", "import_cupy", "current_stream"]
@@ -166,7 +166,7 @@ class Retirer:
             collections.deque())
         self._limit = limit
         # Cycles retire under the cycle lock, and a caller may retire too before it reuses
-        # result arrays (see _control/replay.py): whoever gets this lock retires, the other
+        # result arrays (see _vocab/plans.py): whoever gets this lock retires, the other
         # skips (the work is the same).
         self._lock = threading.Lock()
 

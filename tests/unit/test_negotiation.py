@@ -16,19 +16,21 @@ import pytest
 
 from hvdlite._control.negotiation import (
     CoordinatorTable,
-    Kind,
-    Request,
-    Response,
     ResponseCache,
     StallReport,
     build_response,
     mismatch_message,
+)
+from hvdlite._ops import ReduceOp
+from hvdlite._vocab.messages import (
+    Kind,
+    Request,
+    Response,
     pack_request,
     pack_response,
     unpack_request,
     unpack_response,
 )
-from hvdlite._ops import ReduceOp
 
 
 def replace(obj: Any, **kw: Any) -> Any:
@@ -529,7 +531,7 @@ def test_response_round_trip(resp: Response) -> None:
 
 def test_every_collective_is_one_spec_row() -> None:
     """The collective table covers every kind; the agreement-only rows carry their result."""
-    from hvdlite._control.negotiation import SPECS
+    from hvdlite._vocab.messages import SPECS
 
     assert set(SPECS) == set(Kind)
     assert {k for k, s in SPECS.items() if s.result is not None} == {Kind.BARRIER, Kind.JOIN}

@@ -36,11 +36,11 @@ from collections.abc import Callable, Sequence
 from itertools import repeat
 from typing import Any
 
-from hvdlite._control.negotiation import Request, Response
-from hvdlite._control.work import Entry
 from hvdlite._handles import Handle
 from hvdlite._lru import Bounded
 from hvdlite._ops import DTYPES, ReduceOp
+from hvdlite._vocab.entry import Entry
+from hvdlite._vocab.messages import Request, Response
 
 __all__ = ["Call", "Lane", "Lanes", "Results", "MemberPlan", "span_of", "refcounts",
            "unit_groups"]
