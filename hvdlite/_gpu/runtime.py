@@ -60,15 +60,25 @@ def import_cupy() -> Any:
     return cupy
 
 
+_torch_streams: dict[tuple[int, int], Any] = {}
+
+
 def current_stream(framework: str, device_id: int) -> Any:
-    """The caller's current stream on ``device_id`` as a CuPy stream object."""
+    """The caller's current stream on ``device_id`` as a CuPy stream object (torch's: made
+    once per torch stream; ``torch.cuda.current_stream`` builds a new object every call)."""
     import cupy
 
     if framework == "torch":
         import torch
 
-        ts = torch.cuda.current_stream(device_id)
-        return cupy.cuda.ExternalStream(ts.cuda_stream, device_id)
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        handle = (raw(device_id) if raw is not None
+                  else torch.cuda.current_stream(device_id).cuda_stream)
+        key = (device_id, handle)
+        stream = _torch_streams.get(key)
+        if stream is None:
+            stream = _torch_streams[key] = cupy.cuda.ExternalStream(handle, device_id)
+        return stream
     return cupy.cuda.get_current_stream(device_id)
 
 

@@ -22,7 +22,7 @@ import torch
 
 import hvdlite
 from hvdlite._ops import ReduceOp
-from hvdlite.torch import _reduce, mpi_ops
+from hvdlite.torch import mpi_ops
 from hvdlite.torch.basics import Average, Sum, resolve_op
 from hvdlite.torch.compression import Compression, Compressor
 from hvdlite.torch.process_sets import global_process_set, resolve
@@ -45,14 +45,14 @@ class _Allreduce(_DIFF):
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: Any, pre: float,
                 post: float, process_set: Any) -> torch.Tensor:
         ctx.args = (op, pre, post, process_set)
-        return _reduce.allreduce_now([tensor], name, op, pre, post, False, False, "allreduce",
-                                     process_set)
+        return mpi_ops._allreduce([tensor], name, op, pre, post, False, False, "allreduce",
+                                     process_set, True)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         op, pre, post, ps = ctx.args
-        out = _reduce.allreduce_now([grad.contiguous()], None, op, pre, post, False, False,
-                                    "allreduce (backward)", ps)
+        out = mpi_ops._allreduce([grad.contiguous()], None, op, pre, post, False, False,
+                                    "allreduce (backward)", ps, True)
         return out, None, None, None, None, None
 
 
@@ -77,7 +77,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
                                                 and tensor.requires_grad
                                                 and torch.is_grad_enabled()):
         # Nothing to differentiate: skip autograd's Function machinery (a few torch calls).
-        return _reduce.allreduce_one(tensor, name, op, prescale_factor, postscale_factor,
+        return mpi_ops.allreduce_one(tensor, name, op, prescale_factor, postscale_factor,
                                      process_set, False, "allreduce", True)
     mpi_ops._check_tensor(tensor, "allreduce")
     compressed, cctx = compression.compress(tensor)
@@ -91,15 +91,15 @@ class _GroupedAllreduce(_DIFF):
                 process_set: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.args = (op, pre, post, process_set)
         ctx.like = [torch.empty_like(t) for t in tensors]
-        outs = _reduce.allreduce_now(list(tensors), name, op, pre, post, False, True,
-                                     "grouped_allreduce", process_set)
+        outs = mpi_ops._allreduce(list(tensors), name, op, pre, post, False, True,
+                                     "grouped_allreduce", process_set, True)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         op, pre, post, ps = ctx.args
-        outs = _reduce.allreduce_now(_zeros_for_none(grads, ctx.like), None, op, pre, post,
-                                     False, True, "grouped_allreduce (backward)", ps)
+        outs = mpi_ops._allreduce(_zeros_for_none(grads, ctx.like), None, op, pre, post,
+                                     False, True, "grouped_allreduce (backward)", ps, True)
         return (None, None, None, None, None, *outs)
 
 
