@@ -144,12 +144,34 @@ def _exact_half(factor: float) -> bool:
 
 def allreduce_one(t: Any, name: str | None, op: ReduceOp, pre: Any, post: Any,
                   process_set: Any, inplace: bool, what: str, blocking: bool = False) -> Any:
-    """Allreduce of one tensor by Horovod's rules: its handle (``blocking``: its result),
-    the per-call path of ``allreduce_async``, ``allreduce_``, ``allreduce`` and
+    """Allreduce of one tensor by Horovod's rules: its :class:`hvdlite.Handle` (``blocking``:
+    its result), the per-call path of ``allreduce_async``, ``allreduce_``, ``allreduce`` and
     ``DistributedOptimizer``; ``op`` already resolved. ``inplace``: the result is written
     into ``t``. The tensor goes the core's one route (``hvdlite/_submit.py``): its cached
-    array at the edge, its name's lane, recycled result tensors, ``hvdlite.Handle``."""
-    return _allreduce([t], name, op, pre, post, inplace, False, what, process_set, blocking)
+    array at the edge, its name's lane, recycled result tensors, the core's handle."""
+    kind = type(t)
+    if (kind is not _TENSOR and kind is not _PARAMETER) or process_set is not _GLOBAL:
+        return _allreduce([t], name, op, pre, post, inplace, False, what, process_set,
+                          blocking)
+    dtype = t.dtype
+    if dtype is _F16 or dtype is _BF16:
+        return _low([t], name, op, pre, post, inplace, False, what, process_set, blocking)
+    if type(name) is str:  # horovod_name, inlined: this is the per-call path
+        name = f"allreduce.{name}" if name else None
+    try:
+        return _submit(_ALLREDUCE, (t,), name, op=op, prescale=pre, postscale=post,
+                       inplace=inplace, stream=stream_of(t.get_device()) if t.is_cuda else None,
+                       block=blocking, horovod=True)
+    except ValueError as exc:
+        raise invalid(exc) from None
+    except NotInitializedError as exc:
+        raise NotInitializedValueError(f"{what}: {exc}; call hvd.init() first") from None
+
+
+_TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
+_F16, _BF16 = torch.float16, torch.bfloat16
+_GLOBAL = global_process_set
+_ALLREDUCE = Kind.ALLREDUCE
 
 
 def _allreduce(tensors: list[Any], name: str | None, op: ReduceOp, pre: Any, post: Any,
@@ -159,9 +181,9 @@ def _allreduce(tensors: list[Any], name: str | None, op: ReduceOp, pre: Any, pos
     ``blocking`` the result (a tensor or list). bfloat16 and float16 with an inexact factor
     are scaled in torch (:func:`_scaled`); everything else goes straight to the core."""
     for t in tensors:
-        if type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        if type(t) is not _TENSOR and type(t) is not _PARAMETER:
             _check_tensor(t, what)
-        if t.dtype in _LOW:
+        if t.dtype is _F16 or t.dtype is _BF16:
             return _low(tensors, name, op, pre, post, inplace, group, what, process_set,
                         blocking)
     return _route(tensors, name, op, pre, post, inplace, group, what, process_set, blocking)
