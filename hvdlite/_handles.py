@@ -14,10 +14,10 @@ retirement of finished device work does.
 The hand-off from the thread that resolves to the thread that waits is one ``threading.Lock``
 used as a gate (made held by the first thread that must block, released once at resolve): a
 C-level acquire with the GIL released, several times cheaper than a ``Condition``. In the steady
-state no gate is ever made: ``wait`` lets the engine run the pending cycle on the waiting thread
-first (progress on wait, see ``_engine.py``), which resolves the handle itself. Bookkeeping of
-every handle shares one module lock: completions run inside cycles, one at a time, so it is
-never contended there, and a lock per handle would cost an allocation per call.
+state no gate is ever made: ``wait`` lets the scheduler run the pending cycle on the waiting
+thread first (progress on wait, ``_control/scheduler.py``), which resolves the handle itself.
+Bookkeeping of every handle shares one module lock: completions run inside cycles, one at a
+time, so it is never contended there, and a lock per handle would cost an allocation per call.
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ def _submit(
     reduction rules (``hvdlite.torch``): ``Average`` is a ``Sum`` with ``postscale / set
     size``, so integer averages truncate toward zero, and bool tensors refuse it."""
     engine = default_engine()
-    engine.check_usable()
+    engine.scheduler.check_usable()
     channel = (
         engine.global_channel if process_set is None else engine.channel_for(set_id_of(process_set))
     )
@@ -123,7 +123,7 @@ def _submit(
         _check_name(name)
         base = name if name is not None else engine.auto_name(kind.name.lower(), channel.id)
         handle = Handle(base)
-        engine.submit_one(Entry(Request(base, kind), None, None, handle), not block, channel)
+        engine.scheduler.submit(Entry(Request(base, kind), None, None, handle), not block, channel)
         return handle.wait() if block else handle
     # The parameters with their types: 1 == Sum and True == 1.0 compare equal, and must not
     # pass for each other on a lane.
@@ -156,7 +156,7 @@ def _submit(
     # 3. Everything else: the queue, negotiated and run by a cycle.
     entry = call.entry(lane)
     prepare(engine, entry, lane.framework, stream)
-    engine.submit_one(entry, not block, channel)
+    engine.scheduler.submit(entry, not block, channel)
     return entry.handle.wait() if block else entry.handle
 
 
