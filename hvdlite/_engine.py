@@ -264,6 +264,12 @@ class Engine:
             set_id, self._next_set = self._next_set, self._next_set + 1
             return set_id
 
+    def device_transport(self, set_id: int) -> str | None:
+        """How process set ``set_id``'s device buckets travel on this rank ("nccl", "ipc" or
+        "mixed"), once its first device collective decided it; else None."""
+        backend = self.channel_for(set_id).backends.get("cuda")
+        return getattr(backend, "transport", None)
+
     def channel_for(self, set_id: int) -> Channel:
         """This rank's channel of process set ``set_id``; ValueError if it is not a member."""
         channel = self._channels.get(set_id)
@@ -301,6 +307,7 @@ class Engine:
             # The NCCL watchdog: work on the device may wait for a rank that is gone. Fail
             # it, then abort the communicators so a thread blocked on it wakes and raises.
             self._gpu.retirer.fail_pending(fail)
+            self._gpu.abort_schedules()
             for channel in list(self._channels.values()):
                 try:
                     channel.abort_device()

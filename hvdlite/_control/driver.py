@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from hvdlite._control.negotiation import Request, Response
 from hvdlite._control.work import Entry
+from hvdlite.errors import StallError
 
 if TYPE_CHECKING:
     from hvdlite._control.channel import Channel
@@ -51,6 +52,8 @@ class Owner(Protocol):
     _stop_requested: bool
     _expecting_stall: int
     _gpu: Any  # the device runtime once made (else None)
+    config: Any
+    rank: int
 
     def gpu_runtime(self) -> Any: ...
 
@@ -75,6 +78,7 @@ class Driver:
         self.napping = False  # the loop is in an idle nap (see idle_nap)
         self.last_cycle = 0.0  # when a waiting caller last started a cycle (see run)
         self.in_background = False  # the background thread holds the cycle lock
+        self.last_watch = 0.0  # when the schedules' watchdog last looked (see _watch)
         self.nap_s = 20e-6  # first pause between cycles a waiting caller runs without result
         # Wake-ups of the background loop: a C-level queue of tokens is about twice as quick
         # to hand over as threading.Event, whose wait and set run Python-level Condition code.
@@ -203,6 +207,8 @@ class Driver:
     def run(self) -> None:
         while True:
             woken = self._wait_for_work()
+            if not woken and self.engine._gpu is not None:
+                self._watch(self.engine._gpu)
             if woken and not self.engine._stop_requested:
                 self._settle()
             elif (time.perf_counter() - self.last_cycle < self.engine.negotiator.cycle_s
@@ -231,6 +237,22 @@ class Driver:
                     self.in_background = False
             if self.engine._stopped:
                 return
+
+    def _watch(self, gpu: Any) -> None:
+        """At most once a second: the device watchdog of the agreed bucket schedules, whose
+        launches no negotiation sees (a stall warning, then StallError past the shutdown
+        time, which aborts their communicators everywhere)."""
+        now = time.perf_counter()
+        if now - self.last_watch < 1.0 or not gpu.schedules:
+            return
+        self.last_watch = now
+        cfg = self.engine.config
+        if not cfg.stall_check:
+            return
+        late = gpu.watch_schedules(cfg.stall_check_time_s, cfg.stall_shutdown_time_s)
+        if late:
+            self.engine._die(StallError(f"rank {self.engine.rank}: {late}; shut down after "
+                                        f"stall_shutdown_time_s={cfg.stall_shutdown_time_s}"))
 
     def cycle(self, caller: bool) -> None:
         """One cycle: drain the queue, then per process set (in set-id order, the same on

@@ -25,9 +25,10 @@ from hvdlite._engine import default_engine
 from hvdlite._torchref import stream_of
 from hvdlite.torch import _reduce, mpi_ops
 from hvdlite.torch._buckets import Bucket, auto_buckets
+from hvdlite.torch._lane import Lane, check, open_lane, specs
 from hvdlite.torch.basics import Adasum, Average, InvalidArgumentError, resolve_op, size
 from hvdlite.torch.compression import Compression, Compressor, _CastCompressor
-from hvdlite.torch.functions import broadcast_object
+from hvdlite.torch.functions import allgather_object, broadcast_object
 from hvdlite.torch.process_sets import global_process_set, resolve
 
 __all__ = ["DistributedOptimizer"]
@@ -102,6 +103,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._buckets: list[Bucket] = []
         self._bucket_of: dict[torch.Tensor, Bucket] = {}
         self._unbucketed: list[torch.Tensor] = list(all_params)
+        # The agreed schedule the autograd thread launches buckets on (see _lane.py), opened
+        # at the end of the first step; None before, or where the ranks cannot use one.
+        self._lane: Lane | None = None
+        self._lane_tried = False
+        self._specs: list[Any] | None = None  # the buckets as every rank agreed them
+        self._index: dict[Bucket, int] = {}
         # As Horovod: on a rank outside process_set nothing is communicated (no hooks, and
         # synchronize() is a no-op), so step() applies this rank's own gradients; and at
         # one rank neither, unless the optimizer_size1_shortcut knob is off (benchmarks).
@@ -124,6 +131,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for i, ps in enumerate(members):
             # Named after its first member, so two optimizers' buckets never share a name.
             bucket = Bucket(ps, f"{self._parameter_names[ps[0]]}.bucket{i}", passes)
+            self._index[bucket] = len(self._buckets)
             self._buckets.append(bucket)
             for p in ps:
                 self._bucket_of[p] = bucket
@@ -198,6 +206,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _start(self, bucket: Bucket) -> _Flight:
         """Start reducing ``bucket`` (its members' gradients in place)."""
         bucket.ready = 0
+        if self._lane is not None:  # the steady state: launched here, in the agreed order
+            self._lane.ready(self._index[bucket])
+            return _LANED
+        if self._specs is None:
+            self._check_buckets()
         pre, post = self._factors()
         if bucket.viewed is None:  # first start, views wanted: dense gradients only
             if any(p.grad is not None and p.grad.is_sparse for p in bucket.params):
@@ -324,19 +337,60 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._synchronized = True
             return
         handles = self._handles
-        for bucket in self._buckets:
-            if bucket not in handles:
-                handles[bucket] = self._start(bucket)
+        lane = self._lane
         try:
-            ordered = self._stream_ordered()
-            for bucket, flight in handles.items():
-                stream = stream_of(bucket.device) if ordered and bucket.device >= 0 else None
-                self._finish(flight, stream)
+            if lane is not None:
+                lane.finish(self._stream_ordered())
+            else:
+                for bucket in self._buckets:
+                    if bucket not in handles:
+                        handles[bucket] = self._start(bucket)
+                ordered = self._stream_ordered()
+                for bucket, flight in handles.items():
+                    stream = stream_of(bucket.device) if ordered and bucket.device >= 0 \
+                        else None
+                    self._finish(flight, stream)
         finally:
             handles.clear()
             for bucket in self._buckets:
                 bucket.left[:] = bucket.full
+                bucket.ready = 0
         self._synchronized = True
+        if not self._lane_tried:
+            self._lane_tried = True
+            self._lane = self._open_lane()
+
+    def _set(self) -> tuple[int, list[int]]:
+        ps = resolve(self.process_set, "DistributedOptimizer")
+        if ps.core is None:
+            return 0, list(range(size()))
+        return ps.core.process_set_id, list(ps.core.ranks)
+
+    def _exchange(self, payload: bytes) -> list[bytes]:
+        # A fixed name: an optimizer's agreement is blocking, so two never overlap.
+        return allgather_object(payload, "DistributedOptimizer.agree", self.process_set)
+
+    def _check_buckets(self) -> None:
+        """Before the first bucket's reduction: every member of the set built the same
+        buckets (collective over it; MismatchError on every rank, naming the ranks and the
+        first differing bucket, instead of a stall on a bucket some ranks never reduce)."""
+        wires = []
+        for b in self._buckets:
+            wire = self._wire_type(b)
+            wires.append(wire if isinstance(wire, torch.dtype) else b.params[0].dtype)
+        pre, post = self._factors()
+        found = specs(self._buckets, wires, self.op, pre, post)
+        check(found, self._exchange, self._set()[1], "DistributedOptimizer")
+        self._specs = found
+
+    def _open_lane(self) -> Lane | None:
+        """After the first step: open the lane the autograd thread launches the buckets on,
+        where every member of the set can (CUDA buffers over NCCL; collective over the set)."""
+        set_id, ranks = self._set()
+        pre, post = self._factors()
+        assert self._specs is not None
+        return open_lane(self._buckets, self._specs, pre, post, set_id, ranks,
+                         hvdlite.rank(), self._exchange)
 
     def _stream_ordered(self) -> bool:
         """Whether CUDA gradients are handed over by stream order (the current stream waits
@@ -399,6 +453,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 else:
                     grad.requires_grad_(False)
                 grad.zero_()
+
+
+_LANED = _Flight(None, [], [], [])  # a bucket launched on the lane (its state is the lane's)
 
 
 def _dense(grad: torch.Tensor | None) -> torch.Tensor:
