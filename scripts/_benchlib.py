@@ -324,9 +324,9 @@ def time_round_robin(
     re-warm); ``rotate``: each block starts one variant later than the last, so no variant
     always runs first or after the same one. A repeat is: barrier, host clock, ``fn()``, host
     clock; ``fn`` must leave nothing pending that its result depends on (a GPU variant
-    synchronises inside it where its semantics do not already). ``after`` runs untimed after every repeat (e.g. a stream
-    synchronise for variants timed to "result usable"). Returns per-variant per-repeat
-    seconds, the slowest rank's.
+    synchronises inside it where its semantics do not already). ``after`` runs untimed after
+    every repeat (e.g. a stream synchronise for variants timed to "result usable"). Returns
+    per-variant per-repeat seconds, the slowest rank's.
     """
     for fn in fns.values():
         for _ in range(warmup):
