@@ -84,15 +84,18 @@ def agree(usable: str, root: bool, exchange: Callable[[bytes], list[bytes]]) -> 
     this rank cannot, '' when it can; ``root``: this rank is the set's first, which draws the
     NCCL unique id); collective over the set. Returns the unique id where every rank can,
     else None: the same answer on every rank."""
-    uid = None
+    uid: list[int] | None = None
+    raw = False
     if root and not usable:
         from cupy.cuda import nccl
 
-        uid = list(nccl.get_unique_id())
-    got = [json.loads(b) for b in exchange(json.dumps({"why": usable, "uid": uid}).encode())]
+        drawn = nccl.get_unique_id()  # bytes (CuPy 13+) or a tuple of ints (older)
+        uid, raw = list(drawn), isinstance(drawn, bytes)
+    got = [json.loads(b) for b in exchange(
+        json.dumps({"why": usable, "uid": uid, "bytes": raw}).encode())]
     if any(g["why"] for g in got) or got[0]["uid"] is None:
         return None
-    return tuple(got[0]["uid"])
+    return bytes(got[0]["uid"]) if got[0]["bytes"] else tuple(got[0]["uid"])
 
 
 class Schedule:

@@ -21,7 +21,7 @@ for m in "$@"; do
     -x NVSHMEM_DISABLE_NVLS -x PYTHONUNBUFFERED python3 scripts/gpu/bench_t1.py --np "$NP" \
     --model "$m" --batch-size "$bs" --iters "$ITERS" --batches-per-iter "$BPI" \
     --json "$OUT/t1_$m.json" "${EXTRA[@]}" 2>&1 | grep -v "^\[rank" | tee "$OUT/t1_$m.log" \
-    | grep -E "^(target|\| |=== |REFUSED|Traceback|.*Error)" || true
+    | grep -E "^(target|\| |=== |REFUSED|Traceback|.*Error|FAILED)" || tail -20 "$OUT/t1_$m.log"
   ((PIPESTATUS[0] == 0)) || rc=1
 done
 exit $rc
