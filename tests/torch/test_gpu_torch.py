@@ -283,7 +283,7 @@ def test_cuda_optimizer_lane_reduces_exactly_in_the_agreed_order(
             torch.optim.SGD(params, lr=0.0),
             named_parameters=[(f"lane{views}{compression}{predivide}.{k}", p)
                               for k, p in enumerate(params)],
-            gradient_as_bucket_view=views, bucket_cap_mb=1500 * 4 / 2**20,
+            gradient_as_bucket_view=views, bucket_cap_mb=800 / 2**20,
             compression=getattr(hvd.Compression, compression),
             gradient_predivide_factor=predivide)
     steps = 4
