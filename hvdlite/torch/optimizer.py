@@ -494,7 +494,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                          groups: Any = None, sparse_as_dense: bool = False,
                          process_set: Any = global_process_set, *,
-                         gradient_as_bucket_view: bool = False,
+                         gradient_as_bucket_view: bool = True,
                          bucket_cap_mb: float = 25.0) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so each ``step()`` uses gradients averaged over all ranks (over the
     members of ``process_set`` when one is given).
@@ -513,25 +513,32 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     hvdlite's own keywords (Horovod has neither): without ``groups``, gradients are reduced
     in buckets of at most ``bucket_cap_mb`` MiB (reverse parameter order, one device and dtype
     each), each by one allreduce of the bucket's flat buffer once all its gradients are
-    ready. By default the gradients stay their own tensors (``zero_grad()`` sets them to None,
-    as torch does): each bucket's are copied into its buffer by one batched copy, reduced
-    there, and copied back by one batched copy; no per-parameter device work, and nothing of
-    torch's gradient semantics changes. ``gradient_as_bucket_view=True`` (off by default:
-    measured slower, see docs/benchmarks.md, issue 25): when a bucket is reduced, its
-    gradients are copied into the buffer (none when they are its views already), reduced
-    there in place, and every member's ``.grad`` is then a view of it, which ``step()``
-    reads. ``zero_grad()`` (``set_to_none``) sets them to None, so backward makes fresh
-    gradients instead of accumulating into the views (one kernel per parameter);
+    ready. By default (``gradient_as_bucket_view=True``, DDP's option of that name, on here
+    because it was the faster at two GPUs in every same-launch comparison: see
+    docs/benchmarks.md, T1) each bucket owns one flat buffer: when it is reduced its gradients
+    are copied into the buffer (none when they are its views already), reduced there in place,
+    and every member's ``.grad`` is then a view of it, which ``step()`` reads.
+    ``zero_grad()`` (``set_to_none``) sets them to None, so backward makes fresh gradients
+    instead of accumulating into the views (one kernel per parameter);
     ``zero_grad(set_to_none=False)`` zeroes each buffer in place (one memset) and keeps the
-    views, which backward then accumulates into. As with DDP's option of that name:
-    ``p.grad.detach_()`` raises while ``p.grad`` is a view, and a tensor you keep from
-    ``p.grad`` changes with the buffer. A bucket whose gradient is sparse at its first
-    reduction never gets views, and with a compressor other than ``Compression.fp16``/``bf16``
-    no bucket does; ``Compression.fp16``/``bf16`` cast the whole buffer at once. Either way
-    a ``.grad`` you replace or set to None before its bucket is reduced is what is reduced,
-    and one replaced while its bucket is on the wire gets the reduced value back (Horovod's
+    views, which backward then accumulates into. As with DDP's option: ``p.grad.detach_()``
+    raises while ``p.grad`` is a view, and a tensor you keep from ``p.grad`` changes with the
+    buffer. ``gradient_as_bucket_view=False``: the gradients stay their own tensors, copied into
+    a staging buffer by one batched copy, reduced there and copied back by one batched copy.
+    A bucket whose gradient is sparse at its first reduction never gets views, and with a
+    compressor other than ``Compression.fp16``/``bf16`` no bucket does;
+    ``Compression.fp16``/``bf16`` cast the whole buffer at once. Either way a ``.grad`` you
+    replace or set to None before its bucket is reduced is what is reduced, and one replaced
+    while its bucket is on the wire gets the reduced value back (Horovod's
     write-back); a sparse gradient, a compressor, or gradients of mixed types make their
     bucket fall back to one call per bucket over the gradients themselves.
+
+    The buckets are checked alike on every member of the set before the first is reduced
+    (:class:`~hvdlite.MismatchError` on every rank if a rank built others). From the second
+    step, CUDA buckets over NCCL are launched by the autograd thread itself, in bucket order
+    (a bucket ready early waits for the ones before it), on their own NCCL communicator: no
+    negotiation per bucket (``optimizer_schedule`` knob; see docs/architecture.md, "The
+    training step").
 
     Completion: ``step()`` and ``synchronize()`` never wait on the host for CUDA work
     (except with the timeline on): they order torch's current stream after each bucket's

@@ -76,10 +76,11 @@ DDP = "torch DDP"
 DDP_VIEWS = "torch DDP, gradient_as_bucket_view=True"
 BASE_C = "compiled: plain torch"
 HVD_C = "compiled: hvdlite default"
+HVD_C_ALT = "compiled: hvdlite, gradient_as_bucket_view flipped"
 DDP_C = "compiled: torch DDP"
-HVDS = (HVD, HVD_ALT, HVD_NEG, HVD_ASYNC, HVD_C)
+HVDS = (HVD, HVD_ALT, HVD_NEG, HVD_ASYNC, HVD_C, HVD_C_ALT)
 DDPS = (DDP, DDP_VIEWS, DDP_C)
-COMPILED = (BASE_C, HVD_C, DDP_C)
+COMPILED = (BASE_C, HVD_C, HVD_C_ALT, DDP_C)
 TRANSFORMERS = ("vit_b_16", "gpt2")
 COMM_HVD = "comm alone: hvdlite grouped_allreduce of every gradient"
 COMM_TORCH = "comm alone: torch.distributed all_reduce, one flat buffer"
@@ -201,8 +202,8 @@ class Runner:
         opt = torch.optim.SGD(self.model.parameters(), lr=args.lr)
         if kind in HVDS:  # as a user writes it: nothing but the wrap (HVD_ALT flips views)
             named = [(f"t1{HVDS.index(kind)}.{n}", p) for n, p in self.model.named_parameters()]
-            extra = {"gradient_as_bucket_view": not env.views_default} if kind == HVD_ALT \
-                else {}
+            flip = kind in (HVD_ALT, HVD_C_ALT)
+            extra = {"gradient_as_bucket_view": not env.views_default} if flip else {}
             opt = env.hvd.DistributedOptimizer(opt, named_parameters=named, **extra)
         self.opt = opt
         self.first = kind == HVD_NEG  # its first step runs with the schedule knob off
@@ -375,7 +376,7 @@ class Env:
         if self.args.no_neg or not self.cuda:
             out.remove(HVD_NEG)
         if self.args.compile == "on":
-            out += [BASE_C, HVD_C, DDP_C]
+            out += [BASE_C, HVD_C, HVD_C_ALT, DDP_C]
         if self.args.variants:
             keep = {v.strip() for v in self.args.variants.split(",")}
             out = [v for v in out if v in keep or v in (BASE, HVD, DDP)]
