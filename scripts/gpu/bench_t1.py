@@ -78,7 +78,8 @@ BASE_C = "compiled: plain torch"
 HVD_C = "compiled: hvdlite default"
 HVD_C_ALT = "compiled: hvdlite, gradient_as_bucket_view flipped"
 DDP_C = "compiled: torch DDP"
-HVDS = (HVD, HVD_ALT, HVD_NEG, HVD_ASYNC, HVD_C, HVD_C_ALT)
+HVD_LOWPRI = "hvdlite, schedule stream at normal priority (experiment)"
+HVDS = (HVD, HVD_ALT, HVD_NEG, HVD_ASYNC, HVD_C, HVD_C_ALT, HVD_LOWPRI)
 DDPS = (DDP, DDP_VIEWS, DDP_C)
 COMPILED = (BASE_C, HVD_C, HVD_C_ALT, DDP_C)
 TRANSFORMERS = ("vit_b_16", "gpt2")
@@ -231,6 +232,15 @@ class Runner:
         else:
             loss = self._loss()
         loss.backward()
+        if self.kind == HVD_LOWPRI and getattr(self.opt, "_lane", None) is not None \
+                and not getattr(self, "repri", False):
+            self.repri = True  # an experiment: the lane's stream at the device's lowest priority
+            sched = self.opt._lane.schedule
+            with torch.cuda.device(self.env.device):
+                import cupy
+
+                sched.stream = cupy.cuda.Stream(non_blocking=True, priority=0)
+                sched._sptr = sched.stream.ptr
         if self.first:  # the agreed schedule is decided at the end of the first step
             self.first = False
             with self.env.knobs(optimizer_schedule=False):
@@ -379,7 +389,7 @@ class Env:
             out += [BASE_C, HVD_C, HVD_C_ALT, DDP_C]
         if self.args.variants:
             keep = {v.strip() for v in self.args.variants.split(",")}
-            out = [v for v in out if v in keep or v in (BASE, HVD, DDP)]
+            out = [v for v in [*out, HVD_LOWPRI] if v in keep or v in (BASE, HVD, DDP)]
         return out
 
     def barrier(self) -> None:
