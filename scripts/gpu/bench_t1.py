@@ -83,6 +83,8 @@ HVDS = (HVD, HVD_ALT, HVD_NEG, HVD_ASYNC, HVD_C, HVD_C_ALT, HVD_LOWPRI)
 DDPS = (DDP, DDP_VIEWS, DDP_C)
 COMPILED = (BASE_C, HVD_C, HVD_C_ALT, DDP_C)
 TRANSFORMERS = ("vit_b_16", "gpt2")
+SHORT = {"alt": HVD_ALT, "neg": HVD_NEG, "ddp_views": DDP_VIEWS, "lowpri": HVD_LOWPRI,
+         "plain_c": BASE_C, "hvd_c": HVD_C, "hvd_c_alt": HVD_C_ALT, "ddp_c": DDP_C}
 COMM_HVD = "comm alone: hvdlite grouped_allreduce of every gradient"
 COMM_TORCH = "comm alone: torch.distributed all_reduce, one flat buffer"
 # Issue 31, 2+ GPUs, hvdlite's default: ResNets / transformers (bf16 autocast) / compiled.
@@ -117,7 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                    help="also time torch.compile'd variants (auto: on for vit_b_16 and gpt2)")
     p.add_argument("--variants", default="",
-                   help="comma-separated subset of variant names to run (default: all)")
+                   help="comma-separated variants to run beside plain, hvdlite's default and "
+                        f"DDP (default: all): {', '.join(SHORT)}")
     p.add_argument("--no-neg", action="store_true",
                    help="leave out the optimizer_schedule-off variant")
     p.add_argument("--no-cuda", action="store_true", help="CPU: gloo for DDP, MPI for hvdlite")
@@ -135,6 +138,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.autocast = "bf16" if args.model in TRANSFORMERS and not args.no_cuda else "none"
     if args.compile == "auto":
         args.compile = "on" if args.model in TRANSFORMERS and not args.no_cuda else "off"
+    if args.model == "gpt2" and args.atol == 1e-5:
+        # Its embedding's backward adds with atomics: DDP differs from DDP by ~2e-4 here.
+        args.atol = 1e-3
     if min(args.batch_size, args.batches_per_iter, args.iters, args.check_steps,
            args.comm_reps) < 1 or args.warmup < 0:
         p.error("sizes and counts must be positive")
@@ -388,7 +394,7 @@ class Env:
         if self.args.compile == "on":
             out += [BASE_C, HVD_C, HVD_C_ALT, DDP_C]
         if self.args.variants:
-            keep = {v.strip() for v in self.args.variants.split(",")}
+            keep = {SHORT[v.strip()] for v in self.args.variants.split(",")}
             out = [v for v in [*out, HVD_LOWPRI] if v in keep or v in (BASE, HVD, DDP)]
         return out
 
