@@ -153,6 +153,11 @@ class Engine:
                                 "device phases with CUDA events instead")
             return self._gpu
 
+    @property
+    def gpu(self) -> GpuRuntime | None:
+        """The device runtime once made (else None: no device tensor seen yet)."""
+        return self._gpu
+
     def reclaim(self) -> None:
         """Drop hvdlite's references to device work that has finished (never waits; any
         thread): its result arrays may then be handed out again."""
@@ -210,6 +215,12 @@ class Engine:
             set_id, self._next_set = self._next_set, self._next_set + 1
             return set_id
 
+    def device_transport(self, set_id: int) -> str | None:
+        """How process set ``set_id``'s device buckets travel on this rank ("nccl", "ipc" or
+        "mixed"), once its first device collective decided it; else None."""
+        backend = self.channel_for(set_id).backends.get("cuda")
+        return getattr(backend, "transport", None)
+
     def channel_for(self, set_id: int) -> Channel:
         """This rank's channel of process set ``set_id``; ValueError if it is not a member."""
         channel = self.channels.get(set_id)
@@ -229,6 +240,7 @@ class Engine:
         thread blocked on it wakes and raises, and make sure the job ends."""
         if fatal and self._gpu is not None and not isinstance(reason, ShutdownError):
             self._gpu.retirer.fail_pending(fail)
+            self._gpu.abort_schedules()
             for channel in list(self.channels.values()):
                 try:
                     channel.abort_device()

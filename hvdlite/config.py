@@ -359,6 +359,14 @@ class Config:
              "communicates nothing (Horovod's rule). Off: it runs the N-rank path (hooks, "
              "buckets, allreduces) at one rank; for benchmarks that measure that path.",
     )  # fmt: skip
+    optimizer_schedule: bool = _knob(
+        kind="bool", parse=_parse_bool, default=True, unit="",
+        help="hvdlite.torch DistributedOptimizer with CUDA buckets over NCCL: once every rank "
+             "has shown it builds the same buckets (checked at the first step), each bucket is "
+             "launched by the autograd thread itself, in the agreed order, on the schedule's "
+             "own NCCL communicator (no background-thread wake-up per bucket). Off: every "
+             "bucket is negotiated by the background thread, as other collectives are.",
+    )  # fmt: skip
     log_level: str = _knob(
         kind="choice", parse=_parse_log_level, default="warning", unit="",
         choices=LOG_LEVELS, aliases=("HOROVOD_LOG_LEVEL",),

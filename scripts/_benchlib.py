@@ -315,16 +315,18 @@ def time_round_robin(
     warmup: int,
     after: Callable[[], object] | None = None,
     block: int = 1,
+    rotate: bool = False,
 ) -> dict[str, np.ndarray]:
     """Time each variant ``reps`` times, taking turns, so drift hits all alike.
 
     Each variant is warmed up ``warmup`` times first. Variants take turns in blocks of
     ``block`` repeats (1: one repeat each in turn; more where switching variants costs a
-    re-warm). A repeat is: barrier, host clock, ``fn()``, host clock; ``fn`` must leave
-    nothing pending that its result depends on (a GPU variant synchronises inside it where
-    its semantics do not already). ``after`` runs untimed after every repeat (e.g. a stream
-    synchronise for variants timed to "result usable"). Returns per-variant per-repeat
-    seconds, the slowest rank's.
+    re-warm); ``rotate``: each block starts one variant later than the last, so no variant
+    always runs first or after the same one. A repeat is: barrier, host clock, ``fn()``, host
+    clock; ``fn`` must leave nothing pending that its result depends on (a GPU variant
+    synchronises inside it where its semantics do not already). ``after`` runs untimed after
+    every repeat (e.g. a stream synchronise for variants timed to "result usable"). Returns
+    per-variant per-repeat seconds, the slowest rank's.
     """
     for fn in fns.values():
         for _ in range(warmup):
@@ -333,8 +335,11 @@ def time_round_robin(
                 after()
     times = {name: np.empty(reps, dtype=np.float64) for name in fns}
     clock = time.perf_counter
-    for start in range(0, reps, block):
-        for name, fn in fns.items():
+    names = list(fns)
+    for n, start in enumerate(range(0, reps, block)):
+        shift = n % len(names) if rotate and names else 0
+        for name in names[shift:] + names[:shift]:
+            fn = fns[name]
             for i in range(start, min(start + block, reps)):
                 comm.Barrier()
                 t0 = clock()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -230,6 +231,33 @@ class GpuRuntime:
         self._waiters: dict[tuple[str, int], Callable[[Any, Any], None]] = {}
         self._lock = threading.Lock()
         self.retirer = Retirer()
+        # Agreed bucket schedules (_gpu/schedule.py) launched by callers: the engine aborts
+        # their communicators when it fails and its background thread watches them for stalls.
+        self.schedules: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._warned: set[str] = set()
+
+    def watch_schedules(self, warn_s: float, fail_s: float) -> str:
+        """Check the schedules' launches (non-blocking queries): log a warning once per bucket
+        left incomplete past ``warn_s``; return the description of one past ``fail_s`` (> 0)
+        for the engine to fail with, else ''."""
+        for schedule in list(self.schedules):
+            late = schedule.overdue(warn_s)
+            if not late:
+                continue
+            if fail_s > 0 and schedule.overdue(fail_s):
+                return late
+            if late not in self._warned and len(self._warned) < 64:
+                self._warned.add(late)
+                log.warning("hvdlite stall: %s", late)
+        return ""
+
+    def abort_schedules(self) -> None:
+        """Abort every schedule's communicator (the job is ending with an error)."""
+        for schedule in list(self.schedules):
+            try:
+                schedule.abort()
+            except Exception:
+                log.exception("hvdlite: aborting a bucket schedule's communicator failed")
 
     # The timeline can start and stop at run time, so these follow it.
     @property

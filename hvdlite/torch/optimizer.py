@@ -25,9 +25,10 @@ from hvdlite._engine import default_engine
 from hvdlite._torchref import stream_of
 from hvdlite.torch import _reduce, mpi_ops
 from hvdlite.torch._buckets import Bucket, auto_buckets
+from hvdlite.torch._lane import Lane, check, open_lane, specs
 from hvdlite.torch.basics import Adasum, Average, InvalidArgumentError, resolve_op, size
 from hvdlite.torch.compression import Compression, Compressor, _CastCompressor
-from hvdlite.torch.functions import broadcast_object
+from hvdlite.torch.functions import allgather_object, broadcast_object
 from hvdlite.torch.process_sets import global_process_set, resolve
 
 __all__ = ["DistributedOptimizer"]
@@ -102,6 +103,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._buckets: list[Bucket] = []
         self._bucket_of: dict[torch.Tensor, Bucket] = {}
         self._unbucketed: list[torch.Tensor] = list(all_params)
+        # The agreed schedule the autograd thread launches buckets on (see _lane.py), opened
+        # at the end of the first step; None before, or where the ranks cannot use one.
+        self._lane: Lane | None = None
+        self._lane_tried = False
+        self._specs: list[Any] | None = None  # the buckets as every rank agreed them
+        self._index: dict[Bucket, int] = {}
         # As Horovod: on a rank outside process_set nothing is communicated (no hooks, and
         # synchronize() is a no-op), so step() applies this rank's own gradients; and at
         # one rank neither, unless the optimizer_size1_shortcut knob is off (benchmarks).
@@ -124,6 +131,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for i, ps in enumerate(members):
             # Named after its first member, so two optimizers' buckets never share a name.
             bucket = Bucket(ps, f"{self._parameter_names[ps[0]]}.bucket{i}", passes)
+            self._index[bucket] = len(self._buckets)
             self._buckets.append(bucket)
             for p in ps:
                 self._bucket_of[p] = bucket
@@ -198,6 +206,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _start(self, bucket: Bucket) -> _Flight:
         """Start reducing ``bucket`` (its members' gradients in place)."""
         bucket.ready = 0
+        if self._lane is not None:  # the steady state: launched here, in the agreed order
+            self._lane.ready(self._index[bucket])
+            return _LANED
+        if self._specs is None:
+            self._check_buckets()
         pre, post = self._factors()
         if bucket.viewed is None:  # first start, views wanted: dense gradients only
             if any(p.grad is not None and p.grad.is_sparse for p in bucket.params):
@@ -324,19 +337,60 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._synchronized = True
             return
         handles = self._handles
-        for bucket in self._buckets:
-            if bucket not in handles:
-                handles[bucket] = self._start(bucket)
+        lane = self._lane
         try:
-            ordered = self._stream_ordered()
-            for bucket, flight in handles.items():
-                stream = stream_of(bucket.device) if ordered and bucket.device >= 0 else None
-                self._finish(flight, stream)
+            if lane is not None:
+                lane.finish(self._stream_ordered())
+            else:
+                for bucket in self._buckets:
+                    if bucket not in handles:
+                        handles[bucket] = self._start(bucket)
+                ordered = self._stream_ordered()
+                for bucket, flight in handles.items():
+                    stream = stream_of(bucket.device) if ordered and bucket.device >= 0 \
+                        else None
+                    self._finish(flight, stream)
         finally:
             handles.clear()
             for bucket in self._buckets:
                 bucket.left[:] = bucket.full
+                bucket.ready = 0
         self._synchronized = True
+        if not self._lane_tried:
+            self._lane_tried = True
+            self._lane = self._open_lane()
+
+    def _set(self) -> tuple[int, list[int]]:
+        ps = resolve(self.process_set, "DistributedOptimizer")
+        if ps.core is None:
+            return 0, list(range(size()))
+        return ps.core.process_set_id, list(ps.core.ranks)
+
+    def _exchange(self, payload: bytes) -> list[bytes]:
+        # A fixed name: an optimizer's agreement is blocking, so two never overlap.
+        return allgather_object(payload, "DistributedOptimizer.agree", self.process_set)
+
+    def _check_buckets(self) -> None:
+        """Before the first bucket's reduction: every member of the set built the same
+        buckets (collective over it; MismatchError on every rank, naming the ranks and the
+        first differing bucket, instead of a stall on a bucket some ranks never reduce)."""
+        wires = []
+        for b in self._buckets:
+            wire = self._wire_type(b)
+            wires.append(wire if isinstance(wire, torch.dtype) else b.params[0].dtype)
+        pre, post = self._factors()
+        found = specs(self._buckets, wires, self.op, pre, post)
+        check(found, self._exchange, self._set()[1], "DistributedOptimizer")
+        self._specs = found
+
+    def _open_lane(self) -> Lane | None:
+        """After the first step: open the lane the autograd thread launches the buckets on,
+        where every member of the set can (CUDA buffers over NCCL; collective over the set)."""
+        set_id, ranks = self._set()
+        pre, post = self._factors()
+        assert self._specs is not None
+        return open_lane(self._buckets, self._specs, pre, post, set_id, ranks,
+                         hvdlite.rank(), self._exchange)
 
     def _stream_ordered(self) -> bool:
         """Whether CUDA gradients are handed over by stream order (the current stream waits
@@ -401,6 +455,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 grad.zero_()
 
 
+_LANED = _Flight(None, [], [], [])  # a bucket launched on the lane (its state is the lane's)
+
+
 def _dense(grad: torch.Tensor | None) -> torch.Tensor:
     assert grad is not None
     return grad.to_dense() if grad.is_sparse else grad
@@ -437,7 +494,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                          groups: Any = None, sparse_as_dense: bool = False,
                          process_set: Any = global_process_set, *,
-                         gradient_as_bucket_view: bool = False,
+                         gradient_as_bucket_view: bool = True,
                          bucket_cap_mb: float = 25.0) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so each ``step()`` uses gradients averaged over all ranks (over the
     members of ``process_set`` when one is given).
@@ -456,25 +513,32 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     hvdlite's own keywords (Horovod has neither): without ``groups``, gradients are reduced
     in buckets of at most ``bucket_cap_mb`` MiB (reverse parameter order, one device and dtype
     each), each by one allreduce of the bucket's flat buffer once all its gradients are
-    ready. By default the gradients stay their own tensors (``zero_grad()`` sets them to None,
-    as torch does): each bucket's are copied into its buffer by one batched copy, reduced
-    there, and copied back by one batched copy; no per-parameter device work, and nothing of
-    torch's gradient semantics changes. ``gradient_as_bucket_view=True`` (off by default:
-    measured slower, see docs/benchmarks.md, issue 25): when a bucket is reduced, its
-    gradients are copied into the buffer (none when they are its views already), reduced
-    there in place, and every member's ``.grad`` is then a view of it, which ``step()``
-    reads. ``zero_grad()`` (``set_to_none``) sets them to None, so backward makes fresh
-    gradients instead of accumulating into the views (one kernel per parameter);
+    ready. By default (``gradient_as_bucket_view=True``, DDP's option of that name, on here
+    because it was the faster at two GPUs in every same-launch comparison: see
+    docs/benchmarks.md, T1) each bucket owns one flat buffer: when it is reduced its gradients
+    are copied into the buffer (none when they are its views already), reduced there in place,
+    and every member's ``.grad`` is then a view of it, which ``step()`` reads.
+    ``zero_grad()`` (``set_to_none``) sets them to None, so backward makes fresh gradients
+    instead of accumulating into the views (one kernel per parameter);
     ``zero_grad(set_to_none=False)`` zeroes each buffer in place (one memset) and keeps the
-    views, which backward then accumulates into. As with DDP's option of that name:
-    ``p.grad.detach_()`` raises while ``p.grad`` is a view, and a tensor you keep from
-    ``p.grad`` changes with the buffer. A bucket whose gradient is sparse at its first
-    reduction never gets views, and with a compressor other than ``Compression.fp16``/``bf16``
-    no bucket does; ``Compression.fp16``/``bf16`` cast the whole buffer at once. Either way
-    a ``.grad`` you replace or set to None before its bucket is reduced is what is reduced,
-    and one replaced while its bucket is on the wire gets the reduced value back (Horovod's
+    views, which backward then accumulates into. As with DDP's option: ``p.grad.detach_()``
+    raises while ``p.grad`` is a view, and a tensor you keep from ``p.grad`` changes with the
+    buffer. ``gradient_as_bucket_view=False``: the gradients stay their own tensors, copied into
+    a staging buffer by one batched copy, reduced there and copied back by one batched copy.
+    A bucket whose gradient is sparse at its first reduction never gets views, and with a
+    compressor other than ``Compression.fp16``/``bf16`` no bucket does;
+    ``Compression.fp16``/``bf16`` cast the whole buffer at once. Either way a ``.grad`` you
+    replace or set to None before its bucket is reduced is what is reduced, and one replaced
+    while its bucket is on the wire gets the reduced value back (Horovod's
     write-back); a sparse gradient, a compressor, or gradients of mixed types make their
     bucket fall back to one call per bucket over the gradients themselves.
+
+    The buckets are checked alike on every member of the set before the first is reduced
+    (:class:`~hvdlite.MismatchError` on every rank if a rank built others). From the second
+    step, CUDA buckets over NCCL are launched by the autograd thread itself, in bucket order
+    (a bucket ready early waits for the ones before it), on their own NCCL communicator: no
+    negotiation per bucket (``optimizer_schedule`` knob; see docs/architecture.md, "The
+    training step").
 
     Completion: ``step()`` and ``synchronize()`` never wait on the host for CUDA work
     (except with the timeline on): they order torch's current stream after each bucket's

@@ -232,3 +232,42 @@ def test_results_are_reused_only_once_nothing_refers_to_them(hvd: Any) -> None:
     assert torch.equal(results[0], torch.full((16,), total))
     assert torch.equal(view, torch.full((4,), total))
     assert torch.equal(again, torch.full((16,), float(sum(r + 10 for r in range(n)))))
+
+
+def test_ranks_that_build_different_buckets_fail_at_the_first_step(hvd: Any) -> None:
+    """The buckets are checked alike on every rank before the first is reduced
+    (hvdlite/torch/_lane.py): a rank whose model differs (here the last rank has one more
+    parameter) gets MismatchError on every rank, naming that rank and the first differing
+    bucket, instead of a stall on a bucket the others never reduce."""
+    if hvd.size() < 2:
+        pytest.skip("needs two ranks")
+    shapes = SHAPES + ([(6,)] if hvd.rank() == hvd.size() - 1 else [])
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(params, lr=0.1),
+        named_parameters=[(f"agree.{k}", p) for k, p in enumerate(params)],
+        groups=[[p] for p in params[:len(SHAPES)]], op=hvd.Sum)
+    opt.zero_grad()
+    last = hvd.size() - 1
+    with pytest.raises(hvd.MismatchError, match=rf"different gradient buckets \(rank {last}: "
+                                                r"6 buckets, expected 5"):
+        sum((p * 1.0).sum() for p in params[:len(SHAPES)]).backward()  # type: ignore[union-attr]
+        opt.step()
+    with pytest.raises(hvd.MismatchError, match="different gradient buckets"):
+        opt.synchronize()  # and again at the next try, on every rank
+
+
+def test_agreed_buckets_keep_being_negotiated_on_the_cpu(hvd: Any) -> None:
+    """CPU buckets go over MPI: after the agreement no lane opens, and later steps still
+    reduce exactly."""
+    params = _params()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.0),
+                                   named_parameters=[(f"cpu.agree.{k}", p)
+                                                     for k, p in enumerate(params)])
+    for step in range(3):
+        opt.zero_grad()
+        _backward(params, _coeffs(step, hvd.rank()))
+        opt.step()
+        for p, want in zip(params, _mean(step, hvd.size()), strict=True):
+            np.testing.assert_array_equal(p.grad.numpy(), want)  # type: ignore[union-attr]
+    assert opt._lane is None

@@ -265,3 +265,44 @@ def test_cuda_step_is_stream_ordered(hvd: Any, views: bool) -> None:
                                      / hvd.size(), device=dev).reshape(-1)
                           for k, s in enumerate(shapes)])
         assert torch.equal(read, want), step
+
+
+@pytest.mark.parametrize("views,compression,predivide", [
+    (True, "none", 1.0), (False, "none", 1.0), (True, "fp16", 1.0), (False, "none", 2.0)])
+def test_cuda_optimizer_lane_reduces_exactly_in_the_agreed_order(
+        hvd: Any, views: bool, compression: str, predivide: float) -> None:
+    """From the second step the buckets are launched by the autograd thread on the agreed
+    schedule (CUDA over NCCL: a GPU per rank, or one rank): exact averages every step, a
+    bucket left without gradients on some ranks reduced as zeros, and one launch per bucket
+    per step. Two ranks sharing a GPU (CUDA IPC) keep negotiating, exactly too."""
+    dev = _device(hvd)
+    shapes = [(64, 32), (32,), (7, 3), (5,), (300,)]
+    params = [torch.nn.Parameter(torch.zeros(s, device=dev)) for s in shapes]
+    with n_rank_path():
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(params, lr=0.0),
+            named_parameters=[(f"lane{views}{compression}{predivide}.{k}", p)
+                              for k, p in enumerate(params)],
+            gradient_as_bucket_view=views, bucket_cap_mb=800 / 2**20,
+            compression=getattr(hvd.Compression, compression),
+            gradient_predivide_factor=predivide)
+    steps = 4
+    for step in range(steps):
+        opt.zero_grad()
+        # Parameter 3 is used by rank 0 only at odd steps: elsewhere its gradient is None.
+        used = [k for k in range(len(shapes)) if k != 3 or (step % 2 and hvd.rank() == 0)]
+        sum((params[k] * float(hvd.rank() + step + k)).sum() for k in used).backward()
+        opt.step()
+        for k, (p, s) in enumerate(zip(params, shapes, strict=True)):
+            if k == 3:
+                want = float(step + 3) if step % 2 else 0.0  # rank 0's value, or zeros
+            else:
+                want = _rank_sum(hvd, lambda r: r + step + k)  # noqa: B023
+            assert torch.equal(p.grad, torch.full(s, want / hvd.size(), device=dev)), (step, k)
+    from hvdlite._engine import default_engine
+
+    nccl = default_engine().device_transport(0) == "nccl"
+    assert (opt._lane is not None) == nccl
+    if nccl:
+        n = len(opt._buckets)
+        assert n >= 3 and opt._lane.schedule.launches == n * (steps - 1)

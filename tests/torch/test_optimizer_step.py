@@ -106,10 +106,11 @@ def _train(hvd: Any, opt: Any, model: Model, between: Any = None, before: Any = 
         opt.step()
 
 
-def test_default_step_equals_ddp(hvd: Any, ddp: None) -> None:
+def test_staged_step_equals_ddp(hvd: Any, ddp: None) -> None:
     _exact(hvd)
     model = Model()
-    opt = _hvd_opt(hvd, model, bucket_cap_mb=100 / 2**20)  # several buckets
+    opt = _hvd_opt(hvd, model, bucket_cap_mb=100 / 2**20,  # several buckets
+                   gradient_as_bucket_view=False)
     assert len(opt._buckets) > 1
     _train(hvd, opt, model)
     _equal(model, _ddp_train(hvd))
@@ -118,10 +119,10 @@ def test_default_step_equals_ddp(hvd: Any, ddp: None) -> None:
     assert all(w.grad is None for w in model.ws)  # torch's semantics, untouched
 
 
-def test_bucket_views_equal_ddp(hvd: Any, ddp: None) -> None:
+def test_default_step_reduces_in_bucket_views_and_equals_ddp(hvd: Any, ddp: None) -> None:
     _exact(hvd)
     model = Model()
-    opt = _hvd_opt(hvd, model, bucket_cap_mb=100 / 2**20, gradient_as_bucket_view=True)
+    opt = _hvd_opt(hvd, model, bucket_cap_mb=100 / 2**20)  # the default: bucket views
     assert len(opt._buckets) > 1
     _train(hvd, opt, model)
     _equal(model, _ddp_train(hvd))

@@ -47,6 +47,7 @@ EXPECTED_DEFAULTS = {
     "idle_backoff_max_ms": 20.0,
     "gil_switch_interval_us": 0.0,
     "optimizer_size1_shortcut": True,
+    "optimizer_schedule": True,
     "log_level": "warning",
     "nvtx": False,
 }
@@ -90,6 +91,7 @@ ENV_CASES = {
     "idle_backoff_max_ms": ("HVDLITE_IDLE_BACKOFF_MAX_MS", None, "0.5", 0.5),
     "gil_switch_interval_us": ("HVDLITE_GIL_SWITCH_INTERVAL_US", None, "100", 100.0),
     "optimizer_size1_shortcut": ("HVDLITE_OPTIMIZER_SIZE1_SHORTCUT", None, "off", False),
+    "optimizer_schedule": ("HVDLITE_OPTIMIZER_SCHEDULE", None, "0", False),
     "log_level": ("HVDLITE_LOG_LEVEL", "HOROVOD_LOG_LEVEL", "DEBUG", "debug"),
     "nvtx": ("HVDLITE_NVTX", None, "TRUE", True),
     "timeline_device_events": ("HVDLITE_TIMELINE_DEVICE_EVENTS", None, "yes", True),
@@ -364,6 +366,7 @@ def _non_default_config() -> Config:
         idle_backoff_max_ms=3.0,
         gil_switch_interval_us=200.0,
         optimizer_size1_shortcut=False,
+        optimizer_schedule=False,
         log_level="trace",
         nvtx=True,
     )
