@@ -79,11 +79,12 @@ class Results:
         self.counter: Callable[[Sequence[Any]], list[int]] | None = None
 
     def _counts(self) -> list[int]:
+        if self.counter is not None:
+            # The framework's tensors alone: whoever holds the arrays (an entry in flight, the
+            # handle once done) holds them too.
+            return self.counter(self.user)  # type: ignore[arg-type]
         flat = self.flat
-        counts = refcounts(self.views if flat is None else [flat, *self.views])
-        if self.counter is not None and self.user is not None:
-            counts += self.counter(self.user)
-        return counts
+        return refcounts(self.views if flat is None else [flat, *self.views])
 
     def idle(self) -> bool:
         return self._counts() == self.free
@@ -137,7 +138,7 @@ class Lane:
 
     __slots__ = ("request", "params", "ttype", "shape", "dtype", "strides", "device_id",
                  "framework", "to_user", "inputs", "shapes", "span", "results", "alloc",
-                 "inplace", "request_bytes", "allocated", "view", "counts")
+                 "inplace", "request_bytes", "allocated", "view", "counts", "last")
 
     def __init__(self, request: Request, params: tuple[Any, ...], array: Any, device_id: int,
                  framework: str, to_user: Callable[[Any], Any] | None,
@@ -163,6 +164,9 @@ class Lane:
         # result counter (see Results); None for arrays hvdlite uses as they are.
         self.view: Callable[[Any], Any] | None = None
         self.counts: Callable[[Sequence[Any]], list[int]] | None = None
+        # A viewed framework's last matched array: its edge hands the same (immutable) view
+        # while the tensor holds the same memory, so that one needs no layout check.
+        self.last: Any = None
 
     def matches(self, array: Any, params: tuple[Any, ...]) -> bool:
         """Whether a single-tensor call of ``array`` with ``params`` repeats this lane."""
@@ -198,7 +202,11 @@ class Lane:
             assert res is not None  # an allreduce always has results
             return Call(members, res.views, res.flat, res.user, self.request_bytes)
         tensor = tensors[0]
-        if not self.matches(tensor, params):
+        if tensor is not self.last or self.view is None:
+            if not self.matches(tensor, params):
+                return None
+            self.last = tensor if self.view is not None else None
+        elif params != self.params:
             return None
         user = None
         if inplace:
@@ -237,7 +245,7 @@ class Lane:
         self.allocated += 1
         if self.counts is not None and self.to_user is not None:
             res.user = [self.to_user(v) for v in res.views]
-            res.counter = self.counts
+            res.counter = self.counts  # counted from here on (see Results._counts)
         if keep and len(self.results) < _RESULT_SETS:
             res.free = res._counts()  # only ``res`` refers to them now
             self.results.append(res)
