@@ -112,8 +112,7 @@ def _submit(
     pending takes the immediate path, ``_control/immediate.py``). ``horovod``: Horovod's
     reduction rules (``hvdlite.torch``): ``Average`` is a ``Sum`` with ``postscale / set
     size``, so integer averages truncate toward zero, and bool tensors refuse it."""
-    engine = default_engine()
-    engine.scheduler.check_usable()
+    engine = default_engine()  # a stopped engine refuses the call at submission (or its round)
     channel = (
         engine.global_channel if process_set is None else engine.channel_for(set_id_of(process_set))
     )
@@ -227,7 +226,7 @@ def _new_single(channel: Channel, kind: Kind, tensor: Any, name: str, op: Reduce
     to_user = None if ref.to_user is identity else ref.to_user
     lane = Lane(req, params, ref.array, ref.device_id, ref.framework, to_user,
                 _result_maker(ref.array, ref.device_id) if SPECS[kind].preallocated else None)
-    lane.view, lane.counts = ref.view, ref.counts
+    lane.view, lane.counts, lane.ring = ref.view, ref.counts, ref.ring
     user = None
     if inplace or out is not None:
         output = _output(kind, ref, out, inplace, name)

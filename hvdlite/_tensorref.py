@@ -8,7 +8,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["TensorRef", "identity", "label"]
+__all__ = ["TensorRef", "Ring", "identity", "label"]
+
+
+class Ring:
+    """A viewed framework's recycled results of one input tensor (``_vocab/plans.py``'s
+    ``Lane.result`` keeps them here instead of on the lane): they outlive a lane that the
+    response cache let go, and go with the tensor. ``used``: the tensor had an output before
+    (its first keeps none, so a tensor reduced once holds no spare memory)."""
+
+    __slots__ = ("sets", "used")
+
+    def __init__(self) -> None:
+        self.sets: list[Any] = []
+        self.used = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +36,8 @@ class TensorRef:
     ``view`` maps a caller's tensor to its cached array (the same object while the tensor
     holds the same memory, so a lane matches it; anything else comes back as it is), and
     ``counts`` measures who refers to result tensors handed out (``_vocab/plans.py``'s
-    recycling), views of their storage included.
+    recycling), views of their storage included; ``ring`` keeps a single tensor's recycled
+    results with the tensor (:class:`Ring`).
     """
 
     array: Any
@@ -33,6 +47,7 @@ class TensorRef:
     device_id: int = -1  # CUDA device ordinal; -1 for host memory
     view: Callable[[Any], Any] | None = None
     counts: Callable[[Sequence[Any]], list[int]] | None = None
+    ring: Ring | None = None
 
     @property
     def is_cuda(self) -> bool:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hvdlite._tensorref import TensorRef, label
+from hvdlite._tensorref import Ring, TensorRef, label
 
 __all__ = ["array_of", "ref_of", "view", "counts", "stream_of", "to_torch", "numpy_dtype"]
 
@@ -155,10 +155,10 @@ def _insert(t: torch.Tensor, what: str) -> _Entry:
         index = t.get_device()
         array = _cupy_view(t, storage, shape)
         device = _CUDA_NAMES[index] if index < len(_CUDA_NAMES) else f"cuda:{index}"
-        ref = TensorRef(array, device, "torch", torch.from_dlpack, index, view, counts)
+        ref = TensorRef(array, device, "torch", torch.from_dlpack, index, view, counts, Ring())
     elif t.device.type == "cpu":
         array = np.asarray(_Iface(storage, t.data_ptr(), shape, typestr))
-        ref = TensorRef(array, "cpu", "torch", torch.from_numpy, -1, view, counts)
+        ref = TensorRef(array, "cpu", "torch", torch.from_numpy, -1, view, counts, Ring())
     else:
         raise TypeError(f"{what}: torch tensors on device {t.device} are not supported "
                         "(cpu, cuda)")

@@ -186,7 +186,7 @@ class Channel:
     def abort_device(self) -> None:
         """The job is ending with an error: abort this set's NCCL communicators (the NCCL
         watchdog: see ``NcclBackend.abort``)."""
-        backend: Any = self.backends.get("cuda")
+        backend = self.backends.get("cuda")
         if backend is not None:
             backend.abort()
 

@@ -33,6 +33,7 @@ from hvdlite._vocab.plans import Call, Lane
 _WAIT_FOR_LOOP_S = 0.005  # longest wait of a blocking call for the background thread's cycle
 
 if TYPE_CHECKING:
+    from hvdlite._backends.base import Backend
     from hvdlite._control.channel import Channel
     from hvdlite._control.scheduler import Scheduler
     from hvdlite._gpu.runtime import GpuRuntime
@@ -104,7 +105,7 @@ def _target(lane: Lane, stream: Any) -> Any:
     return current_stream(lane.framework, lane.device_id)
 
 
-def _single_step(engine: Owner, lane: Lane, call: Call, resp: Response, backend: Any,
+def _single_step(engine: Owner, lane: Lane, call: Call, resp: Response, backend: Backend,
                  stream: Any) -> Callable[[], object] | None:
     """The data step of a single tensor once the round agreed on it alone (None: it cannot
     run here)."""
@@ -113,19 +114,19 @@ def _single_step(engine: Owner, lane: Lane, call: Call, resp: Response, backend:
         return None
     tensor, output = call.inputs, call.output
     if lane.device_id < 0:
-        return lambda: backend.reduce_one(resp, tensor, output, spec)
+        return lambda: backend.reduce_now(resp, tensor, output, spec)
     sync = not engine.gpu_runtime().async_completion
 
     def step() -> None:
         target = _target(lane, stream)
-        backend.reduce_now(tensor, output, lane.device_id, target, spec)
+        backend.reduce_now(resp, tensor, output, spec, lane.device_id, target)
         if sync:
             target.synchronize()
 
     return step
 
 
-def _unit_step(engine: Owner, lane: Lane, call: Call, resp: Response, backend: Any,
+def _unit_step(engine: Owner, lane: Lane, call: Call, resp: Response, backend: Backend,
                stream: Any) -> Callable[[], object] | None:
     """The data step of a grouped call (one unit) once the round agreed on it alone."""
     if type(resp.dtype) is not str or resp.joined:

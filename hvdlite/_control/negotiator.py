@@ -174,27 +174,33 @@ class Negotiator:
         submission starts a round at once; stalls are still seen by the backed-off rounds."""
         self._busy = False
 
-    # -- one cached tensor alone (see _control/immediate.py) -------------------------------
-    def idle(self) -> bool:
-        """Nothing of this rank's is held back, waiting for peers or due to be sent."""
-        return not (self._unready or self._uncached or self._invalid or self._hits
-                    or self._join is not None or self.announce_now is not None)
+    # -- one cached tensor alone (Scheduler.cycle_alone) -----------------------------------
+    def cached(self, request: Request) -> tuple[int, Response] | None:
+        """(slot, cached response) when a cycle may run for ``request`` alone: its response
+        is cached under the same request, and nothing of this rank's is held back, waiting
+        for peers or due to be sent."""
+        if (self._unready or self._uncached or self._invalid or self._hits
+                or self._join is not None or self.announce_now is not None):
+            return None
+        slot, same = self.cache.lookup(request)
+        return (slot, self.cache.response(slot)) if same else None
 
-    def round_one(self, slot: int, name: str, now: float) -> tuple[list[int], list[int]]:
+    def round_alone(self, slot: int, name: str,
+                    now: float) -> tuple[Response | None, list[int], list[int]]:
         """The round of a cycle whose only local work is the cached tensor ``name`` (its
-        slot): what :meth:`cycle` would send for it, without an entry behind it."""
+        slot): what :meth:`cycle` would send for it, without an entry behind it. Returns
+        (its response, if the round agreed on it and nothing else: the cycle is over and
+        nothing of this rank's is left, so the next rounds may back off; else None: finish
+        the cycle with :meth:`conclude`), and the round's hits and invalid slots."""
         self._hits[slot] = (name, now)
         self._busy = True
-        return self._allreduce(PENDING | self._local_flags({}, False, now))
-
-    def agreed_one(self, slot: int, hits: list[int], invalid: list[int]) -> Response | None:
-        """The response of ``slot`` if the round just run agreed on it and nothing else (then
-        the cycle is over), else None (finish the cycle with :meth:`conclude`)."""
+        hits, invalid = self._allreduce(PENDING | self._local_flags({}, False, now))
         if invalid or hits != [slot] or self._seen & (SHUTDOWN | JOINED | UNCACHED | ROUND):
-            return None
+            return None, hits, invalid
         (resp,) = self._take_hits(hits)
         self.tracer.stats.record_cache(1, 0)
-        return resp
+        self._busy = False
+        return resp, hits, invalid
 
     def conclude(self, hits: list[int], invalid: list[int], entries: dict[str, Entry],
                  stopping: bool, now: float, sent: int = 0) -> CycleResult:

@@ -25,6 +25,7 @@ from hvdlite._vocab.messages import Request, Response
 from hvdlite.errors import HvdliteError, ShutdownError, StallError
 
 if TYPE_CHECKING:
+    from hvdlite._backends.base import Backend
     from hvdlite._control.channel import Channel
     from hvdlite._control.negotiator import CycleResult, Negotiator
     from hvdlite._handles import Handle
@@ -171,7 +172,7 @@ class Scheduler:
 
     # -- a cycle for one cached tensor alone ------------------------------------------------
     def cached_alone(self, channel: Channel, request: Request,
-                     queued: int) -> tuple[int, Response, Any] | None:
+                     queued: int) -> tuple[int, Response, Backend] | None:
         """(slot, cached response, backend) when a cycle may run for ``request`` alone (under
         the cycle lock): the global set is the only one (a cycle runs every set's round),
         nothing else is queued (but ``queued`` entries, its own) or pending, nothing traced
@@ -181,13 +182,11 @@ class Scheduler:
                 and not self.stop_requested and not self.expecting_stall
                 and not self.engine.tracer.on):
             return None
-        neg = channel.negotiator
-        slot, same = neg.cache.lookup(request)
-        if not same or not neg.idle():
+        found = channel.negotiator.cached(request)
+        if found is None:
             return None
-        resp = neg.cache.response(slot)
-        backend = channel.backends.get(resp.device)
-        return None if backend is None else (slot, resp, backend)
+        backend = channel.backends.get(found[1].device)
+        return None if backend is None else (found[0], found[1], backend)
 
     def cycle_alone(self, channel: Channel, slot: int, name: str,
                     step: Callable[[Response], object], entry: Callable[[], Entry],
@@ -204,16 +203,13 @@ class Scheduler:
         self.engine.reclaim()
         try:
             now = time.monotonic()
-            hits, invalid = neg.round_one(slot, name, now)
-            agreed = neg.agreed_one(slot, hits, invalid)
+            agreed, hits, invalid = neg.round_alone(slot, name, now)
             if agreed is None:
                 adopted = entry()
                 self._adopt(channel, adopted,
                             lambda: neg.conclude(hits, invalid, channel.entries, False, now))
                 return adopted.handle
             step(agreed)
-            if not channel.entries and not self.queue:
-                neg.settle()
         except BaseException as exc:
             if not raise_sticky:
                 self._failed(exc)
@@ -261,10 +257,12 @@ class Scheduler:
                 return False
             self.queue = []
 
+        nbytes = entry.array.nbytes  # one tensor: direct() refuses grouped calls
+
         def step(agreed: Response) -> None:
             with self.lock:
                 channel.in_flight.discard(entry.request.name)
-            self.engine.tracer.stats.record_bucket(1, entry.nbytes(), entry.nbytes())
+            self.engine.tracer.stats.record_bucket(1, nbytes, nbytes)
             backend.run([agreed], [entry])
 
         self.cycle_alone(channel, slot, entry.request.name, step, lambda: entry, False)

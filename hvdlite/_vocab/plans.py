@@ -138,7 +138,7 @@ class Lane:
 
     __slots__ = ("request", "params", "ttype", "shape", "dtype", "strides", "device_id",
                  "framework", "to_user", "inputs", "shapes", "span", "results", "alloc",
-                 "inplace", "request_bytes", "allocated", "view", "counts", "last")
+                 "inplace", "request_bytes", "allocated", "view", "counts", "last", "ring")
 
     def __init__(self, request: Request, params: tuple[Any, ...], array: Any, device_id: int,
                  framework: str, to_user: Callable[[Any], Any] | None,
@@ -167,6 +167,8 @@ class Lane:
         # A viewed framework's last matched array: its edge hands the same (immutable) view
         # while the tensor holds the same memory, so that one needs no layout check.
         self.last: Any = None
+        # A viewed framework's single tensor keeps its recycled results (_tensorref.Ring).
+        self.ring: Any = None
 
     def matches(self, array: Any, params: tuple[Any, ...]) -> bool:
         """Whether a single-tensor call of ``array`` with ``params`` repeats this lane."""
@@ -236,9 +238,15 @@ class Lane:
         device work (its retirement), tried once before allocating."""
         if self.alloc is None:
             return None
-        if reclaim is not None and self.results:
+        ring = self.ring
+        if ring is not None:  # the tensor's own results, whichever lane made them
+            results = ring.sets
+            keep, ring.used = ring.used, True
+        else:
+            results = self.results
+        if reclaim is not None and results:
             reclaim()
-        for res in self.results:
+        for res in results:
             if res.idle():
                 return res
         res = self.alloc()
@@ -246,9 +254,9 @@ class Lane:
         if self.counts is not None and self.to_user is not None:
             res.user = [self.to_user(v) for v in res.views]
             res.counter = self.counts  # counted from here on (see Results._counts)
-        if keep and len(self.results) < _RESULT_SETS:
+        if keep and len(results) < _RESULT_SETS:
             res.free = res._counts()  # only ``res`` refers to them now
-            self.results.append(res)
+            results.append(res)
         return res
 
 

@@ -79,7 +79,7 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
         # Nothing to differentiate: skip autograd's Function machinery (a few torch calls).
         return mpi_ops.allreduce_one(tensor, name, op, prescale_factor, postscale_factor,
                                      process_set, False, "allreduce", True)
-    mpi_ops._check_tensor(tensor, "allreduce")
+    mpi_ops.check_tensor(tensor, "allreduce")
     compressed, cctx = compression.compress(tensor)
     out = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
     return compression.decompress(out, cctx)
@@ -146,7 +146,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
     in rank order (differentiable).
 
     Dim 0 may differ per rank; the other dimensions and the dtype must agree."""
-    tensor = mpi_ops._check_tensor(tensor, "allgather")
+    tensor = mpi_ops.check_tensor(tensor, "allgather")
     if tensor.dim() == 0:
         raise mpi_ops.InvalidArgumentError("allgather: needs at least one dimension, got a "
                                            "0-d tensor; reshape it to (1,)")
@@ -203,7 +203,7 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
     """Return ``root_rank``'s ``tensor`` on every rank of ``process_set`` (a new tensor;
     differentiable). ``root_rank`` is a global rank; ``ValueError`` for a root outside
     ``[0, size())`` or, with a process set, outside the set."""
-    return _Broadcast.apply(mpi_ops._check_tensor(tensor, "broadcast"), root_rank, name,
+    return _Broadcast.apply(mpi_ops.check_tensor(tensor, "broadcast"), root_rank, name,
                             process_set)
 
 
@@ -231,7 +231,7 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
     """Scatter rows of ``tensor`` (``splits[j]`` rows to rank ``j``; default equal parts) and
     gather what every rank sent here, in rank order (differentiable). Returns the output, or
     ``(output, received_splits)`` when ``splits`` is given, as Horovod does."""
-    return _Alltoall.apply(mpi_ops._check_tensor(tensor, "alltoall"), splits, name, process_set)
+    return _Alltoall.apply(mpi_ops.check_tensor(tensor, "alltoall"), splits, name, process_set)
 
 
 def _rs_grad(grad: torch.Tensor, op: Any, pre: float, post: float,
@@ -264,7 +264,7 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
     rank's rows of dim 0 (the first ``dim0 % set size`` ranks get one row more).
     Differentiable."""
     op = resolve_op(op, None, "reducescatter")
-    tensor = mpi_ops._check_tensor(tensor, "reducescatter")
+    tensor = mpi_ops.check_tensor(tensor, "reducescatter")
     compressed, cctx = compression.compress(tensor)
     out = _Reducescatter.apply(compressed, name, op, process_set, prescale_factor,
                                postscale_factor)

@@ -24,7 +24,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 import hvdlite
@@ -32,8 +31,9 @@ from hvdlite._ops import ReduceOp
 from hvdlite._submit import _submit
 from hvdlite._torchref import stream_of
 from hvdlite._vocab.messages import Kind
-from hvdlite.errors import HvdliteError, NotInitializedError
+from hvdlite.errors import NotInitializedError
 from hvdlite.torch._handles import Handle, SparseHandle
+from hvdlite.torch._rules import check_tensor, factors, horovod_name, invalid, scale
 from hvdlite.torch.basics import Average, InvalidArgumentError, Sum, resolve_op
 from hvdlite.torch.errors import NotInitializedValueError
 from hvdlite.torch.process_sets import Resolved, global_process_set, resolve
@@ -54,18 +54,6 @@ for _name, _view in (("float8_e4m3fn", torch.uint8), ("float8_e5m2", torch.uint8
         _RAW_VIEW[getattr(torch, _name)] = _view
 
 
-_LOW = (torch.float16, torch.bfloat16)  # scaled in float32 by Horovod's rules
-_HALF_MAX = 65504.0
-
-
-def invalid(exc: ValueError) -> BaseException:
-    """A core argument ``ValueError`` as Horovod's flavour (:class:`InvalidArgumentError`,
-    both a ``ValueError`` and a ``RuntimeError``); hvdlite's own errors unchanged."""
-    if isinstance(exc, (InvalidArgumentError, HvdliteError)):
-        return exc
-    return InvalidArgumentError(str(exc))
-
-
 def _core(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Call a hvdlite collective; its argument ``ValueError`` becomes Horovod's flavour."""
     try:
@@ -74,72 +62,11 @@ def _core(fn: Any, *args: Any, **kwargs: Any) -> Any:
         raise invalid(exc) from None
 
 
-def _check_tensor(t: Any, what: str) -> torch.Tensor:
-    """``t`` if it is a torch tensor this layer can reduce; ``TypeError`` otherwise."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.is_sparse:
-        raise TypeError(f"{what}: sparse tensors are not supported here; use "
-                        "sparse_allreduce_async or tensor.to_dense()")
-    return t
-
-
 def _check_tensors(tensors: Any, what: str) -> list[torch.Tensor]:
     if not isinstance(tensors, (list, tuple)) or not tensors:
         raise TypeError(f"{what}: expected a non-empty list of torch.Tensor, got "
                         f"{type(tensors).__name__}")
-    return [_check_tensor(t, what) for t in tensors]
-
-
-def horovod_name(op: str, name: Any) -> Any:
-    """The name the core gets for a user's ``name``: horovod.torch's ``<op>.<name>`` (its
-    ``GetOpName``), so timeline rows, errors and stall reports read as Horovod's. None and
-    "" stay unnamed (the core numbers them ``<op>.noname.N``, as Horovod does); a name that is
-    not a str goes on for the core to refuse."""
-    if type(name) is str:
-        return f"{op}.{name}" if name else None
-    return name
-
-
-def scale(t: torch.Tensor, factor: float) -> torch.Tensor:
-    """``t * factor`` by Horovod's rules (a new tensor; ``t`` itself for a factor of 1):
-    float16/bfloat16 multiply in float32, integers in float64 truncated toward zero."""
-    if factor == 1.0:
-        return t
-    if t.dtype in _LOW:
-        return (t.float() * factor).to(t.dtype)
-    if t.dtype == torch.bool:
-        raise TypeError("cannot scale a bool tensor; cast it first")
-    if t.is_floating_point() or t.is_complex():
-        return t * factor
-    return torch.trunc(t.double() * factor).to(t.dtype)
-
-
-def _factor(value: Any, label: str, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{what}: {label} must be a real number, got {value!r}")
-    return float(value)
-
-
-def _factors(dtype: torch.dtype, op: ReduceOp, pre: Any, post: Any, size: int,
-             what: str) -> tuple[ReduceOp, float, float, bool]:
-    """Horovod's rules for the torch-side paths: (the core's op, prescale, postscale, whether
-    the factors must be applied in torch: bfloat16, or float16 with a factor float16 cannot
-    hold). ``Average`` is a ``Sum`` with ``postscale / size``."""
-    pre_f = _factor(pre, "prescale_factor", what)
-    post_f = _factor(post, "postscale_factor", what)
-    if op is ReduceOp.AVERAGE:
-        if dtype == torch.bool:
-            raise TypeError(f"{what}: op Average is not defined for bool tensors; use Sum "
-                            "(logical or), Min or Max")
-        op, post_f = ReduceOp.SUM, post_f / size
-    in_torch = dtype == torch.bfloat16 or (
-        dtype == torch.float16 and not (_exact_half(pre_f) and _exact_half(post_f)))
-    return op, pre_f, post_f, in_torch
-
-
-def _exact_half(factor: float) -> bool:
-    return abs(factor) <= _HALF_MAX and float(np.float16(factor)) == factor
+    return [check_tensor(t, what) for t in tensors]
 
 
 def allreduce_one(t: Any, name: str | None, op: ReduceOp, pre: Any, post: Any,
@@ -182,7 +109,7 @@ def _allreduce(tensors: list[Any], name: str | None, op: ReduceOp, pre: Any, pos
     are scaled in torch (:func:`_scaled`); everything else goes straight to the core."""
     for t in tensors:
         if type(t) is not _TENSOR and type(t) is not _PARAMETER:
-            _check_tensor(t, what)
+            check_tensor(t, what)
         if t.dtype is _F16 or t.dtype is _BF16:
             return _low(tensors, name, op, pre, post, inplace, group, what, process_set,
                         blocking)
@@ -214,9 +141,9 @@ def _low(tensors: list[Any], name: str | None, op: ReduceOp, pre: Any, post: Any
     """A call with a 16-bit float member: the core's route when its factors are exact in
     float16 (the core's float16 scaling equals Horovod's float32 rule then), else scaled in
     torch (:func:`_scaled`)."""
-    tensors = [_check_tensor(t, what) for t in tensors]
+    tensors = [check_tensor(t, what) for t in tensors]
     size = resolve(process_set, what).size
-    facts = [_factors(t.dtype, op, pre, post, size, what) for t in tensors]
+    facts = [factors(t.dtype, op, pre, post, size, what) for t in tensors]
     if any(f[3] for f in facts):
         handle = _scaled(tensors, name, facts[0], inplace, group, what, process_set)
         return handle.wait() if blocking else handle
@@ -367,7 +294,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: Any = global_process_set) -> Handle:
     """Start concatenating the ``tensor`` of every rank of ``process_set`` along dim 0, in
     rank order (dim 0 may differ per rank)."""
-    return _allgather([_check_tensor(tensor, "allgather_async")], name, False, process_set)
+    return _allgather([check_tensor(tensor, "allgather_async")], name, False, process_set)
 
 
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -398,14 +325,14 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
                     process_set: Any = global_process_set) -> Handle:
     """Start copying ``root_rank``'s ``tensor`` to every rank of ``process_set`` (a new
     tensor; input kept). ``root_rank`` is a global rank, a member of the set."""
-    return _broadcast(_check_tensor(tensor, "broadcast_async"), root_rank, name, False,
+    return _broadcast(check_tensor(tensor, "broadcast_async"), root_rank, name, False,
                       process_set)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: Any = global_process_set) -> Handle:
     """In-place :func:`broadcast_async`: non-root ranks receive into ``tensor``."""
-    return _broadcast(_check_tensor(tensor, "broadcast_async_"), root_rank, name, True,
+    return _broadcast(check_tensor(tensor, "broadcast_async_"), root_rank, name, True,
                       process_set)
 
 
@@ -448,7 +375,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     ``(output, received_splits)``: what every rank sent here, concatenated in rank order, and
     an int32 tensor of how many rows came from each."""
     what = "alltoall_async"
-    tensor = _check_tensor(tensor, what)
+    tensor = check_tensor(tensor, what)
     ps = resolve(process_set, what)
     n = ps.size
     split_list = _split_list(splits, what)
@@ -485,9 +412,9 @@ def _rs_one(t: torch.Tensor, name: str | None, core_op: ReduceOp, pre: float,
 def _reducescatter(tensors: list[torch.Tensor], name: str | None, op: Any, pre: float,
                    post: float, group: bool, what: str, process_set: Any) -> Handle:
     ps = resolve(process_set, what)
-    core_op, pre, post, _ = _factors(tensors[0].dtype, op, pre, post, ps.size, what)
+    core_op, pre, post, _ = factors(tensors[0].dtype, op, pre, post, ps.size, what)
     for t in tensors[1:]:
-        _factors(t.dtype, op, pre, post, ps.size, what)
+        factors(t.dtype, op, pre, post, ps.size, what)
     n = len(tensors)
     parts = [_rs_one(t, _member_name("reducescatter", name, i, n) if group
                      else horovod_name("reducescatter", name), core_op, pre, ps)
@@ -508,7 +435,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
     of dim 0 (the first ``dim0 % set size`` ranks of the set get one row more)."""
     what = "reducescatter_async"
     op = resolve_op(op, None, what)
-    return _reducescatter([_check_tensor(tensor, what)], name, op, prescale_factor,
+    return _reducescatter([check_tensor(tensor, what)], name, op, prescale_factor,
                           postscale_factor, False, what, process_set)
 
 
