@@ -249,6 +249,18 @@ class ResponseCache:
         assert cached is not None, f"cache slot {slot} is empty"
         return cached[0]
 
+    def cached(self, req: Request) -> tuple[int, Response] | None:
+        """(slot, response) if ``req`` is cached with the same parameters, else None."""
+        slot, same = self.lookup(req)
+        return (slot, self.response(slot)) if same else None
+
+    def take(self, slot: int) -> Response:
+        """The response of ``slot``, marked used (least recently used goes first)."""
+        cached = self._slots[slot]
+        assert cached is not None, f"cache slot {slot} is empty"
+        self._by_name.move_to_end(cached[0].name)
+        return cached[0]
+
     def put(self, response: Response, request: Request | None) -> int:
         """Cache ``response``; return the slot evicted to make room for it (-1 if none)."""
         if self.capacity == 0 or response.error or not SPECS[response.kind].cacheable:
@@ -271,11 +283,6 @@ class ResponseCache:
         self._slots[slot] = (response, request)
         self._by_name[response.name] = slot
         return victim
-
-    def touch(self, slot: int) -> None:
-        cached = self._slots[slot]
-        if cached is not None:
-            self._by_name.move_to_end(cached[0].name)
 
     def evict(self, slot: int) -> None:
         cached = self._slots[slot]

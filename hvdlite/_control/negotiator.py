@@ -182,8 +182,7 @@ class Negotiator:
         if (self._unready or self._uncached or self._invalid or self._hits
                 or self._join is not None or self.announce_now is not None):
             return None
-        slot, same = self.cache.lookup(request)
-        return (slot, self.cache.response(slot)) if same else None
+        return self.cache.cached(request)
 
     def round_alone(self, slot: int, name: str,
                     now: float) -> tuple[Response | None, list[int], list[int]]:
@@ -274,7 +273,7 @@ class Negotiator:
         # A stall check needs a full round, but only while the coordinator's table holds a
         # tensor some rank is waiting on: an idle job's rounds stay one small allreduce (a
         # full round's blocking gather spins until the napping peers arrive: ~2% of a core).
-        if self.table is not None and self.table.has_pending() and self.stall.due(now):
+        if self.table is not None and self.stall.due(now) and self.table.has_pending():
             flags |= ROUND
         return flags
 
@@ -369,8 +368,7 @@ class Negotiator:
         out = []
         for slot in slots:
             self._hits.pop(slot, None)
-            self.cache.touch(slot)
-            out.append(self.cache.response(slot))
+            out.append(self.cache.take(slot))
         self.cache_hits += len(out)
         if out and self.tracer.timeline is not None:
             self.tracer.ready_tick(self.rank, [r.name for r in out], cached=True)
