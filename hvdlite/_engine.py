@@ -1,6 +1,7 @@
-"""The Engine: lifecycle, the request queue and the background loop.
+"""The Engine: hvdlite's run-time state and its lifecycle.
 
-All of hvdlite's run-time state lives in one :class:`Engine`; the module-level functions
+All of hvdlite's run-time state lives in one :class:`Engine` (its cycles, queue and stop
+flags in its :class:`~hvdlite._control.scheduler.Scheduler`); the module-level functions
 (``init``, ``rank``, ... in ``_api.py``) are thin wrappers over the process's default engine,
 kept here (``default_engine``), so tests can build engines of their own on any communicator.
 """
@@ -46,19 +47,14 @@ _ABORT_AFTER_S = 5.0  # from a job-level failure to the abort of the job
 _SHUTDOWN_GUARD_S = 10.0  # bound on a shutdown while a peer may be gone
 
 
-def _in_flight_message(name: str) -> str:
-    return (f"tensor {name!r}: a collective with this name is already in flight; wait for it "
-            "first or pass a different name=")
-
-
 class Engine:
-    """One hvdlite instance: communicators, process-set channels, the background thread and
-    all pending work.
+    """One hvdlite instance: communicators, process-set channels, the device runtime, the
+    tracer, and its scheduler (the queue, the background thread, every cycle).
 
-    Thread-safety: ``submit`` may be called from any thread. Everything that talks to MPI or
-    NCCL runs inside a cycle, under the cycle lock: on the background thread, or on a thread
-    waiting for its own result (:meth:`progress`), one at a time, in the same order on every
-    rank.
+    Thread-safety: ``scheduler.submit`` may be called from any thread. Everything that talks
+    to MPI or NCCL runs inside a cycle, under the scheduler's cycle lock: on the background
+    thread, or on a thread waiting for its own result (``Scheduler.progress``), one at a
+    time, in the same order on every rank.
     """
 
     def __init__(self, comm: MPI.Intracomm | None = None, config: Config | None = None,
