@@ -115,6 +115,8 @@ class Engine:
         self._buckets = itertools.count()
         self._expecting_stall = 0
         self._gpu: GpuRuntime | None = None  # created at the first device tensor
+        # The thread capturing a CUDA graph (hvdlite/torch/graphs.py): its calls are refused.
+        self.capture_thread: int | None = None
         # One channel per process set this rank belongs to (set 0: every rank), by set id;
         # cycles run their rounds in id order. ``sets`` knows every set's ranks, member or not.
         self.global_channel = self._channel(0, tuple(range(self.size)), self._ctrl, self._data)
@@ -167,6 +169,11 @@ class Engine:
             raise self._error
         if self._stopped or self._stop_requested:
             raise ShutdownError("hvdlite is shut down; call hvdlite.init() again to use it")
+        if self.capture_thread is not None and self.capture_thread == threading.get_ident():
+            raise HvdliteError("hvdlite collectives cannot be captured in a CUDA graph (they "
+                               "are negotiated on the host when they run): inside a captured "
+                               "step only DistributedOptimizer's buckets communicate; call "
+                               "this one outside the step")
 
     def auto_name(self, kind: str, set_id: int = 0) -> str:
         """A name that agrees across the set's ranks if they make the same unnamed calls."""

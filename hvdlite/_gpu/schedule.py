@@ -79,11 +79,12 @@ def check(specs: Sequence[Spec], exchange: Callable[[bytes], list[bytes]],
                             "parameters, in the same order, with the same settings")
 
 
-def agree(usable: str, root: bool, exchange: Callable[[bytes], list[bytes]]) -> Any:
+def agree(usable: str, root: bool, exchange: Callable[[bytes], list[bytes]],
+          ranks: Sequence[int]) -> tuple[Any, str]:
     """Whether every rank of the set can launch a checked schedule itself (``usable``: why
     this rank cannot, '' when it can; ``root``: this rank is the set's first, which draws the
-    NCCL unique id); collective over the set. Returns the unique id where every rank can,
-    else None: the same answer on every rank."""
+    NCCL unique id); collective over the set. Returns (the unique id, '') where every rank
+    can, else (None, why the first rank that cannot cannot): the same answer on every rank."""
     uid: list[int] | None = None
     raw = False
     if root and not usable:
@@ -93,9 +94,12 @@ def agree(usable: str, root: bool, exchange: Callable[[bytes], list[bytes]]) -> 
         uid, raw = list(drawn), isinstance(drawn, bytes)
     got = [json.loads(b) for b in exchange(
         json.dumps({"why": usable, "uid": uid, "bytes": raw}).encode())]
-    if any(g["why"] for g in got) or got[0]["uid"] is None:
-        return None
-    return bytes(got[0]["uid"]) if got[0]["bytes"] else tuple(got[0]["uid"])
+    for rank, g in zip(ranks, got, strict=True):
+        if g["why"]:
+            return None, f"rank {rank}: {g['why']}"
+    if got[0]["uid"] is None:
+        return None, f"rank {ranks[0]} drew no NCCL id"
+    return (bytes(got[0]["uid"]) if got[0]["bytes"] else tuple(got[0]["uid"])), ""
 
 
 class Schedule:
@@ -123,6 +127,9 @@ class Schedule:
         self._calls = [self._call(nccl, s, b) for s, b in zip(specs, buffers, strict=True)]
         self._launched = [0.0] * len(specs)  # host time of the last launch (0: none pending)
         self.launches = 0
+        # Set while a CUDA graph captures launches: the watchdog then leaves the events alone
+        # (a captured record is no record; the graph's replays are not launches it can time).
+        self.capturing = False
 
     def _call(self, nccl: Any, spec: Spec, buf: tuple[int, int]) -> tuple[Any, ...]:
         if spec.dtype == "bfloat16":  # no NumPy type (unscaled only: see the optimizer)
@@ -163,7 +170,8 @@ class Schedule:
             with self.stream:
                 view *= post
         self._done[i].record(self.stream)
-        self._launched[i] = time.monotonic()
+        if not self.capturing:
+            self._launched[i] = time.monotonic()
         self.launches += 1
 
     def wait(self, i: int, stream: Any | None) -> None:
@@ -177,6 +185,8 @@ class Schedule:
     def overdue(self, limit_s: float) -> str:
         """'' or a description of the oldest launch not complete after ``limit_s`` seconds
         (checked by the engine's background thread; non-blocking event queries)."""
+        if self.capturing:
+            return ""
         now = time.monotonic()
         for i, t in enumerate(self._launched):
             if t and now - t > limit_s:

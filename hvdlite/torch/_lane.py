@@ -77,14 +77,15 @@ def specs(buckets: Sequence[Bucket], wires: Sequence[torch.dtype], op: Any, pre:
 
 def open_lane(buckets: Sequence[Bucket], checked: Sequence[Spec], pre: float, post: float,
               process_set_id: int, ranks: Sequence[int], rank: int,
-              exchange: Any) -> Lane | None:
-    """The lane if every member of the set can launch ``buckets`` itself (collective over the
-    set: one exchange), else None (the optimizer keeps negotiating them). ``checked``: the
-    buckets' specs, found alike on every rank before their first reduction (:func:`check`)."""
+              exchange: Any) -> tuple[Lane | None, str]:
+    """(the lane, '') if every member of the set can launch ``buckets`` itself (collective
+    over the set: one exchange), else (None, why not): the optimizer keeps negotiating them.
+    ``checked``: the buckets' specs, found alike on every rank before their first reduction
+    (:func:`check`)."""
     why = _why_not(buckets, process_set_id, pre, post)
-    uid = agree(why, rank == ranks[0], exchange)
+    uid, why = agree(why, rank == ranks[0], exchange, ranks)
     if uid is None:
-        return None
+        return None, why
     device = buckets[0].device
     bufs = []
     for b in buckets:
@@ -95,7 +96,7 @@ def open_lane(buckets: Sequence[Bucket], checked: Sequence[Spec], pre: float, po
     schedule = Schedule(runtime.cupy, device, checked, bufs, uid, ranks.index(rank),
                         len(ranks))
     runtime.schedules.add(schedule)
-    return Lane(schedule, buckets)
+    return Lane(schedule, buckets), ""
 
 
 class Lane:

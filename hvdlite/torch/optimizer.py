@@ -107,6 +107,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # at the end of the first step; None before, or where the ranks cannot use one.
         self._lane: Lane | None = None
         self._lane_tried = False
+        self._no_lane = "the first step has not run yet"  # why there is no lane (see graphs.py)
         self._specs: list[Any] | None = None  # the buckets as every rank agreed them
         self._index: dict[Bucket, int] = {}
         # As Horovod: on a rank outside process_set nothing is communicated (no hooks, and
@@ -358,7 +359,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = True
         if not self._lane_tried:
             self._lane_tried = True
-            self._lane = self._open_lane()
+            self._lane, self._no_lane = self._open_lane()
 
     def _set(self) -> tuple[int, list[int]]:
         ps = resolve(self.process_set, "DistributedOptimizer")
@@ -383,7 +384,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         check(found, self._exchange, self._set()[1], "DistributedOptimizer")
         self._specs = found
 
-    def _open_lane(self) -> Lane | None:
+    def _open_lane(self) -> tuple[Lane | None, str]:
         """After the first step: open the lane the autograd thread launches the buckets on,
         where every member of the set can (CUDA buffers over NCCL; collective over the set)."""
         set_id, ranks = self._set()
