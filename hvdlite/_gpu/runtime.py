@@ -285,7 +285,13 @@ class GpuRuntime:
         if stream is None:
             stream = current_stream(framework, device_id)
         event = ctx.event()
-        event.record(stream)
+        if stream.ptr == 0 and self.cupy.cuda.runtime.getDevice() != device_id:
+            # The null stream means the current device's: record on the tensor's device's
+            # (a tensor on another GPU than the rank's, with no stream given).
+            with self.cupy.cuda.Device(device_id):
+                event.record(stream)
+        else:
+            event.record(stream)
         return event
 
     def wait_ready(self, ctx: DeviceContext, entries: Sequence[Any]) -> None:
