@@ -367,6 +367,13 @@ class Config:
              "own NCCL communicator (no background-thread wake-up per bucket). Off: every "
              "bucket is negotiated by the background thread, as other collectives are.",
     )  # fmt: skip
+    optimizer_max_ctas: int = _knob(
+        kind="int", parse=_parse_count, default=0, unit="CTAs",
+        help="CUDA thread blocks (CTAs) each NCCL collective of the optimizer's schedule may "
+             "take (NCCL_MAX_CTAS for that communicator alone): an NCCL kernel holds its SMs "
+             "for as long as it waits for a peer, so fewer leave more of the GPU to the "
+             "backward pass the buckets overlap. 0 = NCCL's choice.",
+    )  # fmt: skip
     log_level: str = _knob(
         kind="choice", parse=_parse_log_level, default="warning", unit="",
         choices=LOG_LEVELS, aliases=("HOROVOD_LOG_LEVEL",),

@@ -27,9 +27,11 @@ so kernels waiting for a rank that will never come return.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -102,6 +104,24 @@ def agree(usable: str, root: bool, exchange: Callable[[bytes], list[bytes]],
     return (bytes(got[0]["uid"]) if got[0]["bytes"] else tuple(got[0]["uid"])), ""
 
 
+@contextlib.contextmanager
+def _max_ctas(n: int) -> Iterator[None]:
+    """NCCL_MAX_CTAS for the communicators made within (NCCL reads it at each communicator's
+    init: CuPy's binding has no ncclConfig_t); the environment as it was afterwards."""
+    if n <= 0:
+        yield
+        return
+    old = os.environ.get("NCCL_MAX_CTAS")
+    os.environ["NCCL_MAX_CTAS"] = str(n)
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["NCCL_MAX_CTAS"]
+        else:
+            os.environ["NCCL_MAX_CTAS"] = old
+
+
 class Schedule:
     """Launches an agreed sequence of in-place allreduces of persistent device buffers.
 
@@ -111,13 +131,14 @@ class Schedule:
     """
 
     def __init__(self, cupy: Any, device_id: int, specs: Sequence[Spec],
-                 buffers: Sequence[tuple[int, int]], uid: Any, rank: int, size: int) -> None:
+                 buffers: Sequence[tuple[int, int]], uid: Any, rank: int, size: int,
+                 max_ctas: int = 0) -> None:
         from cupy.cuda import nccl
 
         self.cupy, self.device_id, self.specs = cupy, device_id, tuple(specs)
         self.size = size
         cuda = cupy.cuda
-        with cuda.Device(device_id):
+        with cuda.Device(device_id), _max_ctas(max_ctas):
             self.comm = nccl.NcclCommunicator(size, uid, rank)
             self.stream = cuda.Stream(non_blocking=True, priority=-1000)
             n = len(specs)

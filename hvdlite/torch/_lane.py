@@ -92,9 +92,10 @@ def open_lane(buckets: Sequence[Bucket], checked: Sequence[Spec], pre: float, po
         buf = _buffer(b)
         assert buf is not None
         bufs.append((buf.data_ptr(), buf.numel()))
-    runtime = default_engine().gpu_runtime()
+    engine = default_engine()
+    runtime = engine.gpu_runtime()
     schedule = Schedule(runtime.cupy, device, checked, bufs, uid, ranks.index(rank),
-                        len(ranks))
+                        len(ranks), engine.config.optimizer_max_ctas)
     runtime.schedules.add(schedule)
     return Lane(schedule, buckets), ""
 

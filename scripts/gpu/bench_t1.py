@@ -79,16 +79,18 @@ HVD_C = "compiled: hvdlite default"
 HVD_C_ALT = "compiled: hvdlite, gradient_as_bucket_view flipped"
 DDP_C = "compiled: torch DDP"
 HVD_LOWPRI = "hvdlite, schedule stream at normal priority (experiment)"
+HVD_CTA = {n: f"hvdlite, optimizer_max_ctas={n}" for n in (2, 4, 8, 16)}
 HVD_G = "captured: hvdlite step (make_graphed_step)"
 FLAT_G = "captured: plain step + one flat allreduce after backward"
 CAPTURED = (HVD_G, FLAT_G)
-HVDS = (HVD, HVD_ALT, HVD_NEG, HVD_ASYNC, HVD_C, HVD_C_ALT, HVD_LOWPRI, HVD_G)
+HVDS = (HVD, HVD_ALT, HVD_NEG, HVD_ASYNC, HVD_C, HVD_C_ALT, HVD_LOWPRI, HVD_G,
+        *HVD_CTA.values())
 DDPS = (DDP, DDP_VIEWS, DDP_C)
 COMPILED = (BASE_C, HVD_C, HVD_C_ALT, DDP_C)
 TRANSFORMERS = ("vit_b_16", "gpt2")
 SHORT = {"hvd_g": HVD_G, "flat_g": FLAT_G, "alt": HVD_ALT, "neg": HVD_NEG,
          "ddp_views": DDP_VIEWS, "lowpri": HVD_LOWPRI, "plain_c": BASE_C, "hvd_c": HVD_C,
-         "hvd_c_alt": HVD_C_ALT, "ddp_c": DDP_C}
+         "hvd_c_alt": HVD_C_ALT, "ddp_c": DDP_C, **{f"cta{n}": v for n, v in HVD_CTA.items()}}
 COMM_HVD = "comm alone: hvdlite grouped_allreduce of every gradient"
 COMM_TORCH = "comm alone: torch.distributed all_reduce, one flat buffer"
 # Issue 31, 2+ GPUs, hvdlite's default: ResNets / transformers (bf16 autocast) / compiled.
@@ -227,7 +229,11 @@ class Runner:
         self.graph: Any = None  # the captured step (CAPTURED variants), made at the first step
         if kind == FLAT_G:
             self._flat_grads()
-        self.first = kind == HVD_NEG  # its first step runs with the schedule knob off
+        # The knobs its first step runs with (the schedule is opened at the end of it).
+        self.first: dict[str, Any] = {"optimizer_schedule": False} if kind == HVD_NEG else {}
+        for n, v in HVD_CTA.items():
+            if kind == v:
+                self.first = {"optimizer_max_ctas": n}
         mse = args.model in ("g4", "transformer")
         self.loss = torch.nn.functional.mse_loss if mse else torch.nn.functional.cross_entropy
         self.amp = args.autocast == "bf16"
@@ -312,8 +318,8 @@ class Runner:
                 sched.stream = cupy.cuda.Stream(non_blocking=True, priority=0)
                 sched._sptr = sched.stream.ptr
         if self.first:  # the agreed schedule is decided at the end of the first step
-            self.first = False
-            with self.env.knobs(optimizer_schedule=False):
+            first, self.first = self.first, {}
+            with self.env.knobs(**first):
                 self.opt.step()
             return
         self.opt.step()
@@ -461,7 +467,8 @@ class Env:
             out += [HVD_G, FLAT_G]
         if self.args.variants:
             keep = {SHORT[v.strip()] for v in self.args.variants.split(",")}
-            out = [v for v in [*out, HVD_LOWPRI] if v in keep or v in (BASE, HVD, DDP)]
+            out = [v for v in [*out, HVD_LOWPRI, *HVD_CTA.values()]
+                   if v in keep or v in (BASE, HVD, DDP)]
         return out
 
     def barrier(self) -> None:

@@ -289,7 +289,7 @@ def test_every_knob_has_a_working_flag(tmp_path: Path) -> None:
         "log_level": ("error", "error"), "nvtx": (None, True),
         "timeline_device_events": (None, True), "timeline_max_bytes": ("1MiB", 1 << 20),
         "gil_switch_interval_us": ("100", 100.0), "optimizer_size1_shortcut": ("no", False),
-        "optimizer_schedule": ("no", False),
+        "optimizer_schedule": ("no", False), "optimizer_max_ctas": ("8", 8),
     }  # fmt: skip
     assert set(changed) == {k.name for k in KNOBS}
     args: list[str] = []

@@ -48,6 +48,7 @@ EXPECTED_DEFAULTS = {
     "gil_switch_interval_us": 0.0,
     "optimizer_size1_shortcut": True,
     "optimizer_schedule": True,
+    "optimizer_max_ctas": 0,
     "log_level": "warning",
     "nvtx": False,
 }
@@ -92,6 +93,7 @@ ENV_CASES = {
     "gil_switch_interval_us": ("HVDLITE_GIL_SWITCH_INTERVAL_US", None, "100", 100.0),
     "optimizer_size1_shortcut": ("HVDLITE_OPTIMIZER_SIZE1_SHORTCUT", None, "off", False),
     "optimizer_schedule": ("HVDLITE_OPTIMIZER_SCHEDULE", None, "0", False),
+    "optimizer_max_ctas": ("HVDLITE_OPTIMIZER_MAX_CTAS", None, "4", 4),
     "log_level": ("HVDLITE_LOG_LEVEL", "HOROVOD_LOG_LEVEL", "DEBUG", "debug"),
     "nvtx": ("HVDLITE_NVTX", None, "TRUE", True),
     "timeline_device_events": ("HVDLITE_TIMELINE_DEVICE_EVENTS", None, "yes", True),
@@ -367,6 +369,7 @@ def _non_default_config() -> Config:
         gil_switch_interval_us=200.0,
         optimizer_size1_shortcut=False,
         optimizer_schedule=False,
+        optimizer_max_ctas=6,
         log_level="trace",
         nvtx=True,
     )
