@@ -135,8 +135,9 @@ def make_graphed_step(step_fn: Callable[..., Any], *static_inputs: torch.Tensor,
     Collective over the members of each ``optimizer``'s process set (every rank captures
     together). Runs ``warmup_steps`` eager steps first on a side stream (at least 2: the first
     agrees the buckets, after it the optimizer launches them on its agreed schedule, which is
-    what gets captured), then captures one step (its updates are applied: it is a real step),
-    then checks that every rank captured the same launches. ``optimizer``: the
+    what gets captured), then captures one step (as with torch, capturing runs nothing: the
+    first replay is the step after the warm-up ones), then checks that every rank captured the
+    same launches. ``optimizer``: the
     ``DistributedOptimizer`` (or a list of them) the step uses; each must run its buckets on
     the agreed schedule (CUDA buckets over NCCL, a GPU per rank): ranks that share a GPU (CUDA
     IPC) or buckets on the CPU raise ``HvdliteError`` naming why, and the step can run eagerly
