@@ -40,7 +40,8 @@ def init(comm: MPI.Intracomm | None = None, *, config: str | None = None,
     global _atexit_registered
     with _engine._default_lock:
         current = _engine._default
-        if current is not None and not current._stopped and current._error is None:
+        if (current is not None and not current.scheduler.stopped
+                and current.scheduler.error is None):
             return
         cfg = load_config(config, overrides)
         from hvdlite._sets import ProcessSet
@@ -101,13 +102,13 @@ def expect_stall() -> Iterator[None]:
     """Within this block, this rank announces that a long stall is expected (say, rank 0
     alone runs an evaluation), so the stall inspector neither warns nor shuts down."""
     engine = default_engine()
-    with engine._lock:
-        engine._expecting_stall += 1
+    with engine.scheduler.lock:
+        engine.scheduler.expecting_stall += 1
     try:
         yield
     finally:
-        with engine._lock:
-            engine._expecting_stall -= 1
+        with engine.scheduler.lock:
+            engine.scheduler.expecting_stall -= 1
 
 
 def rank() -> int:

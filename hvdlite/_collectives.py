@@ -14,11 +14,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from hvdlite._control.negotiation import Kind
 from hvdlite._engine import default_engine
 from hvdlite._handles import Handle
 from hvdlite._ops import Average, ReduceOp
 from hvdlite._submit import _as_list, _submit
+from hvdlite._vocab.messages import Kind
 
 __all__ = [
     "allreduce",

@@ -12,19 +12,18 @@ import logging
 import os
 import sys
 import threading
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hvdlite import _exit
 from hvdlite._control.channel import Channel
-from hvdlite._control.driver import Driver
-from hvdlite._control.fusion import FusionBuffers
-from hvdlite._control.negotiation import Response
-from hvdlite._control.work import Entry
+from hvdlite._control.scheduler import Scheduler
 from hvdlite._launch import watchdog
 from hvdlite._observe import clocks
 from hvdlite._observe.tracer import Tracer, open_timeline
+from hvdlite._vocab.entry import Entry
+from hvdlite._vocab.fusion import FusionBuffers
+from hvdlite._vocab.messages import Response
 from hvdlite.config import Config, load_config
 from hvdlite.errors import (
     HvdliteError,
@@ -90,13 +89,10 @@ class Engine:
             log.warning("MPI provides thread level %d < THREAD_MULTIPLE: do not call MPI from "
                         "other threads while hvdlite runs", MPI.Query_thread())
 
-        self._lock = threading.Lock()  # the queue, the names in flight, the stop flags
-        self.driver = Driver(self)  # runs the cycles (background thread, progress on wait)
-        self._queue: list[Entry] = []
+        self._lock = threading.Lock()  # the engine's own state: device runtime, names, set ids
+        # The queue, the sticky error, the stop flags and every kind of cycle.
+        self.scheduler = Scheduler(self)
         self._counters: dict[tuple[str, int], itertools.count[int]] = {}
-        self._error: HvdliteError | None = None  # sticky: raised by every later call
-        self._stop_requested = False
-        self._stopped = False
 
         self.fusion = FusionBuffers(self.config.fusion_threshold, host_alloc)
         cfg = self.config
@@ -113,14 +109,11 @@ class Engine:
             log.warning(_ONE_CORE)
         self._block = block
         self._buckets = itertools.count()
-        self._expecting_stall = 0
         self._gpu: GpuRuntime | None = None  # created at the first device tensor
-        # The thread capturing a CUDA graph (hvdlite/torch/graphs.py): its calls are refused.
-        self.capture_thread: int | None = None
         # One channel per process set this rank belongs to (set 0: every rank), by set id;
         # cycles run their rounds in id order. ``sets`` knows every set's ranks, member or not.
         self.global_channel = self._channel(0, tuple(range(self.size)), self._ctrl, self._data)
-        self._channels: dict[int, Channel] = {0: self.global_channel}
+        self.channels: dict[int, Channel] = {0: self.global_channel}
         self.sets: dict[int, tuple[int, ...]] = {0: tuple(range(self.size))}
         self.negotiator = self.global_channel.negotiator
         self.mpi = self.global_channel.mpi
@@ -131,7 +124,7 @@ class Engine:
         if self.config.gil_switch_interval_us > 0:
             sys.setswitchinterval(min(self._switch_interval,
                                       self.config.gil_switch_interval_us / 1e6))
-        self.driver.thread.start()
+        self.scheduler.thread.start()
 
     def open_timeline(self, path: str, mark_cycles: bool) -> Timeline | None:
         return open_timeline(path, self.rank, mark_cycles, self.config.timeline_max_bytes,
@@ -140,6 +133,9 @@ class Engine:
     # -- submission (any thread) ------------------------------------------------------------
     def gpu_runtime(self) -> GpuRuntime:
         """The device runtime, created on first use (imports CuPy; any thread)."""
+        gpu = self._gpu
+        if gpu is not None:
+            return gpu
         with self._lock:
             if self._gpu is None:
                 import cupy
@@ -157,6 +153,11 @@ class Engine:
                                 "device phases with CUDA events instead")
             return self._gpu
 
+    @property
+    def gpu(self) -> GpuRuntime | None:
+        """The device runtime once made (else None: no device tensor seen yet)."""
+        return self._gpu
+
     def reclaim(self) -> None:
         """Drop hvdlite's references to device work that has finished (never waits; any
         thread): its result arrays may then be handed out again."""
@@ -164,73 +165,16 @@ class Engine:
         if gpu is not None and len(gpu.retirer):
             gpu.retirer.retire()
 
-    def check_usable(self) -> None:
-        if self._error is not None:
-            raise self._error
-        if self._stopped or self._stop_requested:
-            raise ShutdownError("hvdlite is shut down; call hvdlite.init() again to use it")
-        if self.capture_thread is not None and self.capture_thread == threading.get_ident():
-            raise HvdliteError("hvdlite collectives cannot be captured in a CUDA graph (they "
-                               "are negotiated on the host when they run): inside a captured "
-                               "step only DistributedOptimizer's buckets communicate; call "
-                               "this one outside the step")
-
     def auto_name(self, kind: str, set_id: int = 0) -> str:
         """A name that agrees across the set's ranks if they make the same unnamed calls."""
         with self._lock:
             counter = self._counters.setdefault((kind, set_id), itertools.count())
             return f"{kind}.noname.{next(counter)}"
 
-    def submit_one(self, entry: Entry, wake: bool, channel: Channel) -> None:
-        """Queue ``entry`` (with its own handle) on ``channel``; any thread.
-
-        ``wake=False``: the caller is about to wait on the handle and so runs the cycle itself
-        (progress on wait); the background thread is not woken for it. Otherwise a token per
-        submission, even while the loop is awake: cheap then (no waiter to signal), and the
-        loop settles a burst of them before negotiating it (Driver._settle)."""
-        handle = entry.handle
-        handle._driver = self.driver.progress
-        name = entry.request.name
-        with self._lock:
-            if self._error is not None or self._stopped or self._stop_requested:
-                self.check_usable()
-            if channel.id not in self._channels:
-                raise HvdliteError(f"process set {channel.id} was removed; add it again or "
-                                   "use another process set")
-            in_flight = channel.in_flight
-            if name in in_flight:
-                raise ValueError(_in_flight_message(name))
-            in_flight.add(name)
-            entry.enqueued_at = time.perf_counter()
-            entry.stats = self.tracer.stats
-            entry.channel = channel
-            self._queue.append(entry)
-        if wake:
-            self.driver.wake.put(None)
-
-    def _die(self, exc: BaseException) -> None:
-        """The sticky failure: every pending and later call raises it, here and on peers."""
-        err = exc if isinstance(exc, HvdliteError) else HvdliteError(
-            f"hvdlite background thread failed on rank {self.rank}: {exc!r}")
-        if err is not exc:
-            err.__cause__ = exc
-        log.error("%s", err)  # one line; the traceback only at debug level (not plumbing noise)
-        log.debug("hvdlite: where the failure came from", exc_info=exc)
-        self._finish(err)
-        self._tell_peers(err)
-
-    def _tell_peers(self, err: HvdliteError) -> None:
-        """Best effort: one more cycle carrying the failure, so the other ranks raise it too
-        instead of waiting for this rank (impossible if it died inside a data collective)."""
-        try:
-            self.negotiator.failures.announce(str(err))
-        except Exception as exc:  # the peers may be gone or stuck; nothing more to do
-            log.error("hvdlite: could not tell the other ranks about the failure: %r", exc)
-
     # -- process sets ----------------------------------------------------------------------
     def _channel(self, set_id: int, ranks: tuple[int, ...], ctrl: Any, data: Any) -> Channel:
         return Channel(set_id, ranks, ctrl, data, self.config, self.tracer, self.fusion,
-                       self.gpu_runtime, self._block, self.driver.idle_nap,
+                       self.gpu_runtime, self._block, self.scheduler.idle_nap,
                        self._apply_set_change, self._buckets)
 
     def _add_set(self, set_id: int, ranks: tuple[int, ...]) -> None:
@@ -245,7 +189,7 @@ class Engine:
         data = self._data.Split(color, key)
         self.sets[set_id] = ranks
         if member:
-            self._channels[set_id] = self._channel(set_id, ranks, ctrl, data)
+            self.channels[set_id] = self._channel(set_id, ranks, ctrl, data)
 
     def _apply_set_change(self, resp: Response) -> int:
         """Execute an agreed process-set change (under the cycle lock, on every rank)."""
@@ -254,9 +198,9 @@ class Engine:
             self._add_set(set_id, ranks)
             return set_id
         self.sets.pop(set_id, None)
-        channel = self._channels.pop(set_id, None)
+        channel = self.channels.pop(set_id, None)
         if channel is not None:
-            with self._lock:
+            with self.scheduler.lock:
                 pending = channel.take_pending()
             for e in pending:
                 e.fail(HvdliteError(f"tensor {e.request.name!r}: process set {set_id} was "
@@ -279,7 +223,7 @@ class Engine:
 
     def channel_for(self, set_id: int) -> Channel:
         """This rank's channel of process set ``set_id``; ValueError if it is not a member."""
-        channel = self._channels.get(set_id)
+        channel = self.channels.get(set_id)
         if channel is None:
             if set_id in self.sets:
                 raise ValueError(f"rank {self.rank} is not in process set {set_id} (ranks "
@@ -289,33 +233,15 @@ class Engine:
                              f"{sorted(self.sets)}); add it with hvdlite.add_process_set first")
         return channel
 
-    def _finish(self, reason: HvdliteError) -> None:
-        """Stop for good: fail everything pending with ``reason``.
-
-        Unless this rank asked for the stop, ``reason`` becomes sticky: every later call raises
-        it (a peer shut down, a stall timed out, or this loop failed).
-        """
-        with self._lock:
-            fatal = self._error is None and not self._stop_requested
-            if fatal:
-                self._error = reason
-            self._stopped = True
-            pending = [e for c in self._channels.values() for e in c.take_pending()]
-            pending += self._queue
-            self._queue = []
-        def fail(e: Entry) -> None:
-            exc = type(reason)(f"tensor {e.request.name!r}: {reason}")
-            exc.__cause__ = reason.__cause__ or reason
-            e.fail(exc)
-
-        for e in pending:
-            fail(e)
+    def stopped(self, reason: HvdliteError, fatal: bool, fail: Callable[[Entry], None]) -> None:
+        """The scheduler stopped for ``reason`` (every pending entry failed): stop the
+        engine's parts. ``fatal`` (a failure, not this rank's shutdown): device work may wait
+        for a rank that is gone (the NCCL watchdog): fail it, abort the communicators so a
+        thread blocked on it wakes and raises, and make sure the job ends."""
         if fatal and self._gpu is not None and not isinstance(reason, ShutdownError):
-            # The NCCL watchdog: work on the device may wait for a rank that is gone. Fail
-            # it, then abort the communicators so a thread blocked on it wakes and raises.
             self._gpu.retirer.fail_pending(fail)
             self._gpu.abort_schedules()
-            for channel in list(self._channels.values()):
+            for channel in list(self.channels.values()):
                 try:
                     channel.abort_device()
                 except Exception:
@@ -339,24 +265,25 @@ class Engine:
         ``at_exit``: the interpreter is exiting (the bound below then also covers MPI's
         finalisation after it)."""
         guard = None
-        if (self._error is not None or self._queue
-                or any(c.entries for c in self._channels.values())):
+        sched = self.scheduler
+        if (sched.error is not None or sched.queue
+                or any(c.entries for c in self.channels.values())):
             # A peer may be gone: the stop round, the joins and MPI's finalisation could all
             # wait for it. Bound them (a clean exit with nothing pending arms nothing, so a
             # rank that merely finishes later than its peers is never cut short).
-            what = "a failed job" if self._error else "collectives pending"
+            what = "a failed job" if sched.error else "collectives pending"
             guard = _exit.exit_guard(
                 _SHUTDOWN_GUARD_S, f"hvdlite shutdown on rank {self.rank} with {what}: peers "
                 "did not respond", comm=self._base, backstop_s=0)
-        if not self._stopped:
-            self._stop_requested = True
-            self.driver.wake.put(None)
-            self.driver.thread.join(_SHUTDOWN_JOIN_S)
-            if self.driver.thread.is_alive():
+        if not sched.stopped:
+            sched.stop_requested = True
+            sched.wake.put(None)
+            sched.thread.join(_SHUTDOWN_JOIN_S)
+            if sched.thread.is_alive():
                 log.error("hvdlite: background thread did not stop within %.0f s; other ranks "
                           "are not responding", _SHUTDOWN_JOIN_S)
                 return
-        self.driver.thread.join()
+        sched.thread.join()
         from mpi4py import MPI
 
         sys.setswitchinterval(self._switch_interval)
@@ -365,7 +292,7 @@ class Engine:
         if self._gpu is not None:
             self._gpu.synchronize()
             self._gpu.retirer.retire(wait=True)
-        for channel in self._channels.values():
+        for channel in self.channels.values():
             channel.close(free_comms=channel is not self.global_channel)
         if self._gpu is not None:
             self._gpu.shutdown()

@@ -14,10 +14,10 @@ retirement of finished device work does.
 The hand-off from the thread that resolves to the thread that waits is one ``threading.Lock``
 used as a gate (made held by the first thread that must block, released once at resolve): a
 C-level acquire with the GIL released, several times cheaper than a ``Condition``. In the steady
-state no gate is ever made: ``wait`` lets the engine run the pending cycle on the waiting thread
-first (progress on wait, see ``_engine.py``), which resolves the handle itself. Bookkeeping of
-every handle shares one module lock: completions run inside cycles, one at a time, so it is
-never contended there, and a lock per handle would cost an allocation per call.
+state no gate is ever made: ``wait`` lets the scheduler run the pending cycle on the waiting
+thread first (progress on wait, ``_control/scheduler.py``), which resolves the handle itself.
+Bookkeeping of every handle shares one module lock: completions run inside cycles, one at a
+time, so it is never contended there, and a lock per handle would cost an allocation per call.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Any
 
 __all__ = ["Handle"]
 
-# The empty list every handle starts with for its events, completions and kept objects; they
-# are replaced, never appended to, so one shared empty list saves three allocations per call.
+# The empty list every handle starts with for its events and completions; they
+# are replaced, never appended to, so one shared empty list saves two allocations per call.
 _NONE: list[Any] = []
 
 _BOOK = threading.Lock()  # every handle's completion bookkeeping (see the module docstring)
@@ -78,7 +78,6 @@ class Handle:
         "_events",
         "_exc",
         "_gate",
-        "_keep",
         "_ready",
         "_resolved",
         "_result",
@@ -100,8 +99,6 @@ class Handle:
         self._device = -1
         self._ready: Any = None  # the READY event of a device call (all its tensors share it)
         self._waiter: Callable[[Handle, Any], None] | None = None
-        # Objects that must stay alive until the device finished with them (inputs, buffers).
-        self._keep: list[Any] = _NONE
         # The engine's progress function: runs pending cycles on a thread that would block.
         self._driver: Callable[[Handle], None] | None = None
 
@@ -112,13 +109,6 @@ class Handle:
         ``ready`` is the READY event recorded for its inputs."""
         self._waiter, self._async, self._device = waiter, async_completion, device
         self._ready = ready
-
-    def attach_driver(self, driver: Callable[[Handle], None]) -> None:
-        self._driver = driver
-
-    def hold(self, objs: Sequence[Any]) -> None:
-        """Keep ``objs`` alive as long as this handle (inputs the device may still read)."""
-        self._keep = [*self._keep, *objs]
 
     # -- completion, called by hvdlite's threads -----------------------------------------
     def set_result(self, value: Any, events: Sequence[Any] = ()) -> None:
@@ -161,7 +151,6 @@ class Handle:
                 return
             self._exc = exc
             self._done = True
-            self._keep = _NONE
             self._driver = None
             gate = None if self._resolved else self._gate
             self._resolved = True

@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from hvdlite._control.negotiation import Kind, Request
-from hvdlite._control.work import Entry
 from hvdlite._engine import default_engine
 from hvdlite._handles import Handle
+from hvdlite._vocab.entry import Entry
+from hvdlite._vocab.messages import Kind, Request
 
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
            "set_id_of"]
@@ -137,9 +137,9 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 def _agree_set_change(action: int, set_id: int, ranks: tuple[int, ...]) -> int:
     """Agree a process-set change on the global set and wait until every rank applied it."""
     engine = default_engine()
-    engine.check_usable()
+    engine.scheduler.check_usable()
     name = f"process_set.{'add' if action == 0 else 'remove'}.{set_id}"
     handle = Handle(name)
     req = Request(name, Kind.PROCESS_SET, shape=ranks, op=action, root=set_id)
-    engine.submit_one(Entry(req, None, None, handle), False, engine.global_channel)
+    engine.scheduler.submit(Entry(req, None, None, handle), False, engine.global_channel)
     return int(handle.wait())

@@ -1,7 +1,7 @@
 """The one route of every collective call (``hvdlite/_collectives.py`` holds the public
 functions over it), top to bottom in :func:`_submit`:
 
-1. the plan: the name's lane (``_control/replay.py``) if the call repeats it (same layout,
+1. the plan: the name's lane (``_vocab/plans.py``) if the call repeats it (same layout,
    same parameters: a few comparisons, ``Lane.bind``), else a new one built by the template
    (validate the arguments, resolve the tensor, its dtype and device, build the request and
    the output: :func:`_build`), kept as the name's lane;
@@ -22,15 +22,15 @@ import numpy as np
 from hvdlite._adasum import check_size
 from hvdlite._control.channel import Channel
 from hvdlite._control.immediate import DONE, MISS, prepare, run_now
-from hvdlite._control.negotiation import SPECS, Kind, Request
-from hvdlite._control.replay import Call, Lane, Results, span_of
-from hvdlite._control.work import Entry
 from hvdlite._engine import Engine, default_engine
 from hvdlite._handles import Handle
 from hvdlite._lru import Bounded
 from hvdlite._ops import Average, DType, ReduceOp, check_device_dtype, check_op, lookup_dtype
 from hvdlite._sets import set_id_of
 from hvdlite._tensors import TensorRef, identity, wrap
+from hvdlite._vocab.entry import Entry
+from hvdlite._vocab.messages import SPECS, Kind, Request
+from hvdlite._vocab.plans import Call, Lane, Results, span_of
 
 __all__ = ["_submit", "_as_list"]
 
@@ -103,14 +103,16 @@ def _submit(
     stream: Any = None,
     block: bool = False,
     process_set: Any = None,
+    horovod: bool = False,
 ) -> Any:
     """The one template: validate, resolve the process set, the tensor and its stream, look
     up the dtype, build request and output, submit; returns the handle. ``block`` (the
     blocking forms) returns the result instead: the caller waits at once and runs the cycle
     itself, so the background thread is not woken (and a repeated allreduce with nothing else
-    pending takes the immediate path, ``_control/immediate.py``)."""
-    engine = default_engine()
-    engine.check_usable()
+    pending takes the immediate path, ``_control/immediate.py``). ``horovod``: Horovod's
+    reduction rules (``hvdlite.torch``): ``Average`` is a ``Sum`` with ``postscale / set
+    size``, so integer averages truncate toward zero, and bool tensors refuse it."""
+    engine = default_engine()  # a stopped engine refuses the call at submission (or its round)
     channel = (
         engine.global_channel if process_set is None else engine.channel_for(set_id_of(process_set))
     )
@@ -120,12 +122,12 @@ def _submit(
         _check_name(name)
         base = name if name is not None else engine.auto_name(kind.name.lower(), channel.id)
         handle = Handle(base)
-        engine.submit_one(Entry(Request(base, kind), None, None, handle), not block, channel)
+        engine.scheduler.submit(Entry(Request(base, kind), None, None, handle), not block, channel)
         return handle.wait() if block else handle
     # The parameters with their types: 1 == Sum and True == 1.0 compare equal, and must not
     # pass for each other on a lane.
     params = (kind, op, type(op), prescale, type(prescale), postscale, type(postscale), root,
-              type(root), inplace, group, stream)
+              type(root), inplace, group, stream, horovod)
     out = outs[0] if outs is not None else None
     # 1. The call's plan: its name's lane, if the call repeats it ...
     lane = channel.lanes.get(name) if name is not None and splits is None else None
@@ -133,7 +135,9 @@ def _submit(
     if lane is not None:
         steady = engine.tracer.stats.steady
         made = lane.allocated
-        call = lane.bind(tensors, out, inplace, params, engine.reclaim)
+        view = lane.view  # a viewed framework's edge (torch): its cached arrays
+        arrays = tensors if view is None else list(map(view, tensors))
+        call = lane.bind(arrays, tensors, out, inplace, params, engine.reclaim)
         steady["lane_misses" if call is None else "lane_hits"] += 1
         steady["results_allocated"] += lane.allocated - made
         # 2. ... which a blocking allreduce with nothing else pending runs on this thread.
@@ -147,28 +151,29 @@ def _submit(
     if lane is None or call is None:
         # ... or a new plan, built by the template (and kept as the name's lane).
         lane, call = _build(engine, channel, kind, tensors, name, op, root, prescale,
-                            postscale, splits, out, inplace, group, stream, params)
+                            postscale, splits, out, inplace, group, stream, params, horovod)
     # 3. Everything else: the queue, negotiated and run by a cycle.
     entry = call.entry(lane)
     prepare(engine, entry, lane.framework, stream)
-    engine.submit_one(entry, not block, channel)
+    engine.scheduler.submit(entry, not block, channel)
     return entry.handle.wait() if block else entry.handle
 
 
 def _build(engine: Engine, channel: Channel, kind: Kind, tensors: Sequence[Any],
            name: str | None, op: ReduceOp, root: int, prescale: float, postscale: float,
            splits: Sequence[int] | None, out: Any, inplace: bool, group: bool, stream: Any,
-           params: tuple[Any, ...]) -> tuple[Lane, Call]:
+           params: tuple[Any, ...], horovod: bool) -> tuple[Lane, Call]:
     """The template: a new plan (lane) for the call, and the call bound to it."""
     if name is not None and type(name) is not str:
         _check_name(name)
     base = name if name is not None else engine.auto_name(kind.name.lower(), channel.id)
+    size = channel.size if horovod else 0
     if group:
         lane, call, kept = _new_group(channel, kind, tensors, base, op, prescale, postscale,
-                                      inplace, params)
+                                      inplace, params, size)
     else:
         lane, call, kept = _new_single(channel, kind, tensors[0], base, op, root, prescale,
-                                       postscale, splits, out, inplace, params)
+                                       postscale, splits, out, inplace, params, size)
     if stream is not None and lane.device_id >= 0:
         _check_stream(stream, lane.device_id, kind, base)
     engine.tracer.stats.steady["results_allocated"] += lane.allocated
@@ -191,17 +196,20 @@ def _check_stream(stream: Any, device_id: int, kind: Kind, name: str) -> None:
 
 # -- the template, for a call its lane cannot serve ----------------------------------------
 def _validated(kind: Kind, ref: TensorRef, name: str, op: ReduceOp, prescale: float,
-               postscale: float) -> tuple[DType, tuple[int, float, float]]:
+               postscale: float, size: int) -> tuple[DType, tuple[int, float, float]]:
+    """The dtype's row and the checked (op, prescale, postscale) the request carries;
+    ``size`` > 0: Horovod's rules over a set of that size (see :func:`_submit`)."""
     row = lookup_dtype(ref.array.dtype, kind, name)
     try:
         key: tuple[Any, ...] | None = (row.name, ref.device_id >= 0, kind, op, type(op),
-                                       prescale, type(prescale), postscale, type(postscale))
+                                       prescale, type(prescale), postscale, type(postscale),
+                                       size)
         checked = _checked.get(key)  # type: ignore[arg-type]
     except TypeError:  # an unhashable argument: the checks below name it
         key, checked = None, None
     if checked is None:
         checked = _check_reduction(kind, row, ref.is_cuda, op, prescale, postscale,
-                                   _what(kind, name))
+                                   _what(kind, name), size)
         if key is not None:
             _checked.keep(key, checked)
     return row, checked
@@ -209,15 +217,16 @@ def _validated(kind: Kind, ref: TensorRef, name: str, op: ReduceOp, prescale: fl
 
 def _new_single(channel: Channel, kind: Kind, tensor: Any, name: str, op: ReduceOp,
                 root: int, prescale: float, postscale: float, splits: Sequence[int] | None,
-                out: Any, inplace: bool,
-                params: tuple[Any, ...]) -> tuple[Lane, Call, bool]:
+                out: Any, inplace: bool, params: tuple[Any, ...],
+                size: int) -> tuple[Lane, Call, bool]:
     ref = wrap(tensor, kind, name)
-    row, checked = _validated(kind, ref, name, op, prescale, postscale)
+    row, checked = _validated(kind, ref, name, op, prescale, postscale, size)
     fields = _fields(channel, kind, name, ref, row.name, checked, root, splits, "", 0)
     req = channel.remember(name, fields)
     to_user = None if ref.to_user is identity else ref.to_user
     lane = Lane(req, params, ref.array, ref.device_id, ref.framework, to_user,
                 _result_maker(ref.array, ref.device_id) if SPECS[kind].preallocated else None)
+    lane.view, lane.counts, lane.ring = ref.view, ref.counts, ref.ring
     user = None
     if inplace or out is not None:
         output = _output(kind, ref, out, inplace, name)
@@ -225,15 +234,17 @@ def _new_single(channel: Channel, kind: Kind, tensor: Any, name: str, op: Reduce
     else:
         res = lane.result(keep=False)  # kept from the name's second call on
         output = res.views[0] if res is not None else None
-    # A lane matches the caller's array type: only arrays hvdlite uses as they are (not torch
-    # tensors, viewed anew per call).
+        if res is not None and res.user is not None:
+            user = res.user[0]
+    # A lane matches the caller's array type: arrays hvdlite uses as they are, or a viewed
+    # framework's cached views (its edge hands the lane the same array every call).
     return lane, Call(ref.array, output, None, user, ref.array.nbytes), (
-        type(tensor) in _lane_types())
+        ref.view is not None or type(tensor) in _lane_types())
 
 
 def _new_group(channel: Channel, kind: Kind, tensors: Sequence[Any], name: str,
                op: ReduceOp, prescale: float, postscale: float, inplace: bool,
-               params: tuple[Any, ...]) -> tuple[Lane, Call, bool]:
+               params: tuple[Any, ...], size: int) -> tuple[Lane, Call, bool]:
     refs = [wrap(t, kind, f"{name}.{i}") for i, t in enumerate(tensors)]
     devices = {r.device_id for r in refs}
     if len(devices) > 1:
@@ -243,7 +254,7 @@ def _new_group(channel: Channel, kind: Kind, tensors: Sequence[Any], name: str,
     rows = []
     checked: tuple[int, float, float] = (0, 1.0, 1.0)
     for i, ref in enumerate(refs):
-        row, checked = _validated(kind, ref, f"{name}.{i}", op, prescale, postscale)
+        row, checked = _validated(kind, ref, f"{name}.{i}", op, prescale, postscale, size)
         rows.append(row)
     first = refs[0]
     arrays = [r.array for r in refs]
@@ -257,6 +268,7 @@ def _new_group(channel: Channel, kind: Kind, tensors: Sequence[Any], name: str,
     to_user = None if first.to_user is identity else first.to_user
     lane = Lane(req, params, first.array, first.device_id, first.framework, to_user,
                 _group_result_maker(arrays, first.device_id))
+    lane.view, lane.counts = first.view, first.counts
     lane.shapes = shapes
     lane.request_bytes = sum(a.nbytes for a in arrays)
     # A lane matches the same member objects, so it holds them, but only for a name that
@@ -271,10 +283,11 @@ def _new_group(channel: Channel, kind: Kind, tensors: Sequence[Any], name: str,
     else:
         res = lane.result(keep=bool(lane.inputs))
         assert res is not None
-        call = Call(arrays, res.views, res.flat, None, lane.request_bytes)
-    # A lane matches the caller's own objects, so only arrays hvdlite uses as they are (not
-    # torch tensors, viewed anew per call) of one dtype (what matches_group compares).
-    reusable = all(type(t) in _lane_types() for t in tensors) and type(dtype) is str
+        call = Call(arrays, res.views, res.flat, res.user, lane.request_bytes)
+    # A lane matches the caller's own objects (or a viewed framework's cached views of them)
+    # of one dtype (what matches_group compares).
+    reusable = (first.view is not None or all(type(t) in _lane_types() for t in tensors)) \
+        and type(dtype) is str
     return lane, call, reusable
 
 
@@ -349,14 +362,23 @@ def _check_reduction(
     prescale: float,
     postscale: float,
     what: str,
+    size: int = 0,
 ) -> tuple[int, float, float]:
-    """The checks that depend only on the dtype: op, scale factors, device support."""
+    """The checks that depend only on the dtype: op, scale factors, device support.
+    ``size`` > 0: Horovod's rules (``Average`` is a ``Sum`` with ``postscale / size``)."""
     opv = 0
     reduces = SPECS[kind].reduces
     if reduces:
         if op is ReduceOp.ADASUM and kind is not Kind.ALLREDUCE:  # whatever the dtype
             raise NotImplementedError(f"{what}: op Adasum is implemented for allreduce only "
                                       "(as in Horovod); use Sum or Average here")
+        if size and op is ReduceOp.AVERAGE:
+            if row.kind == "bool":
+                raise TypeError(f"{what}: op Average is not defined for bool tensors; use Sum "
+                                "(logical or), Min or Max")
+            prescale = _check_factor(prescale, "prescale_factor", row, what)
+            postscale = _check_factor(postscale, "postscale_factor", row, what) / size
+            op = ReduceOp.SUM
         opv = int(check_op(row, op, what))
         prescale = _check_factor(prescale, "prescale_factor", row, what)
         postscale = _check_factor(postscale, "postscale_factor", row, what)

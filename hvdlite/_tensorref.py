@@ -4,11 +4,24 @@ to the caller's type), shared by the NumPy/CuPy adapter (``_tensors.py``) and th
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["TensorRef", "identity", "label"]
+__all__ = ["TensorRef", "Ring", "identity", "label"]
+
+
+class Ring:
+    """A viewed framework's recycled results of one input tensor (``_vocab/plans.py``'s
+    ``Lane.result`` keeps them here instead of on the lane): they outlive a lane that the
+    response cache let go, and go with the tensor. ``used``: the tensor had an output before
+    (its first keeps none, so a tensor reduced once holds no spare memory)."""
+
+    __slots__ = ("sets", "used")
+
+    def __init__(self) -> None:
+        self.sets: list[Any] = []
+        self.used = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -18,6 +31,13 @@ class TensorRef:
     ``array`` is a NumPy array for host memory or a CuPy array for device memory (a torch
     tensor is viewed without a copy); ``device`` is "cpu" or "cuda:<id>"; ``to_user`` turns an
     array of the same kind back into the caller's framework type.
+
+    A framework whose tensors are viewed (torch) also gives the edge of the call route:
+    ``view`` maps a caller's tensor to its cached array (the same object while the tensor
+    holds the same memory, so a lane matches it; anything else comes back as it is), and
+    ``counts`` measures who refers to result tensors handed out (``_vocab/plans.py``'s
+    recycling), views of their storage included; ``ring`` keeps a single tensor's recycled
+    results with the tensor (:class:`Ring`).
     """
 
     array: Any
@@ -25,6 +45,9 @@ class TensorRef:
     framework: str
     to_user: Callable[[Any], Any]
     device_id: int = -1  # CUDA device ordinal; -1 for host memory
+    view: Callable[[Any], Any] | None = None
+    counts: Callable[[Sequence[Any]], list[int]] | None = None
+    ring: Ring | None = None
 
     @property
     def is_cuda(self) -> bool:

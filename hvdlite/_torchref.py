@@ -14,16 +14,17 @@ Imported only once a torch tensor is seen, so ``import hvdlite`` never imports t
 
 from __future__ import annotations
 
+import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from hvdlite._tensorref import TensorRef, label
+from hvdlite._tensorref import Ring, TensorRef, label
 
-__all__ = ["array_of", "ref_of", "stream_of", "to_torch", "numpy_dtype"]
+__all__ = ["array_of", "ref_of", "view", "counts", "stream_of", "to_torch", "numpy_dtype"]
 
 # torch dtype -> NumPy type string; bfloat16 and the float8 types have no NumPy twin.
 _TYPESTR: dict[torch.dtype, str] = {
@@ -53,7 +54,7 @@ class _Iface:
 
 
 class _Entry:
-    __slots__ = ("alive", "ptr", "shape", "dtype", "array", "ref", "device", "memo", "outs")
+    __slots__ = ("alive", "ptr", "shape", "dtype", "array", "ref")
 
     def __init__(self, alive: Any, ptr: int, shape: Any, dtype: torch.dtype, array: Any,
                  ref: TensorRef) -> None:
@@ -63,10 +64,6 @@ class _Entry:
         self.dtype = dtype
         self.array = array
         self.ref = ref
-        self.device = ref.device_id  # CUDA ordinal, -1 on the host
-        self.memo: Any = None  # the last call's checked facts, kept by hvdlite.torch
-        # Output tensors hvdlite.torch may hand out again (None until its first output).
-        self.outs: list[Any] | None = None
 
 
 _views: dict[int, _Entry] = {}
@@ -87,6 +84,30 @@ def _lookup(t: torch.Tensor) -> _Entry | None:
             and entry.dtype is t.dtype and t.is_contiguous() and entry.alive() is t):
         return entry
     return None
+
+
+def view(t: Any) -> Any:
+    """The edge of the call route: ``t``'s cached array if ``t`` still holds the memory it
+    covers (the same object every call, so the core's lane matches it), else ``t`` itself
+    (the lane then misses and the call is built anew)."""
+    entry = _views.get(id(t))
+    if (entry is not None and entry.ptr == t.data_ptr() and entry.shape == t.shape
+            and entry.dtype is t.dtype and t.is_contiguous()):
+        return entry.array
+    return t
+
+
+_storage_users: Callable[[int], int] = torch._C._storage_Use_Count
+
+
+def counts(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """Who refers to result tensors handed out: each one's reference count and its storage's
+    use count (a view the caller made of a result holds the storage, not the tensor)."""
+    out = []
+    for t in tensors:
+        out.append(sys.getrefcount(t))
+        out.append(_storage_users(t.untyped_storage()._cdata))
+    return out
 
 
 def array_of(t: torch.Tensor, what: Any, name: str | None = None) -> Any:
@@ -134,10 +155,10 @@ def _insert(t: torch.Tensor, what: str) -> _Entry:
         index = t.get_device()
         array = _cupy_view(t, storage, shape)
         device = _CUDA_NAMES[index] if index < len(_CUDA_NAMES) else f"cuda:{index}"
-        ref = TensorRef(array, device, "torch", torch.from_dlpack, index)
+        ref = TensorRef(array, device, "torch", torch.from_dlpack, index, view, counts, Ring())
     elif t.device.type == "cpu":
         array = np.asarray(_Iface(storage, t.data_ptr(), shape, typestr))
-        ref = TensorRef(array, "cpu", "torch", torch.from_numpy)
+        ref = TensorRef(array, "cpu", "torch", torch.from_numpy, -1, view, counts, Ring())
     else:
         raise TypeError(f"{what}: torch tensors on device {t.device} are not supported "
                         "(cpu, cuda)")
@@ -157,24 +178,12 @@ def _cupy_view(t: torch.Tensor, storage: Any, shape: tuple[int, ...]) -> Any:
                         memptr=cupy.cuda.MemoryPointer(mem, 0))
 
 
-_streams: dict[tuple[int, int], Any] = {}
-_raw_stream: Callable[[int], int] | None = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-
-
 def stream_of(device_id: int) -> Any:
     """torch's current stream on ``device_id`` as a CuPy stream object, made once per stream
-    (``torch.cuda.current_stream`` builds a new object every call)."""
-    if _raw_stream is not None:
-        handle = _raw_stream(device_id)
-    else:
-        handle = torch.cuda.current_stream(device_id).cuda_stream
-    key = (device_id, handle)
-    stream = _streams.get(key)
-    if stream is None:
-        import cupy
+    (``hvdlite/_gpu/runtime.py``'s ``current_stream``)."""
+    from hvdlite._gpu.runtime import current_stream
 
-        stream = _streams[key] = cupy.cuda.ExternalStream(handle, device_id)
-    return stream
+    return current_stream("torch", device_id)
 
 
 def to_torch(array: Any) -> torch.Tensor:

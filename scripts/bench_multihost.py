@@ -161,7 +161,7 @@ def summarise(raw: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 def _request_bytes(n: int = 1000) -> int:
     sys.path.insert(0, str(REPO))
-    from hvdlite._control.negotiation import Kind, Request, pack_request
+    from hvdlite._vocab.messages import Kind, Request, pack_request
 
     reqs = [pack_request(Request(f"c2.n{n}.{i:04d}", Kind.ALLREDUCE, "float32", (1,)))
             for i in range(n)]

@@ -10,24 +10,48 @@ and raises on a transport failure (the engine fails the bucket's entries and sto
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from hvdlite._control.negotiation import Response
-    from hvdlite._control.work import Entry
+    from hvdlite._vocab.entry import Entry
+    from hvdlite._vocab.messages import Response
 
 __all__ = ["Backend"]
 
 
 class Backend(Protocol):
-    """A data plane for one kind of memory."""
+    """A data plane for one kind of memory: every method any caller uses, one signature.
+
+    Not thread-safe: called under the scheduler's cycle lock only (``shutdown`` and
+    ``abort`` after the cycles stopped)."""
 
     def run(self, bucket: list[Response], entries: list[Entry | None]) -> None:
         """Execute one agreed bucket; ``entries[i]`` is None where this rank has joined (it
-        contributes the op's identity and receives nothing). Not thread-safe: the engine
-        calls it under its cycle lock only."""
+        contributes the op's identity and receives nothing)."""
+        ...
+
+    def direct(self, resp: Response) -> Any:
+        """What :meth:`reduce_now` needs for ``resp`` when it is one allreduce of one tensor
+        this transport runs as a single call (opaque to the caller), else None."""
+        ...
+
+    def reduce_now(self, resp: Response, src: Any, out: Any, spec: Any, device_id: int = -1,
+                   stream: Any = None) -> Any:
+        """``out = allreduce(src)`` at once, on the calling thread (a cycle of one tensor
+        alone, ``_control/immediate.py``); ``spec`` from :meth:`direct`; device memory: on
+        ``stream`` (the caller's) of device ``device_id``."""
+        ...
+
+    def unit_now(self, resp: Response, members: Any, outputs: Any, span: Any,
+                 device_id: int = -1, stream: Any = None) -> bool:
+        """Reduce a grouped call (one unit) at once, on the calling thread; False (nothing
+        done) if this transport cannot for ``resp`` (mixed dtypes, joined ranks, ...)."""
+        ...
+
+    def abort(self) -> None:
+        """The job is ending with an error: unblock anything waiting on the transport."""
         ...
 
     def shutdown(self) -> None:
-        """Release the transport's resources (after the engine stopped calling ``run``)."""
+        """Release the transport's resources (after the cycles stopped calling ``run``)."""
         ...

@@ -15,13 +15,13 @@ import numpy as np
 from mpi4py import MPI
 
 from hvdlite._adasum import adasum
-from hvdlite._control.failures import FailureChannel
-from hvdlite._control.fusion import FusionBuffers
-from hvdlite._control.negotiation import Kind, Response, is_unit
-from hvdlite._control.replay import unit_groups
-from hvdlite._control.work import Entry, finish_all
+from hvdlite._backends.failures import FailureChannel
 from hvdlite._observe.tracer import Tracer
 from hvdlite._ops import DTYPES, DType, ReduceOp, finish_reduce, scale_into
+from hvdlite._vocab.entry import Entry, finish_all
+from hvdlite._vocab.fusion import FusionBuffers
+from hvdlite._vocab.messages import Kind, Response, is_unit
+from hvdlite._vocab.plans import unit_groups
 from hvdlite.errors import HvdliteError
 
 __all__ = ["MPIBackend", "mpi_datatype", "mpi_op"]
@@ -129,6 +129,9 @@ class MPIBackend:
         if entries[0] is not None:
             entries[0].finish(out)
 
+    def abort(self) -> None:
+        """Nothing to abort: every host wait polls the peers' failure notice."""
+
     def shutdown(self) -> None:
         """Nothing to release: the engine frees the communicator and the fusion buffers."""
 
@@ -186,13 +189,15 @@ class MPIBackend:
         row, op = spec[0], spec[1]
         if entry is None:
             out = np.full(head.shape, row.identity(op), dtype=row.np_dtype)
-            self.reduce_one(head, out, out, spec, names)
+            self.reduce_now(head, out, out, spec, names=names)
         else:
-            entry.finish(self.reduce_one(head, entry.array, entry.output, spec, names))
+            entry.finish(self.reduce_now(head, entry.array, entry.output, spec, names=names))
 
-    def reduce_one(self, head: Response, src: np.ndarray, out: np.ndarray, spec: _Spec,
+    def reduce_now(self, head: Response, src: np.ndarray, out: np.ndarray, spec: _Spec,
+                   device_id: int = -1, stream: Any = None,
                    names: list[str] = _NO_NAMES) -> np.ndarray:
-        """``out = allreduce(src)`` for one tensor of a native MPI type; returns ``out``."""
+        """``out = allreduce(src)`` for one tensor of a native MPI type; returns ``out``
+        (host memory: ``device_id`` and ``stream`` unused)."""
         row, op, mtype, _, mop, _ = spec
         if head.prescale != 1.0:
             scale_into(np, out, src, head.prescale)
@@ -208,15 +213,17 @@ class MPIBackend:
             finish_reduce(np, out, op, self.size, head.postscale, row)
         return out
 
-    def unit_now(self, resp: Response, members: Any, outputs: Any, span: Any) -> bool:
-        """Reduce a grouped call of one dtype (the immediate path); False for mixed dtypes."""
+    def unit_now(self, resp: Response, members: Any, outputs: Any, span: Any,
+                 device_id: int = -1, stream: Any = None) -> bool:
+        """Reduce a grouped call of one dtype (the immediate path); False for mixed dtypes
+        (host memory: ``device_id`` and ``stream`` unused)."""
         if type(resp.dtype) is not str or resp.joined:
             return False
         self._reduce(resp, resp.dtype, members, outputs, span, _NO_NAMES)
         return True
 
     def direct(self, head: Response) -> _Spec | None:
-        """What :meth:`reduce_one` needs for ``head``, if it is one (not grouped) allreduce
+        """What :meth:`reduce_now` needs for ``head``, if it is one (not grouped) allreduce
         of a native MPI type; else None."""
         if head.kind is not Kind.ALLREDUCE or is_unit(head) or head.joined:
             return None

@@ -20,16 +20,16 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from hvdlite._control.fusion import FusionBuffers, nbytes
-from hvdlite._control.negotiation import Kind, Response, is_unit
-from hvdlite._control.replay import unit_groups
-from hvdlite._control.work import Entry
 from hvdlite._gpu.fused import FusedAllreduce, Phase, Reduction, group, transport_name
 from hvdlite._gpu.placement import Placement
 from hvdlite._gpu.runtime import DeviceContext, GpuRuntime
 from hvdlite._lru import Bounded
 from hvdlite._observe.tracer import Tracer
 from hvdlite._ops import DTYPES, DType, ReduceOp, finish_reduce, nccl_wire
+from hvdlite._vocab.entry import Entry
+from hvdlite._vocab.fusion import FusionBuffers, nbytes
+from hvdlite._vocab.messages import Kind, Response, is_unit
+from hvdlite._vocab.plans import unit_groups
 from hvdlite.config import Config
 
 __all__ = ["NcclBackend"]
@@ -146,17 +146,17 @@ class NcclBackend:
             return None
         return self._direct_op(resp)
 
-    def reduce_now(self, src: Any, out: Any, device_id: int, stream: Any,
-                   direct: tuple[int, int, int]) -> None:
+    def reduce_now(self, resp: Response, src: Any, out: Any, spec: tuple[int, int, int],
+                   device_id: int = -1, stream: Any = None) -> None:
         """``out = allreduce(src)`` as one NCCL call on the caller's ``stream`` (the immediate
         path, see ``_control/immediate.py``: nothing else is pending, so the caller's stream
         orders the call exactly as a READY wait on hvdlite's stream would)."""
         comm = self._comms.get(device_id) or self.communicator(device_id, src.nbytes)
-        dtype, per, op = direct
+        dtype, per, op = spec
         comm.allReduce(src.data.ptr, out.data.ptr, src.size * per, dtype, op, stream.ptr)
 
-    def unit_now(self, resp: Response, members: Any, outputs: Any, span: Any, device_id: int,
-                 stream: Any) -> bool:
+    def unit_now(self, resp: Response, members: Any, outputs: Any, span: Any,
+                 device_id: int = -1, stream: Any = None) -> bool:
         """Reduce a grouped call in its span on the caller's ``stream`` (the current one), as
         :meth:`_allreduce` would on hvdlite's (the immediate path: sync completion only, so
         the stream is synchronised before anything else can use the plan). False if it is

@@ -16,13 +16,13 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from hvdlite._control.fusion import FusionBuffers, nbytes, plan_buckets
-from hvdlite._control.negotiation import SPECS, Request, Response
-from hvdlite._control.replay import Lanes
-from hvdlite._control.work import Entry
 from hvdlite._lru import Bounded
+from hvdlite._vocab.entry import Entry
+from hvdlite._vocab.fusion import FusionBuffers, nbytes, plan_buckets
+from hvdlite._vocab.messages import SPECS, Request, Response
+from hvdlite._vocab.plans import Lanes
 from hvdlite.config import Config
-from hvdlite.errors import BackendUnavailableError, HvdliteError, MismatchError, StallError
+from hvdlite.errors import BackendUnavailableError, HvdliteError, MismatchError
 
 if TYPE_CHECKING:
     from mpi4py import MPI
@@ -58,7 +58,7 @@ class Channel:
         self.in_flight: set[str] = set()
         # Per tensor name: the last request (a call whose parameters did not change reuses
         # it, so the cache matches it by identity, see ResponseCache.lookup) and the steady
-        # state of its calls (_control/replay.py). A name leaves both when the response cache
+        # state of its calls (_vocab/plans.py). A name leaves both when the response cache
         # lets it go (forget, agreed), so they hold the cached names; the bound (oldest out,
         # hvdlite/_lru.py) leaves room for as many names again in flight or never cached.
         capacity = config.cache_capacity
@@ -71,9 +71,6 @@ class Channel:
         self._gpu = gpu
         self._agreed = agreed  # the engine's executor for set changes (agreed on this set)
         self._buckets = buckets
-
-    def global_rank(self, set_rank: int) -> int:
-        return self.ranks[set_rank]
 
     def remember(self, name: str, fields: tuple[Any, ...]) -> Request:
         """The request for ``fields``: the name's last one if nothing changed (any thread)."""
@@ -160,11 +157,10 @@ class Channel:
 
     def _run_bucket(self, bucket: list[Response], entries: list[Entry | None]) -> None:
         head = bucket[0]
-        if head.error:  # the ranks disagreed (or a stall was declared): nothing runs
-            cls = StallError if head.error.startswith("stall:") else MismatchError
+        if head.error:  # the ranks disagreed: nothing runs
             for e in entries:
                 if e is not None:
-                    e.fail(cls(head.error.removeprefix("stall: ")))
+                    e.fail(MismatchError(head.error))
             return
         spec = SPECS[head.kind]
         if spec.result is not None or spec.engine_action:  # an agreement only
@@ -190,7 +186,7 @@ class Channel:
     def abort_device(self) -> None:
         """The job is ending with an error: abort this set's NCCL communicators (the NCCL
         watchdog: see ``NcclBackend.abort``)."""
-        backend: Any = self.backends.get("cuda")
+        backend = self.backends.get("cuda")
         if backend is not None:
             backend.abort()
 

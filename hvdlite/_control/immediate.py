@@ -1,6 +1,6 @@
 """The immediate path of a blocking allreduce: one cached tensor, nothing else pending.
 
-A blocking call that repeats its lane (same name, layout and parameters, ``_control/replay.py``)
+A blocking call that repeats its lane (same name, layout and parameters, ``_vocab/plans.py``)
 while nothing else is pending on this rank needs no queue, no entry, no handle and no thread
 hand-off. The calling thread takes the cycle lock, runs the cycle's round for that one cached
 tensor and, when every rank agreed on it alone, runs the collective at once and returns the
@@ -23,17 +23,30 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from hvdlite._control.driver import POKE, Owner, cached_alone
-from hvdlite._control.negotiation import Response
-from hvdlite._control.replay import Call, Lane
-from hvdlite._control.work import Entry
+from hvdlite._control.scheduler import POKE
+from hvdlite._vocab.entry import Entry
+from hvdlite._vocab.messages import Response
+from hvdlite._vocab.plans import Call, Lane
 
 _WAIT_FOR_LOOP_S = 0.005  # longest wait of a blocking call for the background thread's cycle
 
 if TYPE_CHECKING:
+    from hvdlite._backends.base import Backend
     from hvdlite._control.channel import Channel
+    from hvdlite._control.scheduler import Scheduler
+    from hvdlite._gpu.runtime import GpuRuntime
+    from hvdlite._observe.tracer import Tracer
+
+
+class Owner(Protocol):
+    """What the immediate path uses of the engine: its scheduler and its device runtime."""
+
+    scheduler: Scheduler
+    tracer: Tracer
+
+    def gpu_runtime(self) -> GpuRuntime: ...
 
 __all__ = ["DONE", "MISS", "run_now", "prepare"]
 
@@ -45,21 +58,23 @@ def run_now(engine: Owner, channel: Channel, lane: Lane, call: Call, stream: Any
     returns :data:`DONE` once its collective ran, a :class:`~hvdlite.Handle` to wait on if
     the round agreed on more than this call (the call became an ordinary entry), or
     :data:`MISS` if the call must be submitted the general way."""
-    driver = engine.driver
-    lock = driver.cycle_lock
+    sched = engine.scheduler
+    if sched.capture_thread is not None:
+        return MISS  # the general path refuses it (Scheduler.check_usable)
+    lock = sched.cycle_lock
     if not lock.acquire(blocking=False):
         # Only the background thread's cycle (most often the short one after a burst of
         # asynchronous calls) is worth waiting for, and only briefly. Another thread holding
         # the lock may be waiting for a tensor the peers need this very call to submit first
         # (a deadlock if this call blocked): the general path queues it without the lock.
-        if not driver.in_background:
+        if not sched.in_background:
             return MISS
-        if driver.napping:
-            driver.wake.put(POKE)
+        if sched.napping:
+            sched.wake.put(POKE)
         if not lock.acquire(timeout=_WAIT_FOR_LOOP_S):
             return MISS
     try:
-        found = cached_alone(engine, channel, lane.request, 0)
+        found = sched.cached_alone(channel, lane.request, 0)
         if found is None:
             return MISS
         slot, resp, backend = found
@@ -77,7 +92,7 @@ def prepare(engine: Owner, entry: Entry, framework: str, stream: Any) -> None:
     the cycle orders hvdlite's stream after it (cudaStreamWaitEvent) instead of waiting for
     the producer on the CPU."""
     if entry.device_id >= 0:
-        runtime = engine._gpu or engine.gpu_runtime()
+        runtime = engine.gpu_runtime()
         device_id = entry.device_id
         entry.ready = runtime.record_ready(framework, device_id, stream)
         entry.handle.attach_device(runtime.stream_waiter(framework, device_id),
@@ -92,7 +107,7 @@ def _target(lane: Lane, stream: Any) -> Any:
     return current_stream(lane.framework, lane.device_id)
 
 
-def _single_step(engine: Owner, lane: Lane, call: Call, resp: Response, backend: Any,
+def _single_step(engine: Owner, lane: Lane, call: Call, resp: Response, backend: Backend,
                  stream: Any) -> Callable[[], object] | None:
     """The data step of a single tensor once the round agreed on it alone (None: it cannot
     run here)."""
@@ -101,19 +116,19 @@ def _single_step(engine: Owner, lane: Lane, call: Call, resp: Response, backend:
         return None
     tensor, output = call.inputs, call.output
     if lane.device_id < 0:
-        return lambda: backend.reduce_one(resp, tensor, output, spec)
+        return lambda: backend.reduce_now(resp, tensor, output, spec)
     sync = not engine.gpu_runtime().async_completion
 
     def step() -> None:
         target = _target(lane, stream)
-        backend.reduce_now(tensor, output, lane.device_id, target, spec)
+        backend.reduce_now(resp, tensor, output, spec, lane.device_id, target)
         if sync:
             target.synchronize()
 
     return step
 
 
-def _unit_step(engine: Owner, lane: Lane, call: Call, resp: Response, backend: Any,
+def _unit_step(engine: Owner, lane: Lane, call: Call, resp: Response, backend: Backend,
                stream: Any) -> Callable[[], object] | None:
     """The data step of a grouped call (one unit) once the round agreed on it alone."""
     if type(resp.dtype) is not str or resp.joined:
@@ -140,35 +155,21 @@ def _unit_step(engine: Owner, lane: Lane, call: Call, resp: Response, backend: A
 
 def _cycle(engine: Owner, channel: Channel, lane: Lane, call: Call, slot: int,
            step: Callable[[], object], stream: Any) -> Any:
-    neg = channel.negotiator
-    name, nbytes = lane.request.name, call.nbytes
-    neg.in_caller = channel.mpi.in_caller = True
+    """The call's cycle alone (``Scheduler.cycle_alone``); DONE, or the handle of the call
+    adopted as an entry when its round agreed on more."""
+    nbytes = call.nbytes
     t0 = time.perf_counter()
-    engine.driver.last_cycle = t0
-    engine.reclaim()
-    try:
-        now = time.monotonic()
-        hits, invalid = neg.round_one(slot, name, now)
-        if neg.agreed_one(slot, hits, invalid) is None:
-            # Other work in this round: the general cycle takes it from here.
-            entry = call.entry(lane)
-            prepare(engine, entry, lane.framework, stream)
-            engine.driver.adopt(channel, entry,
-                                lambda: neg.conclude(hits, invalid, channel.entries, False,
-                                                     now))
-            return entry.handle
-        step()
-        if not channel.entries and not engine._queue:
-            neg.settle()
-    except BaseException as exc:  # a failure inside the round: sticky, as in any cycle
-        engine._die(exc)
-        if engine._error is not None and engine._error is not exc:
-            raise engine._error from exc
-        raise
+
+    def as_entry() -> Entry:
+        entry = call.entry(lane)
+        prepare(engine, entry, lane.framework, stream)
+        return entry
+
+    handle = engine.scheduler.cycle_alone(channel, slot, lane.request.name,
+                                          lambda _agreed: step(), as_entry, True)
+    if handle is not None:
+        return handle
     stats = engine.tracer.stats
     stats.record_bucket(1, nbytes, nbytes)
     stats.record_op("allreduce", nbytes, time.perf_counter() - t0)
-    interrupt = neg.failures.take_deferred()
-    if interrupt is not None:
-        raise interrupt  # held while the peers were in the round (see Driver._caller_cycle)
     return DONE

@@ -25,22 +25,21 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from hvdlite._control.failures import FailureChannel
-from hvdlite._control.negotiation import (
+from hvdlite._backends.failures import FailureChannel
+from hvdlite._control.negotiation import CoordinatorTable, ResponseCache
+from hvdlite._control.stall import StallInspector
+from hvdlite._observe.tracer import Tracer
+from hvdlite._vocab.entry import Entry
+from hvdlite._vocab.messages import (
     SPECS,
-    CoordinatorTable,
     Kind,
     Request,
     Response,
-    ResponseCache,
     pack_request,
     pack_response,
     unpack_request,
     unpack_response,
 )
-from hvdlite._control.stall import StallInspector
-from hvdlite._control.work import Entry
-from hvdlite._observe.tracer import Tracer
 from hvdlite.config import Config
 from hvdlite.errors import HvdliteError, ShutdownError, StallError
 
@@ -110,7 +109,6 @@ class Negotiator:
         self._uncached: list[Request] = []
         self._invalid: set[int] = set()
         self._hits: dict[int, tuple[str, float]] = {}  # slot -> (name, since)
-        self.cycles = 0
         self.cache_hits = 0
         self.failures = FailureChannel(comm, comm.bcast(time.time_ns() if self.rank == 0
                                                         else None))
@@ -134,11 +132,6 @@ class Negotiator:
         self._next_demote = 0.0
 
     # -- pacing ------------------------------------------------------------------------
-    @property
-    def busy(self) -> bool:
-        """Whether the last cycle moved work (on any rank)."""
-        return self._busy
-
     def next_wait_s(self, has_pending: bool) -> float:
         """How long the loop may sleep before the next cycle if nothing is enqueued."""
         if self._unready:  # a producer may finish any moment: look again soon
@@ -153,7 +146,6 @@ class Negotiator:
     def cycle(self, new: list[Entry], entries: dict[str, Entry], stopping: bool,
               expecting_stall: bool = False) -> CycleResult:
         now = time.monotonic()
-        self.cycles += 1
         if self._unready:
             self._unready = [e for e in self._unready if not self._released(e, entries, now)]
         for e in new:
@@ -182,28 +174,32 @@ class Negotiator:
         submission starts a round at once; stalls are still seen by the backed-off rounds."""
         self._busy = False
 
-    # -- one cached tensor alone (see _control/immediate.py) -------------------------------
-    def idle(self) -> bool:
-        """Nothing of this rank's is held back, waiting for peers or due to be sent."""
-        return not (self._unready or self._uncached or self._invalid or self._hits
-                    or self._join is not None or self.announce_now is not None)
+    # -- one cached tensor alone (Scheduler.cycle_alone) -----------------------------------
+    def cached(self, request: Request) -> tuple[int, Response] | None:
+        """(slot, cached response) when a cycle may run for ``request`` alone: its response
+        is cached under the same request, and nothing of this rank's is held back, waiting
+        for peers or due to be sent."""
+        if (self._unready or self._uncached or self._invalid or self._hits
+                or self._join is not None or self.announce_now is not None):
+            return None
+        return self.cache.cached(request)
 
-    def round_one(self, slot: int, name: str, now: float) -> tuple[list[int], list[int]]:
+    def round_alone(self, slot: int, name: str,
+                    now: float) -> tuple[Response | None, list[int], list[int]]:
         """The round of a cycle whose only local work is the cached tensor ``name`` (its
-        slot): what :meth:`cycle` would send for it, without an entry behind it."""
-        self.cycles += 1
+        slot): what :meth:`cycle` would send for it, without an entry behind it. Returns
+        (its response, if the round agreed on it and nothing else: the cycle is over and
+        nothing of this rank's is left, so the next rounds may back off; else None: finish
+        the cycle with :meth:`conclude`), and the round's hits and invalid slots."""
         self._hits[slot] = (name, now)
         self._busy = True
-        return self._allreduce(PENDING | self._local_flags({}, False, now))
-
-    def agreed_one(self, slot: int, hits: list[int], invalid: list[int]) -> Response | None:
-        """The response of ``slot`` if the round just run agreed on it and nothing else (then
-        the cycle is over), else None (finish the cycle with :meth:`conclude`)."""
+        hits, invalid = self._allreduce(PENDING | self._local_flags({}, False, now))
         if invalid or hits != [slot] or self._seen & (SHUTDOWN | JOINED | UNCACHED | ROUND):
-            return None
+            return None, hits, invalid
         (resp,) = self._take_hits(hits)
         self.tracer.stats.record_cache(1, 0)
-        return resp
+        self._busy = False
+        return resp, hits, invalid
 
     def conclude(self, hits: list[int], invalid: list[int], entries: dict[str, Entry],
                  stopping: bool, now: float, sent: int = 0) -> CycleResult:
@@ -277,7 +273,7 @@ class Negotiator:
         # A stall check needs a full round, but only while the coordinator's table holds a
         # tensor some rank is waiting on: an idle job's rounds stay one small allreduce (a
         # full round's blocking gather spins until the napping peers arrive: ~2% of a core).
-        if self.table is not None and self.table.has_pending() and self.stall.due(now):
+        if self.table is not None and self.stall.due(now) and self.table.has_pending():
             flags |= ROUND
         return flags
 
@@ -372,8 +368,7 @@ class Negotiator:
         out = []
         for slot in slots:
             self._hits.pop(slot, None)
-            self.cache.touch(slot)
-            out.append(self.cache.response(slot))
+            out.append(self.cache.take(slot))
         self.cache_hits += len(out)
         if out and self.tracer.timeline is not None:
             self.tracer.ready_tick(self.rank, [r.name for r in out], cached=True)

@@ -11,7 +11,7 @@ Two shapes of work reach here, both on hvdlite's stream, in the agreed order:
   NCCL call and copied out by one kernel. Every NCCL call of the bucket is one NCCL group.
 
 The kernels read their pointer tables from device memory. A table is built and uploaded once
-per bucket (its :class:`~hvdlite._control.replay.MemberPlan`) and re-uploaded only when an
+per bucket (its :class:`~hvdlite._vocab.plans.MemberPlan`) and re-uploaded only when an
 address changed, so a repeated step launches with no host-to-device copy at all::
 
     hvdlite stream:  [copy-in kernel] -> [NCCL group: directs + fused region] -> [copy-out]
@@ -26,12 +26,12 @@ from typing import Any
 
 import numpy as np
 
-from hvdlite._control.fusion import FusionBuffers
-from hvdlite._control.replay import MemberPlan
 from hvdlite._gpu.kernels import batched_copy
 from hvdlite._gpu.runtime import DeviceContext
 from hvdlite._lru import Bounded
 from hvdlite._ops import DType, ReduceOp, finish_reduce, scale_into
+from hvdlite._vocab.fusion import FusionBuffers
+from hvdlite._vocab.plans import MemberPlan
 
 __all__ = ["FusedAllreduce", "Reduction", "group", "transport_name"]
 

@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from hvdlite._control.work import finish_all
 from hvdlite._observe.tracer import Tracer
+from hvdlite._vocab.entry import finish_all
 from hvdlite.errors import BackendUnavailableError
 
 __all__ = ["GpuRuntime", "import_cupy", "current_stream"]
@@ -61,15 +61,25 @@ def import_cupy() -> Any:
     return cupy
 
 
+_torch_streams: dict[tuple[int, int], Any] = {}
+
+
 def current_stream(framework: str, device_id: int) -> Any:
-    """The caller's current stream on ``device_id`` as a CuPy stream object."""
+    """The caller's current stream on ``device_id`` as a CuPy stream object (torch's: made
+    once per torch stream; ``torch.cuda.current_stream`` builds a new object every call)."""
     import cupy
 
     if framework == "torch":
         import torch
 
-        ts = torch.cuda.current_stream(device_id)
-        return cupy.cuda.ExternalStream(ts.cuda_stream, device_id)
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        handle = (raw(device_id) if raw is not None
+                  else torch.cuda.current_stream(device_id).cuda_stream)
+        key = (device_id, handle)
+        stream = _torch_streams.get(key)
+        if stream is None:
+            stream = _torch_streams[key] = cupy.cuda.ExternalStream(handle, device_id)
+        return stream
     return cupy.cuda.get_current_stream(device_id)
 
 
@@ -167,7 +177,7 @@ class Retirer:
             collections.deque())
         self._limit = limit
         # Cycles retire under the cycle lock, and a caller may retire too before it reuses
-        # result arrays (see _control/replay.py): whoever gets this lock retires, the other
+        # result arrays (see _vocab/plans.py): whoever gets this lock retires, the other
         # skips (the work is the same).
         self._lock = threading.Lock()
 

@@ -9,13 +9,8 @@ The writer wakes every ``flush_interval_s`` (50 ms) and as soon as ``flush_event
 events are waiting, and writes ``_BATCH`` (1024) records per ``pwrite`` (plus the rest of the
 item that crossed it), so an event is on disk within about 100 ms of being recorded.
 
-Signals. A writer made on the main thread hooks SIGTERM (and SIGINT when its handler is not
-Python's default ``KeyboardInterrupt`` one, which already ends through ``atexit``): the hook
-writes every queued event of every open timeline, then hands the signal on to the handler that
-was there before (a user's handler runs as before; ``SIG_DFL``: every timeline is closed and
-the signal is re-raised with its default action, so the process still dies by it). A handler
-installed later replaces the hook and is never overwritten; when the last timeline closes, the
-hook gives the signal back only if it is still the installed handler.
+Signals: a writer made on the main thread hooks SIGTERM (and SIGINT) so that every queued
+event reaches the file first (``hvdlite/_observe/signals.py``).
 The layout, phases and args are specified in ``timeline/FORMAT.md``.
 """
 
@@ -26,12 +21,12 @@ import collections
 import json
 import logging
 import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
-from types import FrameType
 from typing import Any
+
+from hvdlite._observe import signals
 
 __all__ = ["Timeline", "TRACE_VERSION"]
 
@@ -47,7 +42,6 @@ _NAME_ROOM = 200  # a track's two metadata records, less twice its name
 _PROCESS_TRACK = "hvdlite"  # thread_name of tid 0: cycle marks and tensor-less events
 _Item = tuple[str, Any, str, float, Any, float]  # (kind, tensor(s), name, ts, args, dur)
 _MEMO_MAX = 4096  # encoded args kept for reuse (cleared when full)
-_SIGNAL_FLUSH_S = 5.0  # the signal hook waits this long at most for a writer
 
 
 def _json_default(obj: Any) -> Any:
@@ -161,9 +155,9 @@ class Timeline:
         self._thread = threading.Thread(target=self._run, name="hvdlite-timeline", daemon=True)
         self._thread.start()
         atexit.register(self.close)
-        _LIVE.add(self)
+        signals.LIVE.add(self)
         if hook_signals:
-            _hook_signals()
+            signals.hook()
 
     # ---------------------------------------------------------------- caller side (hot path)
 
@@ -261,9 +255,9 @@ class Timeline:
                 return
         self._closed = True
         atexit.unregister(self.close)
-        _LIVE.discard(self)
-        if not _LIVE:
-            _unhook_signals()
+        signals.LIVE.discard(self)
+        if not signals.LIVE:
+            signals.unhook()
 
     # ---------------------------------------------------------------- writer thread
 
@@ -561,61 +555,3 @@ class Timeline:
             else:
                 os.replace(f"{self.path}.{k}", f"{self.path}.{k + 1}")
         os.replace(self.path, f"{self.path}.1")
-
-
-# ---------------------------------------------------------------------------------------------
-# Signal hook: every queued event reaches the file before a SIGTERM (or SIGINT) takes effect
-# ---------------------------------------------------------------------------------------------
-
-_LIVE: set[Timeline] = set()  # open timelines of this process
-_HOOKED: dict[int, Any] = {}  # signal -> the handler the hook hands it on to
-_in_hook: set[int] = set()
-
-
-def _hook_signals() -> None:
-    """Hook SIGTERM, and SIGINT unless Python's KeyboardInterrupt handler has it (that one ends
-    through ``atexit``, which closes the timeline). Main thread only; never over a handler
-    installed from C (``getsignal`` is None: nothing to chain to) or one that ignores it."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        if sig in _HOOKED:
-            continue  # the hook is installed, or a later handler replaced it: leave that one
-        current = signal.getsignal(sig)
-        if current is None or current == signal.SIG_IGN or current is signal.default_int_handler:
-            continue
-        signal.signal(sig, _on_signal)
-        _HOOKED[sig] = current
-
-
-def _unhook_signals() -> None:
-    """Give each hooked signal back to its previous handler, if the hook is still installed."""
-    if threading.current_thread() is not threading.main_thread():
-        return  # the hook stays; with no open timeline it only hands signals on
-    for sig, previous in list(_HOOKED.items()):
-        if signal.getsignal(sig) is _on_signal:
-            signal.signal(sig, previous)
-            del _HOOKED[sig]
-
-
-def _on_signal(signum: int, frame: FrameType | None) -> None:
-    """Write every open timeline's queue, then let the previous handler have the signal."""
-    previous = _HOOKED.get(signum, signal.SIG_DFL)
-    if signum in _in_hook:  # a later handler chained back to us: act as the default
-        previous = signal.SIG_DFL
-    for tl in list(_LIVE):
-        tl.flush(_SIGNAL_FLUSH_S)
-    if callable(previous):
-        _in_hook.add(signum)
-        try:
-            previous(signum, frame)
-        finally:
-            _in_hook.discard(signum)
-        return
-    if previous == signal.SIG_IGN:
-        return
-    # The default action: the process ends by this signal, with every timeline closed.
-    for tl in list(_LIVE):
-        tl.close(_SIGNAL_FLUSH_S)
-    signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)

@@ -11,14 +11,14 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from hvdlite._control.negotiation import Kind, Response
 from hvdlite._observe import nvtx as _nvtx
 from hvdlite._observe.stats import Stats
 from hvdlite._ops import ReduceOp
+from hvdlite._vocab.messages import Kind, Response
 
 if TYPE_CHECKING:
-    from hvdlite._control.work import Entry
     from hvdlite._observe.timeline import Timeline
+    from hvdlite._vocab.entry import Entry
 
 __all__ = ["Tracer", "open_timeline"]
 

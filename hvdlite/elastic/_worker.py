@@ -17,15 +17,26 @@ import re
 import socket
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 import numpy as np
 
 import hvdlite
 from hvdlite._launch import watchdog
 
-if TYPE_CHECKING:
-    from hvdlite.elastic._state import State
+
+class State(Protocol):
+    """What this module uses of an elastic state (``hvdlite/elastic/_state.py``, which
+    imports this module: a protocol, so the import runs one way)."""
+
+    _commit_number: int
+    _sync_root: int
+
+    def save(self) -> None: ...
+
+    def _payload(self) -> Any: ...
+
+    def _load_payload(self, payload: Any) -> None: ...
 
 ELASTIC_DIR_ENV = "HVDLITE_ELASTIC_DIR"
 GENERATION_ENV = "HVDLITE_ELASTIC_GENERATION"

@@ -22,7 +22,7 @@ import torch
 
 import hvdlite
 from hvdlite._ops import ReduceOp
-from hvdlite.torch import _reduce, mpi_ops
+from hvdlite.torch import mpi_ops
 from hvdlite.torch.basics import Average, Sum, resolve_op
 from hvdlite.torch.compression import Compression, Compressor
 from hvdlite.torch.process_sets import global_process_set, resolve
@@ -45,14 +45,14 @@ class _Allreduce(_DIFF):
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: Any, pre: float,
                 post: float, process_set: Any) -> torch.Tensor:
         ctx.args = (op, pre, post, process_set)
-        return _reduce.allreduce_now([tensor], name, op, pre, post, False, False, "allreduce",
-                                     process_set)
+        return mpi_ops._allreduce([tensor], name, op, pre, post, False, False, "allreduce",
+                                     process_set, True)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         op, pre, post, ps = ctx.args
-        out = _reduce.allreduce_now([grad.contiguous()], None, op, pre, post, False, False,
-                                    "allreduce (backward)", ps)
+        out = mpi_ops._allreduce([grad.contiguous()], None, op, pre, post, False, False,
+                                    "allreduce (backward)", ps, True)
         return out, None, None, None, None, None
 
 
@@ -77,9 +77,9 @@ def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | Non
                                                 and tensor.requires_grad
                                                 and torch.is_grad_enabled()):
         # Nothing to differentiate: skip autograd's Function machinery (a few torch calls).
-        return _reduce.allreduce_one(tensor, name, op, prescale_factor, postscale_factor,
+        return mpi_ops.allreduce_one(tensor, name, op, prescale_factor, postscale_factor,
                                      process_set, False, "allreduce", True)
-    mpi_ops._check_tensor(tensor, "allreduce")
+    mpi_ops.check_tensor(tensor, "allreduce")
     compressed, cctx = compression.compress(tensor)
     out = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor, process_set)
     return compression.decompress(out, cctx)
@@ -91,15 +91,15 @@ class _GroupedAllreduce(_DIFF):
                 process_set: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.args = (op, pre, post, process_set)
         ctx.like = [torch.empty_like(t) for t in tensors]
-        outs = _reduce.allreduce_now(list(tensors), name, op, pre, post, False, True,
-                                     "grouped_allreduce", process_set)
+        outs = mpi_ops._allreduce(list(tensors), name, op, pre, post, False, True,
+                                     "grouped_allreduce", process_set, True)
         return tuple(outs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
         op, pre, post, ps = ctx.args
-        outs = _reduce.allreduce_now(_zeros_for_none(grads, ctx.like), None, op, pre, post,
-                                     False, True, "grouped_allreduce (backward)", ps)
+        outs = mpi_ops._allreduce(_zeros_for_none(grads, ctx.like), None, op, pre, post,
+                                     False, True, "grouped_allreduce (backward)", ps, True)
         return (None, None, None, None, None, *outs)
 
 
@@ -146,7 +146,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
     in rank order (differentiable).
 
     Dim 0 may differ per rank; the other dimensions and the dtype must agree."""
-    tensor = mpi_ops._check_tensor(tensor, "allgather")
+    tensor = mpi_ops.check_tensor(tensor, "allgather")
     if tensor.dim() == 0:
         raise mpi_ops.InvalidArgumentError("allgather: needs at least one dimension, got a "
                                            "0-d tensor; reshape it to (1,)")
@@ -203,7 +203,7 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
     """Return ``root_rank``'s ``tensor`` on every rank of ``process_set`` (a new tensor;
     differentiable). ``root_rank`` is a global rank; ``ValueError`` for a root outside
     ``[0, size())`` or, with a process set, outside the set."""
-    return _Broadcast.apply(mpi_ops._check_tensor(tensor, "broadcast"), root_rank, name,
+    return _Broadcast.apply(mpi_ops.check_tensor(tensor, "broadcast"), root_rank, name,
                             process_set)
 
 
@@ -231,7 +231,7 @@ def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
     """Scatter rows of ``tensor`` (``splits[j]`` rows to rank ``j``; default equal parts) and
     gather what every rank sent here, in rank order (differentiable). Returns the output, or
     ``(output, received_splits)`` when ``splits`` is given, as Horovod does."""
-    return _Alltoall.apply(mpi_ops._check_tensor(tensor, "alltoall"), splits, name, process_set)
+    return _Alltoall.apply(mpi_ops.check_tensor(tensor, "alltoall"), splits, name, process_set)
 
 
 def _rs_grad(grad: torch.Tensor, op: Any, pre: float, post: float,
@@ -264,7 +264,7 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
     rank's rows of dim 0 (the first ``dim0 % set size`` ranks get one row more).
     Differentiable."""
     op = resolve_op(op, None, "reducescatter")
-    tensor = mpi_ops._check_tensor(tensor, "reducescatter")
+    tensor = mpi_ops.check_tensor(tensor, "reducescatter")
     compressed, cctx = compression.compress(tensor)
     out = _Reducescatter.apply(compressed, name, op, process_set, prescale_factor,
                                postscale_factor)

@@ -95,7 +95,7 @@ class GraphedStep:
             raise HvdliteError(f"{self.name}: captured before hvdlite was initialised again "
                                "(an elastic reset or a re-init): its communicators are gone; "
                                "capture the step again with make_graphed_step")
-        engine.check_usable()
+        engine.scheduler.check_usable()
         if inputs:
             self._copy_in(inputs)
         tracer = engine.tracer
@@ -174,12 +174,12 @@ def make_graphed_step(step_fn: Callable[..., Any], *static_inputs: torch.Tensor,
     schedules = [opt._lane.schedule for opt in opts if opt._lane is not None]
     for s in schedules:
         s.capturing = True
-    engine.capture_thread = threading.get_ident()
+    engine.scheduler.capture_thread = threading.get_ident()
     try:
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             outputs = step_fn(*inputs)
     finally:
-        engine.capture_thread = None
+        engine.scheduler.capture_thread = None
         for s in schedules:
             s.capturing = False
     _agree_capture(opts, before, name)

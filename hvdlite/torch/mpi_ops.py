@@ -28,11 +28,14 @@ import torch
 
 import hvdlite
 from hvdlite._ops import ReduceOp
-from hvdlite.torch import _reduce
+from hvdlite._submit import _submit
+from hvdlite._torchref import stream_of
+from hvdlite._vocab.messages import Kind
+from hvdlite.errors import NotInitializedError
 from hvdlite.torch._handles import Handle, SparseHandle
-from hvdlite.torch._reduce import check_tensor as _check_tensor
-from hvdlite.torch._reduce import horovod_name, scale
+from hvdlite.torch._rules import check_tensor, factors, horovod_name, invalid, scale
 from hvdlite.torch.basics import Average, InvalidArgumentError, Sum, resolve_op
+from hvdlite.torch.errors import NotInitializedValueError
 from hvdlite.torch.process_sets import Resolved, global_process_set, resolve
 
 __all__ = [
@@ -41,6 +44,7 @@ __all__ = [
     "allgather_async", "grouped_allgather_async", "broadcast_async", "broadcast_async_",
     "broadcast_", "alltoall_async", "reducescatter_async", "grouped_reducescatter_async",
     "sparse_allreduce_async", "join", "barrier", "poll", "synchronize", "scale",
+    "allreduce_one",
 ]
 
 # dtypes NumPy cannot view: moved bit for bit as integers of the same width.
@@ -51,19 +55,148 @@ for _name, _view in (("float8_e4m3fn", torch.uint8), ("float8_e5m2", torch.uint8
 
 
 def _core(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    """Call a hvdlite collective; its argument ``ValueError`` becomes Horovod's flavour
-    (:class:`InvalidArgumentError`, both a ``ValueError`` and a ``RuntimeError``)."""
+    """Call a hvdlite collective; its argument ``ValueError`` becomes Horovod's flavour."""
     try:
         return fn(*args, **kwargs)
     except ValueError as exc:
-        raise _reduce.invalid(exc) from None
+        raise invalid(exc) from None
 
 
 def _check_tensors(tensors: Any, what: str) -> list[torch.Tensor]:
     if not isinstance(tensors, (list, tuple)) or not tensors:
         raise TypeError(f"{what}: expected a non-empty list of torch.Tensor, got "
                         f"{type(tensors).__name__}")
-    return [_check_tensor(t, what) for t in tensors]
+    return [check_tensor(t, what) for t in tensors]
+
+
+def allreduce_one(t: Any, name: str | None, op: ReduceOp, pre: Any, post: Any,
+                  process_set: Any, inplace: bool, what: str, blocking: bool = False) -> Any:
+    """Allreduce of one tensor by Horovod's rules: its :class:`hvdlite.Handle` (``blocking``:
+    its result), the per-call path of ``allreduce_async``, ``allreduce_``, ``allreduce`` and
+    ``DistributedOptimizer``; ``op`` already resolved. ``inplace``: the result is written
+    into ``t``. The tensor goes the core's one route (``hvdlite/_submit.py``): its cached
+    array at the edge, its name's lane, recycled result tensors, the core's handle."""
+    kind = type(t)
+    if (kind is not _TENSOR and kind is not _PARAMETER) or process_set is not _GLOBAL:
+        return _allreduce([t], name, op, pre, post, inplace, False, what, process_set,
+                          blocking)
+    dtype = t.dtype
+    if dtype is _F16 or dtype is _BF16:
+        return _low([t], name, op, pre, post, inplace, False, what, process_set, blocking)
+    if type(name) is str:  # horovod_name, inlined: this is the per-call path
+        name = f"allreduce.{name}" if name else None
+    try:
+        return _submit(_ALLREDUCE, (t,), name, op=op, prescale=pre, postscale=post,
+                       inplace=inplace, stream=stream_of(t.get_device()) if t.is_cuda else None,
+                       block=blocking, horovod=True)
+    except ValueError as exc:
+        raise invalid(exc) from None
+    except NotInitializedError as exc:
+        raise NotInitializedValueError(f"{what}: {exc}; call hvd.init() first") from None
+
+
+_TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
+_F16, _BF16 = torch.float16, torch.bfloat16
+_GLOBAL = global_process_set
+_ALLREDUCE = Kind.ALLREDUCE
+
+
+def _allreduce(tensors: list[Any], name: str | None, op: ReduceOp, pre: Any, post: Any,
+               inplace: bool, group: bool, what: str, process_set: Any,
+               blocking: bool = False) -> Any:
+    """Allreduce of ``tensors`` (one, or a grouped call's list): the handle, or with
+    ``blocking`` the result (a tensor or list). bfloat16 and float16 with an inexact factor
+    are scaled in torch (:func:`_scaled`); everything else goes straight to the core."""
+    for t in tensors:
+        if type(t) is not _TENSOR and type(t) is not _PARAMETER:
+            check_tensor(t, what)
+        if t.dtype is _F16 or t.dtype is _BF16:
+            return _low(tensors, name, op, pre, post, inplace, group, what, process_set,
+                        blocking)
+    return _route(tensors, name, op, pre, post, inplace, group, what, process_set, blocking)
+
+
+def _route(tensors: list[Any], name: str | None, op: ReduceOp, pre: Any, post: Any,
+           inplace: bool, group: bool, what: str, process_set: Any, blocking: bool) -> Any:
+    """The core's one route, with Horovod's rules (``horovod=True``) and torch's current
+    stream for CUDA tensors."""
+    core = None
+    if process_set is not global_process_set and process_set is not None:
+        core = resolve(process_set, what).core
+    first = tensors[0]
+    stream = stream_of(first.get_device()) if first.is_cuda else None
+    try:
+        return _submit(Kind.ALLREDUCE, tensors,
+                       horovod_name("grouped_allreduce" if group else "allreduce", name),
+                       op=op, prescale=pre, postscale=post, inplace=inplace, group=group,
+                       stream=stream, block=blocking, process_set=core, horovod=True)
+    except ValueError as exc:
+        raise invalid(exc) from None
+    except NotInitializedError as exc:
+        raise NotInitializedValueError(f"{what}: {exc}; call hvd.init() first") from None
+
+
+def _low(tensors: list[Any], name: str | None, op: ReduceOp, pre: Any, post: Any,
+         inplace: bool, group: bool, what: str, process_set: Any, blocking: bool) -> Any:
+    """A call with a 16-bit float member: the core's route when its factors are exact in
+    float16 (the core's float16 scaling equals Horovod's float32 rule then), else scaled in
+    torch (:func:`_scaled`)."""
+    tensors = [check_tensor(t, what) for t in tensors]
+    size = resolve(process_set, what).size
+    facts = [factors(t.dtype, op, pre, post, size, what) for t in tensors]
+    if any(f[3] for f in facts):
+        handle = _scaled(tensors, name, facts[0], inplace, group, what, process_set)
+        return handle.wait() if blocking else handle
+    core_op, core_pre, core_post, _ = facts[0]
+    return _route(tensors, name, core_op, core_pre, core_post, inplace, group, what,
+                  process_set, blocking)
+
+
+def _scaled(tensors: list[torch.Tensor], name: str | None,
+            facts: tuple[ReduceOp, float, float, bool], inplace: bool, group: bool, what: str,
+            process_set: Any) -> Handle:
+    """bfloat16, float16 with an inexact factor: scale in torch (float32 for the 16-bit
+    types); the core gets factors of 1 and reduces private copies in place. bfloat16 travels
+    as float32 and is rounded once at the end."""
+    core_op, pre, post, _ = facts
+    sends = [_send(t, pre, inplace) for t in tensors]
+    core = resolve(process_set, what).core
+    name = horovod_name("grouped_allreduce" if group else "allreduce", name)
+    if group:
+        part = _core(hvdlite.grouped_allreduce_async_, sends, name, core_op, 1.0, 1.0,
+                     process_set=core)
+    else:
+        part = _core(hvdlite.allreduce_async_, sends[0], name, core_op, 1.0, 1.0,
+                     process_set=core)
+
+    def finish(results: list[Any]) -> Any:
+        outs = results[0] if group else [results[0]]
+        final = []
+        for t, r in zip(tensors, outs, strict=True):
+            r = _unscale(r, t.dtype, post)
+            if inplace and r is not t:
+                t.copy_(r)
+                r = t
+            final.append(r)
+        return final if group else final[0]
+
+    return Handle([part], finish)
+
+
+def _send(t: torch.Tensor, pre: float, inplace: bool) -> torch.Tensor:
+    if t.dtype == torch.bfloat16:
+        s = t.float()
+        if pre != 1.0:
+            s.mul_(pre)
+        return s
+    s = scale(t, pre)
+    return t.clone() if s is t and not inplace else s
+
+
+def _unscale(r: torch.Tensor, dtype: torch.dtype, post: float) -> torch.Tensor:
+    if dtype == torch.bfloat16:
+        return (r * post if post != 1.0 else r).to(dtype)
+    return scale(r, post)
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -74,12 +207,6 @@ def _raw(t: torch.Tensor) -> torch.Tensor:
 
 def _unraw(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.view(dtype)
-
-
-def _allreduce(tensors: list[torch.Tensor], name: str | None, op: ReduceOp, pre: float,
-               post: float, inplace: bool, group: bool, what: str, process_set: Any) -> Handle:
-    return _reduce.allreduce_async(tensors, name, op, pre, post, inplace, group, what,
-                                   process_set)
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -94,8 +221,8 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
         op = Average
     elif average is not None or type(op) is not ReduceOp:
         op = resolve_op(op, average, "allreduce_async")
-    return _reduce.allreduce_one(tensor, name, op, prescale_factor, postscale_factor,
-                                 process_set, False, "allreduce_async")
+    return allreduce_one(tensor, name, op, prescale_factor, postscale_factor, process_set,
+                         False, "allreduce_async")
 
 
 def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -106,8 +233,8 @@ def allreduce_async_(tensor: torch.Tensor, average: bool | None = None, name: st
         op = Average
     elif average is not None or type(op) is not ReduceOp:
         op = resolve_op(op, average, "allreduce_async_")
-    return _reduce.allreduce_one(tensor, name, op, prescale_factor, postscale_factor,
-                                 process_set, True, "allreduce_async_")
+    return allreduce_one(tensor, name, op, prescale_factor, postscale_factor, process_set,
+                         True, "allreduce_async_")
 
 
 def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -118,8 +245,8 @@ def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | No
         op = Average
     elif average is not None or type(op) is not ReduceOp:
         op = resolve_op(op, average, "allreduce_")
-    return _reduce.allreduce_one(tensor, name, op, prescale_factor, postscale_factor,
-                                 process_set, True, "allreduce_", True)
+    return allreduce_one(tensor, name, op, prescale_factor, postscale_factor, process_set,
+                         True, "allreduce_", True)
 
 
 def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
@@ -130,8 +257,8 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
     result is the list of reduced tensors, in order."""
     what = "grouped_allreduce_async"
     op = resolve_op(op, average, what)
-    return _reduce.allreduce_async(_check_tensors(tensors, what), name, op, prescale_factor,
-                                   postscale_factor, False, True, what, process_set)
+    return _allreduce(_check_tensors(tensors, what), name, op, prescale_factor,
+                      postscale_factor, False, True, what, process_set)
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
@@ -141,8 +268,8 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
     """In-place :func:`grouped_allreduce_async`."""
     what = "grouped_allreduce_async_"
     op = resolve_op(op, average, what)
-    return _reduce.allreduce_async(_check_tensors(tensors, what), name, op, prescale_factor,
-                                   postscale_factor, True, True, what, process_set)
+    return _allreduce(_check_tensors(tensors, what), name, op, prescale_factor,
+                      postscale_factor, True, True, what, process_set)
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None,
@@ -152,8 +279,8 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
     """Blocking in-place grouped allreduce; returns the list of (updated) tensors."""
     what = "grouped_allreduce_"
     op = resolve_op(op, average, what)
-    return _reduce.allreduce_now(_check_tensors(tensors, what), name, op, prescale_factor,
-                                 postscale_factor, True, True, what, process_set)
+    return _allreduce(_check_tensors(tensors, what), name, op, prescale_factor,
+                      postscale_factor, True, True, what, process_set, True)
 
 
 def _member_name(op: str, name: str | None, i: int, n: int) -> str | None:
@@ -167,7 +294,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
                     process_set: Any = global_process_set) -> Handle:
     """Start concatenating the ``tensor`` of every rank of ``process_set`` along dim 0, in
     rank order (dim 0 may differ per rank)."""
-    return _allgather([_check_tensor(tensor, "allgather_async")], name, False, process_set)
+    return _allgather([check_tensor(tensor, "allgather_async")], name, False, process_set)
 
 
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -198,14 +325,14 @@ def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = Non
                     process_set: Any = global_process_set) -> Handle:
     """Start copying ``root_rank``'s ``tensor`` to every rank of ``process_set`` (a new
     tensor; input kept). ``root_rank`` is a global rank, a member of the set."""
-    return _broadcast(_check_tensor(tensor, "broadcast_async"), root_rank, name, False,
+    return _broadcast(check_tensor(tensor, "broadcast_async"), root_rank, name, False,
                       process_set)
 
 
 def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                      process_set: Any = global_process_set) -> Handle:
     """In-place :func:`broadcast_async`: non-root ranks receive into ``tensor``."""
-    return _broadcast(_check_tensor(tensor, "broadcast_async_"), root_rank, name, True,
+    return _broadcast(check_tensor(tensor, "broadcast_async_"), root_rank, name, True,
                       process_set)
 
 
@@ -248,7 +375,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     ``(output, received_splits)``: what every rank sent here, concatenated in rank order, and
     an int32 tensor of how many rows came from each."""
     what = "alltoall_async"
-    tensor = _check_tensor(tensor, what)
+    tensor = check_tensor(tensor, what)
     ps = resolve(process_set, what)
     n = ps.size
     split_list = _split_list(splits, what)
@@ -285,10 +412,9 @@ def _rs_one(t: torch.Tensor, name: str | None, core_op: ReduceOp, pre: float,
 def _reducescatter(tensors: list[torch.Tensor], name: str | None, op: Any, pre: float,
                    post: float, group: bool, what: str, process_set: Any) -> Handle:
     ps = resolve(process_set, what)
-    plan = _reduce.plan_for(tensors[0].dtype, op, pre, post, process_set, what)
+    core_op, pre, post, _ = factors(tensors[0].dtype, op, pre, post, ps.size, what)
     for t in tensors[1:]:
-        _reduce.plan_for(t.dtype, op, pre, post, process_set, what)
-    core_op, pre, post = plan.op, plan.pre, plan.post
+        factors(t.dtype, op, pre, post, ps.size, what)
     n = len(tensors)
     parts = [_rs_one(t, _member_name("reducescatter", name, i, n) if group
                      else horovod_name("reducescatter", name), core_op, pre, ps)
@@ -309,7 +435,7 @@ def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any =
     of dim 0 (the first ``dim0 % set size`` ranks of the set get one row more)."""
     what = "reducescatter_async"
     op = resolve_op(op, None, what)
-    return _reducescatter([_check_tensor(tensor, what)], name, op, prescale_factor,
+    return _reducescatter([check_tensor(tensor, what)], name, op, prescale_factor,
                           postscale_factor, False, what, process_set)
 
 

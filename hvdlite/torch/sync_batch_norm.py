@@ -16,7 +16,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch.nn.modules.batchnorm import _BatchNorm
 
 import hvdlite
-from hvdlite.torch import _reduce
+from hvdlite.torch import mpi_ops
 from hvdlite.torch.basics import Sum
 from hvdlite.torch.mpi_ops import allgather_async
 
@@ -128,8 +128,8 @@ class _SyncBN(torch.autograd.Function):
         _, gw, gb = torch.ops.aten.native_batch_norm_backward(
             dy, x, torch.ones(c, dtype=x.dtype, device=x.device), None, None, mean, invstd,
             True, 0.0, [False, True, True])
-        sums = _reduce.allreduce_now([torch.cat([gw, gb])], None, Sum, 1.0, 1.0, False,
-                                     False, "SyncBatchNorm (backward)", None)
+        sums = mpi_ops._allreduce([torch.cat([gw, gb])], None, Sum, 1.0, 1.0, False,
+                                     False, "SyncBatchNorm (backward)", None, True)
         total = ctx.total
         w = weight if weight is not None else torch.ones_like(mean)
         shape = [1, c] + [1] * (x.dim() - 2)

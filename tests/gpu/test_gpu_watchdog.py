@@ -33,7 +33,7 @@ def test_fatal_failure_fails_device_work_and_aborts_nccl(hvd: Any, restart: Any)
     h = hvd.allreduce_async(x, name="wd.big", op=hvd.Sum)
     while not h._resolved:  # enqueued on the device (sync completion: not yet complete)
         time.sleep(1e-4)
-    default_engine()._finish(HvdliteError("rank 1 failed, so this rank stopped too: test"))
+    default_engine().scheduler.stop(HvdliteError("rank 1 failed, so this rank stopped too: test"))
     with pytest.raises(HvdliteError, match=r"'wd.big'.*rank 1 failed"):
         h.wait()
     assert not any(kind == "nccl" for kind, _ in backend._made), "NCCL not aborted"

@@ -1,4 +1,4 @@
-"""The steady state and its replay (``_control/replay.py``, ``_control/immediate.py``): exact
+"""The steady state and its replay (``_vocab/plans.py``, ``_control/immediate.py``): exact
 results while a step repeats, and whenever it stops repeating.
 
 Each test runs a few identical steps (so the lanes, the cached responses and the plans are in

@@ -150,7 +150,7 @@ def test_idle_nap_is_cut_short_by_local_work() -> None:
 
 
 def test_engine_idle_nap_ends_when_work_is_submitted() -> None:
-    """The engine's half (its driver's): its nap is a wait on the wake-up queue that a
+    """The engine's half (its scheduler's): its nap is a wait on the wake-up queue that a
     submission ends, and the token goes back so the loop's next wait for work does not sleep
     either."""
     import queue
@@ -158,15 +158,15 @@ def test_engine_idle_nap_ends_when_work_is_submitted() -> None:
     import time
     from types import SimpleNamespace
 
-    from hvdlite._control.driver import Driver
+    from hvdlite._control.scheduler import Scheduler
 
     wake: queue.SimpleQueue[None] = queue.SimpleQueue()
     fake = SimpleNamespace(wake=wake, napping=False)  # idle_nap uses nothing else
-    assert Driver.idle_nap(fake, 0.01) is False  # nothing submitted: a plain nap
+    assert Scheduler.idle_nap(fake, 0.01) is False  # nothing submitted: a plain nap
     timer = threading.Timer(0.02, wake.put, (None,))
     timer.start()
     t0 = time.perf_counter()
-    assert Driver.idle_nap(fake, 30.0) is True
+    assert Scheduler.idle_nap(fake, 30.0) is True
     assert time.perf_counter() - t0 < 20.0, "slept through the submission"
     timer.join()
     assert wake.get_nowait() is None  # the token is back for _wait_for_work

@@ -58,8 +58,8 @@ def test_cached_cuda_view_follows_the_tensors_memory(hvd: Any) -> None:
 
 
 def test_cuda_bucket_views_are_reduced_in_place(hvd: Any) -> None:
-    from hvdlite.torch import _reduce
     from hvdlite.torch._buckets import Bucket
+    from hvdlite.torch.mpi_ops import allreduce_one
 
     dev = _device(hvd)
     shapes = [(3, 5), (7,), (2, 2, 2), (1,)]
@@ -75,8 +75,8 @@ def test_cuda_bucket_views_are_reduced_in_place(hvd: Any) -> None:
         sum((p * c).sum() for p, c in zip(params, coeffs, strict=True)).backward()  # type: ignore[union-attr]
         assert all(p.grad is v for p, v in zip(params, bucket.views, strict=True))
         assert bucket.realias()
-        handle = _reduce.allreduce_one(bucket.buffer, bucket.name, hvd.Sum, 2.0, 1.0,
-                                       hvd.global_process_set, True, "test")
+        handle = allreduce_one(bucket.buffer, bucket.name, hvd.Sum, 2.0, 1.0,
+                               hvd.global_process_set, True, "test")
         assert hvd.synchronize(handle) is bucket.buffer
         for k, (p, s) in enumerate(zip(params, shapes, strict=True)):
             want = 2 * _rank_sum(hvd, lambda r: r + step + k)  # noqa: B023

@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from hvdlite._control.fusion import FusionBuffers, nbytes, plan_buckets
-from hvdlite._control.negotiation import Kind, Response
 from hvdlite._ops import ReduceOp
+from hvdlite._vocab.fusion import FusionBuffers, nbytes, plan_buckets
+from hvdlite._vocab.messages import Kind, Response
 
 
 def ar(name: str, count: int = 8, dtype: str = "float32", **kw: Any) -> Response:

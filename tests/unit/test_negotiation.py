@@ -16,19 +16,21 @@ import pytest
 
 from hvdlite._control.negotiation import (
     CoordinatorTable,
-    Kind,
-    Request,
-    Response,
     ResponseCache,
     StallReport,
     build_response,
     mismatch_message,
+)
+from hvdlite._ops import ReduceOp
+from hvdlite._vocab.messages import (
+    Kind,
+    Request,
+    Response,
     pack_request,
     pack_response,
     unpack_request,
     unpack_response,
 )
-from hvdlite._ops import ReduceOp
 
 
 def replace(obj: Any, **kw: Any) -> Any:
@@ -371,7 +373,7 @@ def test_cache_tells_every_name_that_leaves() -> None:
     a, b, c = allreduce("a"), allreduce("b"), allreduce("c")
     cache.put(_resp("a"), a)
     cache.put(_resp("b"), b)
-    cache.touch(cache.lookup(a)[0])  # a used last: b is the oldest
+    cache.take(cache.lookup(a)[0])  # a used last: b is the oldest
     assert cache.put(_resp("c"), c) >= 0
     assert gone == [("b", b)]
     cache.put(_resp("c", shape=(5,)), replace(c, shape=(5,)))  # replaced: not gone
@@ -420,7 +422,7 @@ def test_cache_lru_eviction_respects_touch() -> None:
     for n in "abc":
         cache.put(_resp(n), allreduce(n))
     slot_a = cache.lookup(allreduce("a"))[0]
-    cache.touch(slot_a)  # a is now the most recently used: b is the oldest
+    cache.take(slot_a)  # a is now the most recently used: b is the oldest
     cache.put(_resp("d"), allreduce("d"))
     assert cache.lookup(allreduce("b")) == (-1, False)
     assert all(cache.lookup(allreduce(n))[1] for n in "acd")
@@ -450,7 +452,6 @@ def test_cache_evict_frees_the_slot() -> None:
     assert cache.lookup(allreduce("a")) == (-1, False)
     assert len(cache) == 1
     cache.evict(slot_a)  # evicting an empty slot is a no-op
-    cache.touch(slot_a)
     cache.put(_resp("c"), allreduce("c"))
     assert cache.lookup(allreduce("c")) == (slot_a, True)
     assert cache.lookup(allreduce("b"))[1]  # nothing else had to go
@@ -471,7 +472,7 @@ def _drive(cache: ResponseCache, model: OrderedDict[str, None], rng: random.Rand
     if slot < 0:
         return
     if action == "touch":
-        cache.touch(slot)
+        cache.take(slot)
         model.move_to_end(name)
     else:
         cache.evict(slot)
@@ -529,7 +530,7 @@ def test_response_round_trip(resp: Response) -> None:
 
 def test_every_collective_is_one_spec_row() -> None:
     """The collective table covers every kind; the agreement-only rows carry their result."""
-    from hvdlite._control.negotiation import SPECS
+    from hvdlite._vocab.messages import SPECS
 
     assert set(SPECS) == set(Kind)
     assert {k for k, s in SPECS.items() if s.result is not None} == {Kind.BARRIER, Kind.JOIN}

@@ -1,4 +1,4 @@
-"""The replay records on their own (``hvdlite/_control/replay.py``): when a call repeats its
+"""The replay records on their own (``hvdlite/_vocab/plans.py``): when a call repeats its
 lane, when result arrays may be handed out again, when tensors form one span, and how a
 bucket's members are split into direct and fused ones."""
 
@@ -8,9 +8,9 @@ from typing import Any
 
 import numpy as np
 
-from hvdlite._control.negotiation import Kind, Request
-from hvdlite._control.replay import Lane, MemberPlan, Results, span_of
 from hvdlite._ops import Sum
+from hvdlite._vocab.messages import Kind, Request
+from hvdlite._vocab.plans import Lane, MemberPlan, Results, span_of
 
 
 def _params(op: Any = Sum, prescale: Any = 1.0, group: bool = False) -> tuple[Any, ...]:

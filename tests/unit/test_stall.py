@@ -6,8 +6,9 @@ import logging
 
 import pytest
 
-from hvdlite._control.negotiation import CoordinatorTable, Kind, Request, StallReport
+from hvdlite._control.negotiation import CoordinatorTable, StallReport
 from hvdlite._control.stall import StallInspector, format_stall_table
+from hvdlite._vocab.messages import Kind, Request
 from hvdlite.config import Config
 
 

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from hvdlite._control.negotiation import Kind
 from hvdlite._submit import _check_stream
+from hvdlite._vocab.messages import Kind
 
 
 def test_cupy_like_stream_of_another_device() -> None:

@@ -471,11 +471,11 @@ def test_signal_hook_keeps_every_event_and_chains(tmp_path: Path, mode: str,
 def test_hook_gives_the_signal_back_and_leaves_later_handlers(tmp_path: Path) -> None:
     """Closing the last timeline restores the previous SIGTERM handler if the hook is still
     the installed one; a handler installed after the hook stays."""
-    import hvdlite._observe.timeline as tlmod
+    from hvdlite._observe import signals
 
     before = signal.getsignal(signal.SIGTERM)
     tl = Timeline(str(tmp_path / "a.json"), 0)
-    assert signal.getsignal(signal.SIGTERM) is tlmod._on_signal
+    assert signal.getsignal(signal.SIGTERM) is signals._on_signal
     tl.close()
     assert signal.getsignal(signal.SIGTERM) == before
 
@@ -492,7 +492,7 @@ def test_hook_gives_the_signal_back_and_leaves_later_handlers(tmp_path: Path) ->
         tl2.close()
     finally:
         signal.signal(signal.SIGTERM, before)
-        tlmod._HOOKED.clear()
+        signals.HOOKED.clear()
 
 
 def test_writer_bounds_what_sigkill_can_lose(tmp_path: Path) -> None:

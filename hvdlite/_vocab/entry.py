@@ -6,8 +6,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from hvdlite._control.negotiation import Request
 from hvdlite._handles import Handle
+from hvdlite._vocab.messages import Request
 
 __all__ = ["Entry", "finish_all"]
 

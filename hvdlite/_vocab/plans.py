@@ -36,11 +36,11 @@ from collections.abc import Callable, Sequence
 from itertools import repeat
 from typing import Any
 
-from hvdlite._control.negotiation import Request, Response
-from hvdlite._control.work import Entry
 from hvdlite._handles import Handle
 from hvdlite._lru import Bounded
 from hvdlite._ops import DTYPES, ReduceOp
+from hvdlite._vocab.entry import Entry
+from hvdlite._vocab.messages import Request, Response
 
 __all__ = ["Call", "Lane", "Lanes", "Results", "MemberPlan", "span_of", "refcounts",
            "unit_groups"]
@@ -63,16 +63,26 @@ class Results:
     once the frames that made the arrays are gone), when only this object referred to them;
     the set is free again when the counts are back to those values (a view a caller made of
     a result refers to the result or to ``flat``, and so keeps it busy).
+
+    A framework whose tensors are viewed (torch) gets ``user``: its own tensors over the
+    views, made once with the set, handed out instead of the arrays and counted by the
+    framework's ``counts`` (a view of a torch tensor holds its storage, not the tensor).
     """
 
-    __slots__ = ("flat", "views", "free")
+    __slots__ = ("flat", "views", "free", "user", "counter")
 
     def __init__(self, flat: Any, views: list[Any]) -> None:
         self.flat = flat
         self.views = views
         self.free: list[int] = []
+        self.user: list[Any] | None = None
+        self.counter: Callable[[Sequence[Any]], list[int]] | None = None
 
     def _counts(self) -> list[int]:
+        if self.counter is not None:
+            # The framework's tensors alone: whoever holds the arrays (an entry in flight, the
+            # handle once done) holds them too.
+            return self.counter(self.user)  # type: ignore[arg-type]
         flat = self.flat
         return refcounts(self.views if flat is None else [flat, *self.views])
 
@@ -128,7 +138,7 @@ class Lane:
 
     __slots__ = ("request", "params", "ttype", "shape", "dtype", "strides", "device_id",
                  "framework", "to_user", "inputs", "shapes", "span", "results", "alloc",
-                 "inplace", "request_bytes", "allocated")
+                 "inplace", "request_bytes", "allocated", "view", "counts", "last", "ring")
 
     def __init__(self, request: Request, params: tuple[Any, ...], array: Any, device_id: int,
                  framework: str, to_user: Callable[[Any], Any] | None,
@@ -150,6 +160,15 @@ class Lane:
         self.allocated = 0  # result sets made (the engine's stats add them up)
         self.results: list[Results] = []
         self.alloc = alloc  # makes a new Results (None: the collective allocates no output)
+        # A viewed framework's edge (torch: the caller's tensor -> its cached array) and its
+        # result counter (see Results); None for arrays hvdlite uses as they are.
+        self.view: Callable[[Any], Any] | None = None
+        self.counts: Callable[[Sequence[Any]], list[int]] | None = None
+        # A viewed framework's last matched array: its edge hands the same (immutable) view
+        # while the tensor holds the same memory, so that one needs no layout check.
+        self.last: Any = None
+        # A viewed framework's single tensor keeps its recycled results (_tensorref.Ring).
+        self.ring: Any = None
 
     def matches(self, array: Any, params: tuple[Any, ...]) -> bool:
         """Whether a single-tensor call of ``array`` with ``params`` repeats this lane."""
@@ -169,27 +188,33 @@ class Lane:
                 and (self.device_id >= 0
                      or all(map(operator.is_, map(_DTYPE, tensors), repeat(self.dtype)))))
 
-    def bind(self, tensors: Sequence[Any], out: Any, inplace: bool, params: tuple[Any, ...],
-             reclaim: Callable[[], None]) -> Call | None:
+    def bind(self, tensors: Sequence[Any], users: Sequence[Any], out: Any, inplace: bool,
+             params: tuple[Any, ...], reclaim: Callable[[], None]) -> Call | None:
         """This call bound to the lane if it repeats it (same layout, same parameters, for a
-        grouped call the same member objects), else None (the call builds a new lane)."""
+        grouped call the same member objects), else None (the call builds a new lane).
+        ``tensors`` are the arrays (a viewed framework's cached views), ``users`` the
+        caller's own objects (handed back when in place)."""
         if self.shapes:
             if not self.matches_group(tensors, params):
                 return None
             members = self.inputs
             if self.inplace:
-                return Call(members, members, self.span, members, self.request_bytes)
+                return Call(members, members, self.span, users, self.request_bytes)
             res = self.result(reclaim)
             assert res is not None  # an allreduce always has results
-            return Call(members, res.views, res.flat, None, self.request_bytes)
+            return Call(members, res.views, res.flat, res.user, self.request_bytes)
         tensor = tensors[0]
-        if not self.matches(tensor, params):
+        if tensor is not self.last or self.view is None:
+            if not self.matches(tensor, params):
+                return None
+            self.last = tensor if self.view is not None else None
+        elif params != self.params:
             return None
         user = None
         if inplace:
             if self.device_id < 0 and not tensor.flags.writeable:
                 return None  # building the lane raises the error
-            output = user = tensor
+            output, user = tensor, users[0]
         elif out is not None:
             if not (type(out) is self.ttype and out.shape == self.shape
                     and out.dtype is self.dtype and out.strides == self.strides
@@ -200,6 +225,8 @@ class Lane:
         else:
             res = self.result(reclaim)
             output = res.views[0] if res is not None else None
+            if res is not None and res.user is not None:
+                user = res.user[0]
         return Call(tensor, output, None, user, tensor.nbytes)
 
     def result(self, reclaim: Callable[[], None] | None = None,
@@ -211,16 +238,25 @@ class Lane:
         device work (its retirement), tried once before allocating."""
         if self.alloc is None:
             return None
-        if reclaim is not None and self.results:
+        ring = self.ring
+        if ring is not None:  # the tensor's own results, whichever lane made them
+            results = ring.sets
+            keep, ring.used = ring.used, True
+        else:
+            results = self.results
+        if reclaim is not None and results:
             reclaim()
-        for res in self.results:
+        for res in results:
             if res.idle():
                 return res
         res = self.alloc()
         self.allocated += 1
-        if keep and len(self.results) < _RESULT_SETS:
+        if self.counts is not None and self.to_user is not None:
+            res.user = [self.to_user(v) for v in res.views]
+            res.counter = self.counts  # counted from here on (see Results._counts)
+        if keep and len(results) < _RESULT_SETS:
             res.free = res._counts()  # only ``res`` refers to them now
-            self.results.append(res)
+            results.append(res)
         return res
 
 

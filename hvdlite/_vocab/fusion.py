@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from hvdlite._control.negotiation import SPECS, Response, is_unit
+from hvdlite._vocab.messages import SPECS, Response, is_unit
 
 __all__ = ["nbytes", "plan_buckets", "FusionBuffers"]
 

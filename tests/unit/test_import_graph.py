@@ -1,0 +1,110 @@
+"""The house in planes, checked on the import graph drawn from the code (docs/architecture.md,
+"The house in planes"): every import of a hvdlite module, TYPE_CHECKING and function-level
+imports included, goes to the module's own floor or a lower one, and no imports form a
+circle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[2] / "hvdlite"
+
+# Floors, bottom up. A module's floor is its longest matching prefix; sub-floors of the runtime
+# are ordered too (observability below the device runtime, below the data planes, below the
+# control plane, below the engine).
+FLOORS: list[tuple[float, tuple[str, ...]]] = [
+    (0.0, ("hvdlite.errors", "hvdlite.config", "hvdlite._ops", "hvdlite._lru",
+           "hvdlite._handles", "hvdlite._adasum", "hvdlite._tensorref")),
+    (1.0, ("hvdlite._vocab",)),
+    (2.0, ("hvdlite._observe",)),
+    (2.1, ("hvdlite._exit", "hvdlite._launch.watchdog", "hvdlite._rankwrap",
+           "hvdlite._launch.monitor")),  # the launcher plane's in-rank half
+    (2.2, ("hvdlite._gpu",)),
+    (2.3, ("hvdlite._backends",)),
+    (2.4, ("hvdlite._control",)),
+    (2.5, ("hvdlite._engine",)),
+    (3.0, ("hvdlite", "hvdlite._api", "hvdlite._collectives", "hvdlite._submit",
+           "hvdlite._sets", "hvdlite._tensors", "hvdlite._torchref", "hvdlite.torch",
+           "hvdlite.elastic")),
+    (4.0, ("hvdlite.run", "hvdlite.doctor", "hvdlite._launch", "hvdlite.elastic.driver")),
+]
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PKG.rglob("*.py"):
+        parts = path.relative_to(PKG.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _edges(mods: dict[str, Path]) -> dict[str, set[str]]:
+    def known(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, base] if base else up)
+                targets = [f"{base}.{a.name}" for a in node.names]
+            for t in targets:
+                found = known(t)
+                if found is not None and found != mod:
+                    edges[mod].add(found)
+    return edges
+
+
+def _floor(mod: str) -> float:
+    best, level = -1, -1.0
+    for floor, prefixes in FLOORS:
+        for p in prefixes:
+            if (mod == p or mod.startswith(p + ".")) and len(p) > best:
+                best, level = len(p), floor
+    assert best >= 0, f"{mod} is on no floor: add it to FLOORS and to docs/architecture.md"
+    return level
+
+
+def test_every_import_goes_to_its_floor_or_below() -> None:
+    mods = _modules()
+    up = [f"{a} ({_floor(a)}) -> {b} ({_floor(b)})"
+          for a, bs in _edges(mods).items() for b in sorted(bs) if _floor(b) > _floor(a)]
+    assert up == [], "imports from a lower floor to a higher one:\n" + "\n".join(up)
+
+
+def test_no_import_circle() -> None:
+    edges = _edges(_modules())
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    circles: list[list[str]] = []
+
+    def visit(mod: str, path: list[str]) -> None:
+        state[mod] = 1
+        for nxt in sorted(edges[mod]):
+            if state.get(nxt) == 1:
+                circles.append([*path[path.index(nxt):], nxt])
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[mod] = 2
+
+    for mod in sorted(edges):
+        if mod not in state:
+            visit(mod, [mod])
+    assert circles == []
+
+
+def test_the_vocabulary_imports_nothing_above_it() -> None:
+    edges = _edges(_modules())
+    for mod, targets in edges.items():
+        if mod.startswith("hvdlite._vocab"):
+            assert all(_floor(t) <= 1.0 for t in targets), (mod, sorted(targets))
