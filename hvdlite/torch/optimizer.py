@@ -23,8 +23,8 @@ import hvdlite
 from hvdlite import _sets
 from hvdlite._engine import default_engine
 from hvdlite._torchref import stream_of
-from hvdlite.torch import _reduce, mpi_ops
-from hvdlite.torch._buckets import Bucket, auto_buckets
+from hvdlite.torch import mpi_ops
+from hvdlite.torch._buckets import Bucket, auto_buckets, param_names, split
 from hvdlite.torch._lane import Lane, check, open_lane, specs
 from hvdlite.torch.basics import Adasum, Average, InvalidArgumentError, resolve_op, size
 from hvdlite.torch.compression import Compression, Compressor, _CastCompressor
@@ -42,17 +42,6 @@ _GRAD = operator.attrgetter("grad")
 _ZERO_GRAD = ("optimizer.zero_grad() was called after loss.backward() but before "
               "optimizer.step() or optimizer.synchronize(): the gradients' allreduces are still "
               "in flight and would race with the zeroing. Call step() or synchronize() first.")
-
-
-def _split(items: list[Any], n: int) -> list[list[Any]]:
-    size, extra = divmod(len(items), n)
-    out, start = [], 0
-    for i in range(n):
-        stop = start + size + (1 if i < extra else 0)
-        if stop > start:
-            out.append(items[start:stop])
-        start = stop
-    return out
 
 
 class _Flight:
@@ -88,7 +77,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).__init__(params)  # type: ignore[call-arg]
         self._compression = compression
         all_params = [p for g in self.param_groups for p in g["params"]]
-        self._parameter_names = _names(named_parameters, self.param_groups, all_params)
+        self._parameter_names = param_names(named_parameters, self.param_groups, all_params)
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
@@ -167,7 +156,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             p_groups = [[p for p in g if id(p) in ids] for g in self._groups]
             grouped = {id(p) for g in p_groups for p in g}
             return [g for g in p_groups if g] + [[p] for p in plist if id(p) not in grouped]
-        return _split(plist, self._groups)
+        return split(plist, self._groups)
 
     def _register_hooks(self) -> None:
         for bucket in self._buckets:
@@ -261,7 +250,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if bucket.wire is not None:
             bucket.wire.copy_(flat)
             flat = bucket.wire
-        handle = _reduce.allreduce_one(flat, bucket.name, self.op, pre, post,
+        handle = mpi_ops.allreduce_one(flat, bucket.name, self.op, pre, post,
                                        self.process_set, True, "DistributedOptimizer")
         return _Flight(handle, [], [], [], bucket=bucket)
 
@@ -278,7 +267,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             grads.append(grad)
         torch._foreach_copy_(bucket.staged, grads)
         assert bucket.staging is not None
-        staged = _reduce.allreduce_one(bucket.staging, bucket.name, self.op, pre, post,
+        staged = mpi_ops.allreduce_one(bucket.staging, bucket.name, self.op, pre, post,
                                        self.process_set, True, "DistributedOptimizer")
         return _Flight(None, list(bucket.params), [], [], staged, grads + list(bucket.staged))
 
@@ -462,31 +451,6 @@ _LANED = _Flight(None, [], [], [])  # a bucket launched on the lane (its state i
 def _dense(grad: torch.Tensor | None) -> torch.Tensor:
     assert grad is not None
     return grad.to_dense() if grad.is_sparse else grad
-
-
-def _names(named_parameters: Any, param_groups: list[dict[str, Any]],
-           all_params: list[torch.Tensor]) -> dict[torch.Tensor, str]:
-    """Every parameter's allreduce name, checked as Horovod checks them."""
-    if named_parameters is not None:
-        named = list(named_parameters)
-        if any(not isinstance(x, tuple) or len(x) != 2 for x in named):
-            raise ValueError("named_parameters must be a sequence of (name, parameter) "
-                             "tuples, as model.named_parameters() yields")
-    else:
-        named = [(f"allreduce.noname.{i}.{j}", p) for i, g in enumerate(param_groups)
-                 for j, p in enumerate(g["params"])]
-    names = [k for k, _ in named]
-    dups = sorted({k for k in names if names.count(k) > 1})
-    if dups:
-        raise ValueError(f"parameter names in named_parameters must be unique; "
-                         f"duplicates: {', '.join(dups)}")
-    named_ids = {id(p) for _, p in named}
-    unnamed = [p for p in all_params if id(p) not in named_ids]
-    if unnamed:
-        raise ValueError(f"named_parameters was given but {len(unnamed)} of the "
-                         "optimizer's parameters are not in it; pass "
-                         "model.named_parameters() of the model the optimizer trains")
-    return {p: f"DistributedOptimizer.{k}" for k, p in named}
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = None,  # noqa: N802
