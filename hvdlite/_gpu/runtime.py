@@ -368,4 +368,10 @@ class GpuRuntime:
     def shutdown(self) -> None:
         self.synchronize()
         self.retirer.retire(wait=True)
+        for schedule in list(self.schedules):  # after their launches finished
+            try:
+                schedule.close()
+            except Exception:
+                log.exception("hvdlite: destroying a bucket schedule's communicator failed")
+        self.schedules.clear()
         self._contexts.clear()

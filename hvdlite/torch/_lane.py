@@ -97,7 +97,7 @@ def open_lane(buckets: Sequence[Bucket], checked: Sequence[Spec], pre: float, po
     schedule = Schedule(runtime.cupy, device, checked, bufs, uid, ranks.index(rank),
                         len(ranks), engine.config.optimizer_max_ctas)
     runtime.schedules.add(schedule)
-    return Lane(schedule, buckets), ""
+    return Lane(schedule, buckets, engine), ""
 
 
 class Lane:
@@ -105,10 +105,12 @@ class Lane:
     ready bucket waits for every earlier one, so every rank issues the same sequence), and
     hands the reduced gradients over in ``step()``."""
 
-    __slots__ = ("schedule", "buckets", "pending", "next", "grads", "device", "__weakref__")
+    __slots__ = ("schedule", "buckets", "pending", "next", "grads", "device", "engine",
+                 "__weakref__")
 
-    def __init__(self, schedule: Schedule, buckets: Sequence[Bucket]) -> None:
+    def __init__(self, schedule: Schedule, buckets: Sequence[Bucket], engine: Any) -> None:
         self.schedule = schedule
+        self.engine = engine  # the engine it was agreed under (a re-init ends the lane)
         self.buckets = tuple(buckets)
         self.pending = [False] * len(buckets)
         self.next = 0

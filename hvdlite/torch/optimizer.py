@@ -196,9 +196,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _start(self, bucket: Bucket) -> _Flight:
         """Start reducing ``bucket`` (its members' gradients in place)."""
         bucket.ready = 0
-        if self._lane is not None:  # the steady state: launched here, in the agreed order
-            self._lane.ready(self._index[bucket])
-            return _LANED
+        lane = self._lane
+        if lane is not None:  # the steady state: launched here, in the agreed order
+            if lane.engine is default_engine():
+                lane.ready(self._index[bucket])
+                return _LANED
+            self._forget_lane()  # hvdlite was initialised again (an elastic reset)
         if self._specs is None:
             self._check_buckets()
         pre, post = self._factors()
@@ -328,6 +331,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         handles = self._handles
         lane = self._lane
+        if lane is not None and lane.engine is not default_engine():
+            self._forget_lane()
+            lane = None
         try:
             if lane is not None:
                 lane.finish(self._stream_ordered())
@@ -349,6 +355,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self._lane_tried:
             self._lane_tried = True
             self._lane, self._no_lane = self._open_lane()
+
+    def _forget_lane(self) -> None:
+        """Agree again from the next bucket on: the lane's communicator belonged to an engine
+        that is gone (its world ended in an elastic reset, or hvdlite was shut down and
+        initialised again), and the new world may have other ranks."""
+        self._lane, self._lane_tried, self._specs = None, False, None
+        self._no_lane = "the step after hvdlite was initialised again has not run yet"
 
     def _set(self) -> tuple[int, list[int]]:
         ps = resolve(self.process_set, "DistributedOptimizer")

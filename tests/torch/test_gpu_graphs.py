@@ -147,3 +147,43 @@ def test_ranks_that_capture_different_steps_fail_before_any_replay(hvd: Any) -> 
         pytest.skip("ranks sharing a GPU cannot capture (see the first test)")
     with pytest.raises(hvd.MismatchError, match="captured different steps.*'launches': 6"):
         hvd.make_graphed_step(train_step, sx, sy, optimizer=opt)
+
+
+def test_the_lane_is_agreed_again_after_a_reinit(hvd: Any) -> None:
+    """An optimizer that outlives ``shutdown(); init()`` (an elastic reset in the same
+    process does this) drops its lane, whose communicator went with the old engine, checks its
+    buckets again and opens a new lane: exact averages before and after, and no launch on the
+    old communicator."""
+    dev = _device(hvd)
+    shapes = [(64, 32), (32,), (300,)]
+    params = [torch.nn.Parameter(torch.zeros(s, device=dev)) for s in shapes]
+    opt = _optimizer_of(hvd, params, "reinit")
+
+    def steps(first: int) -> None:
+        for step in range(first, first + 3):
+            opt.zero_grad()
+            sum((p * float(hvd.rank() + step + k)).sum() for k, p in enumerate(params)).backward()
+            opt.step()
+            for k, (p, s) in enumerate(zip(params, shapes, strict=True)):
+                want = sum(r + step + k for r in range(hvd.size())) / hvd.size()
+                assert torch.equal(p.grad, torch.full(s, float(want), device=dev)), (step, k)
+
+    steps(0)
+    old = opt._lane
+    assert (old is not None) == _lane_expected(hvd)
+    hvd.shutdown()
+    hvd.init()
+    _device(hvd)
+    with n_rank_path():  # the knob the engine had; the new engine reads the environment
+        steps(3)
+    if old is not None:
+        assert opt._lane is not None and opt._lane is not old
+        assert old.schedule.comm is None  # destroyed with its engine
+
+
+def _optimizer_of(hvd: Any, params: list[torch.nn.Parameter], tag: str) -> Any:
+    with n_rank_path():
+        return hvd.DistributedOptimizer(
+            torch.optim.SGD(params, lr=0.0),
+            named_parameters=[(f"{tag}.{k}", p) for k, p in enumerate(params)],
+            bucket_cap_mb=800 / 2**20)
