@@ -22,9 +22,9 @@ from hvdlite._control.driver import Driver
 from hvdlite._control.fusion import FusionBuffers
 from hvdlite._control.negotiation import Response
 from hvdlite._control.work import Entry
-from hvdlite._launch import watchdog
 from hvdlite._observe import clocks
 from hvdlite._observe.tracer import Tracer, open_timeline
+from hvdlite._rankside import watchdog
 from hvdlite.config import Config, load_config
 from hvdlite.errors import (
     HvdliteError,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hvdlite import _rankwrap
+from hvdlite.launcher import rankwrap as _rankwrap
 from hvdlite.config import KNOBS
 from hvdlite.run import JobSpec, build_command, build_parser, find_mpiexec, mpi_flavor
 

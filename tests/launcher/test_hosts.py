@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from hvdlite._launch.hosts import (
+from hvdlite.launcher.hosts import (
     Host,
     forwarded_env,
     interface_for,

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jobs_util import clean_env
 
-from hvdlite._launch.hosts import PRIVATE_NAMES
+from hvdlite.launcher.hosts import PRIVATE_NAMES
 from hvdlite.config import KNOBS, Config, load_config
 from hvdlite.run import find_mpiexec, mpi_flavor
 
