@@ -493,7 +493,7 @@ class _Driver:
         if failures:
             first = min(failures, key=lambda r: r["time"])
             failed = sorted({h for r in failures if (h := world.host_of(r.get("rank")))})
-            return (f"rank {first['rank']} (host {first['host']}) failed with "
+            return (f"rank {first['rank']} (host {world.host_of(first['rank'])}) failed with "
                     f"{describe_status(first['code'])}; host(s) {', '.join(failed)} "
                     f"blacklisted" + self.cooldown_text(failed))
         if any(r["code"] == protocol.EXIT_HOSTS_UPDATED for r in ended.reports):
