@@ -10,6 +10,7 @@ cycle runs and on which thread.
 from __future__ import annotations
 
 import queue
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -133,9 +134,13 @@ class Driver:
         try:
             # Alone and cached: a cycle of its own (_control/immediate.py).
             queued = self.engine._queue
-            if (queued and queued[0].handle is handle and _run_queued(self.engine, queued[0])
-                    and (handle._resolved or self.engine._stopped)):
-                return
+            if queued and queued[0].handle is handle:
+                held = _HeldSignals()
+                with held:
+                    ran = _run_queued(self.engine, queued[0])
+                held.deliver()
+                if ran and (handle._resolved or self.engine._stopped):
+                    return
             misses = 0
             ready = handle._ready
             if ready is not None and self._alone(handle) and not ready.done:
@@ -176,14 +181,19 @@ class Driver:
         failure; an exception a signal handler raised while the caller waited inside a round
         (Ctrl-C, an alarm) is held until the round is complete and then raised to the caller
         alone, as an abandoned wait: the engine and the peers go on, the collective stays
-        pending (its handle completes later)."""
+        pending (its handle completes later). On the main thread the handlers do not run
+        inside the cycle at all (:class:`_HeldSignals`), wherever the signal comes."""
+        held = _HeldSignals()
         try:
-            self.cycle(caller=True)
+            with held:
+                self.cycle(caller=True)
         except BaseException as exc:
             self.engine._die(exc)
+            held.deliver()
             if not isinstance(exc, Exception):
                 raise  # a signal's exception outside any wait: the engine had to stop
             return
+        held.deliver()
         for channel in self.engine._channels.values():
             interrupt = channel.negotiator.failures.take_deferred()
             if interrupt is not None:
@@ -340,6 +350,54 @@ def cached_alone(engine: Owner, channel: Channel, request: Request,
     resp = neg.cache.response(slot)
     backend = channel.backends.get(resp.device)
     return None if backend is None else (slot, resp, backend)
+
+
+# Signals whose Python handlers wait while the main thread runs a cycle as a waiting caller.
+_HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGALRM, signal.SIGHUP, signal.SIGUSR1,
+                 signal.SIGUSR2, signal.SIGVTALRM, signal.SIGPROF)
+
+
+class _HeldSignals:
+    """While a waiting caller on the main thread (where Python runs signal handlers) runs a
+    cycle, the Python handlers of ``_HELD_SIGNALS`` only note their signal; on exit the
+    handlers are put back, and :meth:`deliver` runs them for the noted signals, on this
+    thread. An exception a handler raises (Ctrl-C, an alarm) then reaches the caller after the
+    cycle, never halfway through it, where it would leave the cycle half done and stop the
+    engine on every rank.
+    Elsewhere (not the main thread: no handler runs there) it does nothing."""
+
+    __slots__ = ("noted", "saved")
+
+    def __enter__(self) -> _HeldSignals:
+        self.saved: list[tuple[int, Any]] = []
+        self.noted: list[tuple[int, Any]] = []
+        if threading.current_thread() is threading.main_thread():
+            for sig in _HELD_SIGNALS:
+                handler = signal.getsignal(sig)
+                if callable(handler):
+                    self.saved.append((sig, handler))
+                    signal.signal(sig, self._note)
+        return self
+
+    def _note(self, signum: int, frame: Any) -> None:
+        self.noted.append((signum, frame))
+
+    def __exit__(self, *_: object) -> None:
+        done = 0
+        try:
+            for sig, handler in self.saved:
+                signal.signal(sig, handler)
+                done += 1
+        finally:
+            for sig, handler in self.saved[done:]:  # a handler raised while putting them back
+                signal.signal(sig, handler)
+
+    def deliver(self) -> None:
+        """Run the handlers of the signals noted inside the cycle (each may raise)."""
+        handlers = dict(self.saved)
+        noted, self.noted = self.noted, []
+        for signum, frame in noted:
+            handlers[signum](signum, frame)
 
 
 def _run_queued(engine: Owner, entry: Entry) -> bool:

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from jobs_util import clean_env
 
-from hvdlite.launcher.hosts import PRIVATE_NAMES
 from hvdlite.config import KNOBS, Config, load_config
+from hvdlite.launcher.hosts import PRIVATE_NAMES
 from hvdlite.run import find_mpiexec, mpi_flavor
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
