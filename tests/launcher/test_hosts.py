@@ -17,7 +17,7 @@ from hvdlite.launcher.hosts import (
     ssh_options,
     transport,
 )
-from hvdlite.run import EXIT_UNREACHABLE, main
+from hvdlite.launcher.cli import EXIT_UNREACHABLE, main
 
 
 def test_parse_hosts() -> None:
