@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from hvdlite.launcher.cli import EXIT_UNREACHABLE, main
 from hvdlite.launcher.hosts import (
     Host,
     forwarded_env,
@@ -17,7 +18,6 @@ from hvdlite.launcher.hosts import (
     ssh_options,
     transport,
 )
-from hvdlite.launcher.cli import EXIT_UNREACHABLE, main
 
 
 def test_parse_hosts() -> None:
