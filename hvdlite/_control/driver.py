@@ -9,6 +9,7 @@ cycle runs and on which thread.
 
 from __future__ import annotations
 
+import _signal
 import queue
 import signal
 import threading
@@ -131,13 +132,13 @@ class Driver:
             while not lock.acquire(timeout=_LOCK_POLL_S):
                 if handle._resolved or self.engine._stopped:
                     return
+        held = _HeldSignals()  # a raising handler waits for the end of the cycle
         try:
+            held.hold()
             # Alone and cached: a cycle of its own (_control/immediate.py).
             queued = self.engine._queue
             if queued and queued[0].handle is handle:
-                held = _HeldSignals()
-                with held:
-                    ran = _run_queued(self.engine, queued[0])
+                ran = _run_queued(self.engine, queued[0])
                 held.deliver()
                 if ran and (handle._resolved or self.engine._stopped):
                     return
@@ -146,7 +147,7 @@ class Driver:
             if ready is not None and self._alone(handle) and not ready.done:
                 self._announce_now(handle)  # see below
             while not handle._resolved and not self.engine._stopped:
-                self._caller_cycle()
+                self._caller_cycle(held)
                 if handle._resolved:
                     return
                 ready = handle._ready
@@ -175,18 +176,19 @@ class Driver:
             if self.engine.negotiator.announce_now is not None:
                 self._announce_now(None)
             lock.release()
+            held.release()  # last: a handler put back may run (and raise) at once
+        held.deliver()  # a signal noted after the last cycle
 
-    def _caller_cycle(self) -> None:
+    def _caller_cycle(self, held: _HeldSignals) -> None:
         """One cycle on a waiting caller's thread. A failure inside it is the engine's sticky
         failure; an exception a signal handler raised while the caller waited inside a round
         (Ctrl-C, an alarm) is held until the round is complete and then raised to the caller
         alone, as an abandoned wait: the engine and the peers go on, the collective stays
-        pending (its handle completes later). On the main thread the handlers do not run
-        inside the cycle at all (:class:`_HeldSignals`), wherever the signal comes."""
-        held = _HeldSignals()
+        pending (its handle completes later). On the main thread user handlers do not run
+        inside the cycle at all (``held``, :class:`_HeldSignals`), wherever the signal comes:
+        they run after it."""
         try:
-            with held:
-                self.cycle(caller=True)
+            self.cycle(caller=True)
         except BaseException as exc:
             self.engine._die(exc)
             held.deliver()
@@ -352,52 +354,61 @@ def cached_alone(engine: Owner, channel: Channel, request: Request,
     return None if backend is None else (slot, resp, backend)
 
 
-# Signals whose Python handlers wait while the main thread runs a cycle as a waiting caller.
-_HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGALRM, signal.SIGHUP, signal.SIGUSR1,
-                 signal.SIGUSR2, signal.SIGVTALRM, signal.SIGPROF)
+_MAIN_THREAD = threading.main_thread().ident
+# Signals whose user handlers wait while the main thread runs cycles as a waiting caller.
+_HELD_SIGNALS = (signal.SIGALRM, signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2,
+                 signal.SIGHUP)
 
 
 class _HeldSignals:
-    """While a waiting caller on the main thread (where Python runs signal handlers) runs a
-    cycle, the Python handlers of ``_HELD_SIGNALS`` only note their signal; on exit the
-    handlers are put back, and :meth:`deliver` runs them for the noted signals, on this
-    thread. An exception a handler raises (Ctrl-C, an alarm) then reaches the caller after the
-    cycle, never halfway through it, where it would leave the cycle half done and stop the
-    engine on every rank.
-    Elsewhere (not the main thread: no handler runs there) it does nothing."""
+    """While a waiting caller on the main thread (where Python runs signal handlers) runs its
+    cycles (:meth:`hold` to :meth:`release`), the user's Python handlers of
+    ``_HELD_SIGNALS`` only note their signal, and :meth:`deliver` (after each cycle) runs them
+    for the noted signals, on this thread. An exception a handler raises (an alarm, a user's
+    SIGINT handler) then reaches the caller between cycles, never halfway through one, where
+    it would leave the cycle half done and stop the engine on every rank. Python's own
+    ``default_int_handler`` (Ctrl-C) is left alone: inside an MPI wait its KeyboardInterrupt
+    is deferred to the end of the round (``FailureChannel.defer``); elsewhere it stops the
+    engine, as a Ctrl-C may. Off the main thread (no handler runs there) it does nothing."""
 
     __slots__ = ("noted", "saved")
 
-    def __enter__(self) -> _HeldSignals:
+    def __init__(self) -> None:
         self.saved: list[tuple[int, Any]] = []
         self.noted: list[tuple[int, Any]] = []
-        if threading.current_thread() is threading.main_thread():
-            for sig in _HELD_SIGNALS:
-                handler = signal.getsignal(sig)
-                if callable(handler):
-                    self.saved.append((sig, handler))
-                    signal.signal(sig, self._note)
-        return self
+
+    def hold(self) -> None:
+        """Replace the user handlers by the note-taker (main thread only)."""
+        if threading.get_ident() != _MAIN_THREAD:
+            return
+        for sig in _HELD_SIGNALS:
+            handler = _signal.getsignal(sig)  # the C function: no enum for SIG_DFL (cheap)
+            if callable(handler) and handler is not signal.default_int_handler:
+                self.saved.append((sig, handler))
+                _signal.signal(sig, self._note)
 
     def _note(self, signum: int, frame: Any) -> None:
         self.noted.append((signum, frame))
 
-    def __exit__(self, *_: object) -> None:
+    def deliver(self) -> None:
+        """Run the handlers of the signals noted so far (each may raise)."""
+        if self.noted:
+            handlers = dict(self.saved)
+            noted, self.noted = self.noted, []
+            for signum, frame in noted:
+                handlers[signum](signum, frame)
+
+    def release(self) -> None:
+        """Put the user handlers back (a signal that comes meanwhile was noted for
+        :meth:`deliver`, or runs its own handler once that is back)."""
         done = 0
         try:
             for sig, handler in self.saved:
-                signal.signal(sig, handler)
+                _signal.signal(sig, handler)
                 done += 1
         finally:
             for sig, handler in self.saved[done:]:  # a handler raised while putting them back
-                signal.signal(sig, handler)
-
-    def deliver(self) -> None:
-        """Run the handlers of the signals noted inside the cycle (each may raise)."""
-        handlers = dict(self.saved)
-        noted, self.noted = self.noted, []
-        for signum, frame in noted:
-            handlers[signum](signum, frame)
+                _signal.signal(sig, handler)
 
 
 def _run_queued(engine: Owner, entry: Entry) -> bool:
