@@ -44,6 +44,9 @@ EXPECTED_DEFAULTS = {
     "stall_check_time_s": 60.0,
     "stall_shutdown_time_s": 0.0,
     "peer_timeout_s": 30.0,
+    "start_timeout_s": 30.0,
+    "elastic_timeout_s": 600.0,
+    "discovery_interval_s": 1.0,
     "idle_backoff_max_ms": 20.0,
     "gil_switch_interval_us": 0.0,
     "optimizer_size1_shortcut": True,
@@ -89,6 +92,9 @@ ENV_CASES = {
         30.0,
     ),
     "peer_timeout_s": ("HVDLITE_PEER_TIMEOUT_SECONDS", None, "12", 12.0),
+    "start_timeout_s": ("HVDLITE_START_TIMEOUT", "HOROVOD_START_TIMEOUT", "45", 45.0),
+    "elastic_timeout_s": ("HVDLITE_ELASTIC_TIMEOUT", "HOROVOD_ELASTIC_TIMEOUT", "60", 60.0),
+    "discovery_interval_s": ("HVDLITE_DISCOVERY_INTERVAL_SECONDS", None, "0.05", 0.05),
     "idle_backoff_max_ms": ("HVDLITE_IDLE_BACKOFF_MAX_MS", None, "0.5", 0.5),
     "gil_switch_interval_us": ("HVDLITE_GIL_SWITCH_INTERVAL_US", None, "100", 100.0),
     "optimizer_size1_shortcut": ("HVDLITE_OPTIMIZER_SIZE1_SHORTCUT", None, "off", False),
@@ -372,6 +378,9 @@ def _non_default_config() -> Config:
         optimizer_max_ctas=6,
         log_level="trace",
         nvtx=True,
+        start_timeout_s=5.0,
+        elastic_timeout_s=12.0,
+        discovery_interval_s=0.1,
     )
 
 
