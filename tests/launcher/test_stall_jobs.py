@@ -238,7 +238,7 @@ class Alarm(Exception):
 def ring(*_):
     raise Alarm()
 signal.signal(signal.SIGALRM, ring)
-driver = _engine._default.driver
+driver = _engine._default.scheduler
 plain = driver.cycle
 fired = []
 def cycle(caller):
