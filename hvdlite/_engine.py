@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any
 from hvdlite import _exit
 from hvdlite._control.channel import Channel
 from hvdlite._control.scheduler import Scheduler
-from hvdlite._launch import watchdog
 from hvdlite._observe import clocks
 from hvdlite._observe.tracer import Tracer, open_timeline
+from hvdlite._rankside import watchdog
 from hvdlite._vocab.entry import Entry
 from hvdlite._vocab.fusion import FusionBuffers
 from hvdlite._vocab.messages import Response

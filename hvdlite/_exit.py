@@ -29,7 +29,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from hvdlite import _rankwrap
+from hvdlite._rankside import protocol
 
 if TYPE_CHECKING:
     from hvdlite._observe.timeline import Timeline
@@ -94,10 +94,8 @@ def _rank_of(comm: Any) -> str:
         with contextlib.suppress(Exception):
             if mpi.Is_initialized() and not mpi.Is_finalized():
                 return str(mpi.COMM_WORLD.Get_rank())
-    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
-        if os.environ.get(name, "").isdigit():
-            return os.environ[name]
-    return "?"
+    rank = protocol.rank_from_env()
+    return "?" if rank is None else str(rank)
 
 
 def _line(rank: str, reason: str) -> str:
@@ -138,12 +136,12 @@ def announce(reason: str, comm: Any = None) -> bool:
 def _report_to_launcher(exitcode: int) -> None:
     """Under ``hvdliterun``, leave the rank's failure report now: the MPI launcher may kill the
     rank wrapper (which would write it) before it sees this process end."""
-    if os.environ.get(_rankwrap.REPORT_DIR_ENV):
+    if os.environ.get(protocol.REPORT_DIR_ENV):
         with contextlib.suppress(Exception):
-            _rankwrap._write_report(_rankwrap.rank_from_env(), exitcode, signalled=False)
+            protocol.write_report(protocol.rank_from_env(), exitcode, signalled=False)
     # And through the rank wrapper to hvdliterun's monitor (any host): the MPI launcher may
     # kill the wrapper before it sees this process end, which would look like a lost host.
-    fd = os.environ.get(_rankwrap.WATCHDOG_FD_ENV, "")
+    fd = os.environ.get(protocol.WATCHDOG_FD_ENV, "")
     if fd.isdigit():
         with contextlib.suppress(OSError):
             os.write(int(fd), json.dumps({"t": "failing", "code": exitcode}).encode() + b"\n")

@@ -215,6 +215,7 @@ class Knob:
     aliases: tuple[str, ...] = ()
     inverted_aliases: tuple[str, ...] = ()
     choices: tuple[str, ...] = ()
+    flag_aliases: tuple[str, ...] = ()  # more hvdliterun spellings (horovodrun's), same unit
 
     @property
     def yaml_key(self) -> str:
@@ -238,11 +239,13 @@ def _knob(
     aliases: tuple[str, ...] = (),
     inverted_aliases: tuple[str, ...] = (),
     choices: tuple[str, ...] = (),
+    flag_aliases: tuple[str, ...] = (),
 ) -> Any:
     """Declare a :class:`Config` field as a knob (the name comes from the field)."""
     spec = {
         "kind": kind, "parse": parse, "default": default, "unit": unit, "help": help,
         "env": env, "aliases": aliases, "inverted_aliases": inverted_aliases, "choices": choices,
+        "flag_aliases": flag_aliases,
     }  # fmt: skip
     return dataclasses.field(default=default, metadata={"knob": spec})
 
@@ -301,7 +304,7 @@ class Config:
     )  # fmt: skip
     timeline: str | None = _knob(
         kind="path", parse=_parse_optional_path, default=None, unit="path",
-        aliases=("HOROVOD_TIMELINE",),
+        aliases=("HOROVOD_TIMELINE",), flag_aliases=("--timeline-filename",),
         help="Write a Chrome-trace timeline to this file; empty / null = off.",
     )  # fmt: skip
     timeline_mark_cycles: bool = _knob(
@@ -327,12 +330,14 @@ class Config:
     stall_check_time_s: float = _knob(
         kind="float", parse=_parse_positive, default=60.0, unit="s",
         env="HVDLITE_STALL_CHECK_TIME_SECONDS", aliases=("HOROVOD_STALL_CHECK_TIME_SECONDS",),
+        flag_aliases=("--stall-check-warning-time-seconds",),
         help="Seconds a tensor may wait for other ranks before a stall warning.",
     )  # fmt: skip
     stall_shutdown_time_s: float = _knob(
         kind="float", parse=_parse_non_negative, default=0.0, unit="s",
         env="HVDLITE_STALL_SHUTDOWN_TIME_SECONDS",
         aliases=("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",),
+        flag_aliases=("--stall-check-shutdown-time-seconds",),
         help="Seconds of stall after which hvdlite fails with StallError; 0 = never. Needs "
              "stall_check; acts no earlier than stall_check_time_s.",
     )  # fmt: skip
@@ -367,6 +372,13 @@ class Config:
              "own NCCL communicator (no background-thread wake-up per bucket). Off: every "
              "bucket is negotiated by the background thread, as other collectives are.",
     )  # fmt: skip
+    optimizer_max_ctas: int = _knob(
+        kind="int", parse=_parse_count, default=0, unit="CTAs",
+        help="CUDA thread blocks (CTAs) each NCCL collective of the optimizer's schedule may "
+             "take (NCCL_MAX_CTAS for that communicator alone): an NCCL kernel holds its SMs "
+             "for as long as it waits for a peer, so fewer leave more of the GPU to the "
+             "backward pass the buckets overlap. 0 = NCCL's choice.",
+    )  # fmt: skip
     log_level: str = _knob(
         kind="choice", parse=_parse_log_level, default="warning", unit="",
         choices=LOG_LEVELS, aliases=("HOROVOD_LOG_LEVEL",),
@@ -375,6 +387,26 @@ class Config:
     nvtx: bool = _knob(
         kind="bool", parse=_parse_bool, default=False, unit="",
         help="Emit NVTX ranges around the pipeline phases (needs the nvtx package).",
+    )  # fmt: skip
+    start_timeout_s: float = _knob(
+        kind="float", parse=_parse_positive, default=30.0, unit="s",
+        env="HVDLITE_START_TIMEOUT", aliases=("HOROVOD_START_TIMEOUT",),
+        flag_aliases=("--start-timeout",),
+        help="hvdliterun: seconds for every rank of a world to start (its wrapper reaches the "
+             "launcher) before the world is ended with the hosts that did not start named.",
+    )  # fmt: skip
+    elastic_timeout_s: float = _knob(
+        kind="float", parse=_parse_positive, default=600.0, unit="s",
+        env="HVDLITE_ELASTIC_TIMEOUT", aliases=("HOROVOD_ELASTIC_TIMEOUT",),
+        flag_aliases=("--elastic-timeout",),
+        help="hvdliterun, elastic jobs: how long to wait for --min-np slots (a job whose hosts "
+             "all failed or are gone ends at once).",
+    )  # fmt: skip
+    discovery_interval_s: float = _knob(
+        kind="float", parse=_parse_positive, default=1.0, unit="s",
+        env="HVDLITE_DISCOVERY_INTERVAL_SECONDS",
+        help="hvdliterun, elastic jobs: how often the host discovery script runs (Horovod: "
+             "every 1 s, no knob).",
     )  # fmt: skip
 
     def to_env(self, names: Collection[str] | None = None) -> dict[str, str]:
@@ -571,7 +603,8 @@ def markdown_table() -> str:
         aliases = [*k.aliases, *(f"{v} (inverted)" for v in k.inverted_aliases)]
         env = f"`{k.env}`" + "".join(f"<br>`{a}`" for a in aliases)
         rows.append(
-            f"| `{k.name}`<br>`{k.flag}` | `{_yaml_scalar(k, k.default)}` | {k.unit or '-'} "
+            f"| `{k.name}`<br>`{'`<br>`'.join((k.flag, *k.flag_aliases))}` "
+            f"| `{_yaml_scalar(k, k.default)}` | {k.unit or '-'} "
             f"| {env} | {k.help} |"
         )
     return "\n".join(rows) + "\n"

@@ -59,6 +59,8 @@ def run_now(engine: Owner, channel: Channel, lane: Lane, call: Call, stream: Any
     the round agreed on more than this call (the call became an ordinary entry), or
     :data:`MISS` if the call must be submitted the general way."""
     sched = engine.scheduler
+    if sched.capture_thread is not None:
+        return MISS  # the general path refuses it (Scheduler.check_usable)
     lock = sched.cycle_lock
     if not lock.acquire(blocking=False):
         # Only the background thread's cycle (most often the short one after a burst of

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from hvdlite._control.held_signals import HeldSignals
 from hvdlite._vocab.entry import Entry
 from hvdlite._vocab.messages import Request, Response
 from hvdlite.errors import HvdliteError, ShutdownError, StallError
@@ -76,6 +77,9 @@ class Scheduler:
         self.error: HvdliteError | None = None  # sticky: raised by every later call
         self.stop_requested = False
         self.stopped = False
+        # The thread capturing a CUDA graph (hvdlite/torch/graphs.py): its calls are refused
+        # (and take no immediate path), since a replay would run them un-negotiated.
+        self.capture_thread: int | None = None
         self.expecting_stall = 0  # expect_stall() blocks in progress: silence the inspector
         # Serialises cycles: held by the background thread or by a waiting caller running the
         # pending cycle itself (progress). MPI sees one cycle at a time from this process, in
@@ -93,11 +97,17 @@ class Scheduler:
 
     # -- submission and stopping (any thread) -----------------------------------------------
     def check_usable(self) -> None:
-        """Raise the sticky error, or ``ShutdownError`` once stopped or stopping."""
+        """Raise the sticky error, ``ShutdownError`` once stopped or stopping, or
+        ``HvdliteError`` on the thread capturing a CUDA graph."""
         if self.error is not None:
             raise self.error
         if self.stopped or self.stop_requested:
             raise ShutdownError("hvdlite is shut down; call hvdlite.init() again to use it")
+        if self.capture_thread is not None and self.capture_thread == threading.get_ident():
+            raise HvdliteError("hvdlite collectives cannot be captured in a CUDA graph (they "
+                               "are negotiated on the host when they run): inside a captured "
+                               "step only DistributedOptimizer's buckets communicate; call "
+                               "this one outside the step")
 
     def submit(self, entry: Entry, wake: bool, channel: Channel) -> None:
         """Queue ``entry`` (with its own handle) on ``channel``; any thread.
@@ -109,7 +119,8 @@ class Scheduler:
         entry.handle._driver = self.progress
         name = entry.request.name
         with self.lock:
-            if self.error is not None or self.stopped or self.stop_requested:
+            if self.error is not None or self.stopped or self.stop_requested \
+                    or self.capture_thread is not None:
                 self.check_usable()
             if channel.id not in self.engine.channels:
                 raise HvdliteError(f"process set {channel.id} was removed; add it again or "
@@ -288,18 +299,22 @@ class Scheduler:
             while not lock.acquire(timeout=_LOCK_POLL_S):
                 if handle._resolved or self.stopped:
                     return
+        held = HeldSignals()  # a raising handler waits for the end of the cycle
         try:
+            held.hold()
             # Alone and cached: a cycle of its own (_control/immediate.py).
             queued = self.queue
-            if (queued and queued[0].handle is handle and self._run_queued(queued[0])
-                    and (handle._resolved or self.stopped)):
-                return
+            if queued and queued[0].handle is handle:
+                ran = self._run_queued(queued[0])
+                held.deliver()
+                if ran and (handle._resolved or self.stopped):
+                    return
             misses = 0
             ready = handle._ready
             if ready is not None and self._alone(handle) and not ready.done:
                 self._announce_now(handle)  # see below
             while not handle._resolved and not self.stopped:
-                self._caller_cycle()
+                self._caller_cycle(held)
                 if handle._resolved:
                     return
                 ready = handle._ready
@@ -328,18 +343,26 @@ class Scheduler:
             if self.engine.negotiator.announce_now is not None:
                 self._announce_now(None)
             lock.release()
+            held.release()  # last: a handler put back may run (and raise) at once
+        held.deliver()  # a signal noted after the last cycle
 
-    def _caller_cycle(self) -> None:
+    def _caller_cycle(self, held: HeldSignals) -> None:
         """One cycle on a waiting caller's thread. A failure inside it is the engine's sticky
         failure; an exception a signal handler raised while the caller waited inside a round
         (Ctrl-C, an alarm) is held until the round is complete and then raised to the caller
         alone, as an abandoned wait: the engine and the peers go on, the collective stays
-        pending (its handle completes later)."""
+        pending (its handle completes later). On the main thread user handlers do not run
+        inside the cycle at all (``held``, :class:`HeldSignals`), wherever the signal comes:
+        they run after it."""
         try:
             self.cycle(caller=True)
         except BaseException as exc:
-            self._failed(exc)  # a signal's exception outside any wait goes on: it stopped all
+            try:
+                self._failed(exc)  # a signal's exception outside any wait goes on: it stopped all
+            finally:
+                held.deliver()
             return
+        held.deliver()
         for channel in self.engine.channels.values():
             interrupt = channel.negotiator.failures.take_deferred()
             if interrupt is not None:

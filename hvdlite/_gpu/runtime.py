@@ -295,7 +295,13 @@ class GpuRuntime:
         if stream is None:
             stream = current_stream(framework, device_id)
         event = ctx.event()
-        event.record(stream)
+        if stream.ptr == 0 and self.cupy.cuda.runtime.getDevice() != device_id:
+            # The null stream means the current device's: record on the tensor's device's
+            # (a tensor on another GPU than the rank's, with no stream given).
+            with self.cupy.cuda.Device(device_id):
+                event.record(stream)
+        else:
+            event.record(stream)
         return event
 
     def wait_ready(self, ctx: DeviceContext, entries: Sequence[Any]) -> None:
@@ -362,4 +368,10 @@ class GpuRuntime:
     def shutdown(self) -> None:
         self.synchronize()
         self.retirer.retire(wait=True)
+        for schedule in list(self.schedules):  # after their launches finished
+            try:
+                schedule.close()
+            except Exception:
+                log.exception("hvdlite: destroying a bucket schedule's communicator failed")
+        self.schedules.clear()
         self._contexts.clear()

@@ -27,9 +27,11 @@ so kernels waiting for a rank that will never come return.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -79,11 +81,12 @@ def check(specs: Sequence[Spec], exchange: Callable[[bytes], list[bytes]],
                             "parameters, in the same order, with the same settings")
 
 
-def agree(usable: str, root: bool, exchange: Callable[[bytes], list[bytes]]) -> Any:
+def agree(usable: str, root: bool, exchange: Callable[[bytes], list[bytes]],
+          ranks: Sequence[int]) -> tuple[Any, str]:
     """Whether every rank of the set can launch a checked schedule itself (``usable``: why
     this rank cannot, '' when it can; ``root``: this rank is the set's first, which draws the
-    NCCL unique id); collective over the set. Returns the unique id where every rank can,
-    else None: the same answer on every rank."""
+    NCCL unique id); collective over the set. Returns (the unique id, '') where every rank
+    can, else (None, why the first rank that cannot cannot): the same answer on every rank."""
     uid: list[int] | None = None
     raw = False
     if root and not usable:
@@ -93,9 +96,30 @@ def agree(usable: str, root: bool, exchange: Callable[[bytes], list[bytes]]) -> 
         uid, raw = list(drawn), isinstance(drawn, bytes)
     got = [json.loads(b) for b in exchange(
         json.dumps({"why": usable, "uid": uid, "bytes": raw}).encode())]
-    if any(g["why"] for g in got) or got[0]["uid"] is None:
-        return None
-    return bytes(got[0]["uid"]) if got[0]["bytes"] else tuple(got[0]["uid"])
+    for rank, g in zip(ranks, got, strict=True):
+        if g["why"]:
+            return None, f"rank {rank}: {g['why']}"
+    if got[0]["uid"] is None:
+        return None, f"rank {ranks[0]} drew no NCCL id"
+    return (bytes(got[0]["uid"]) if got[0]["bytes"] else tuple(got[0]["uid"])), ""
+
+
+@contextlib.contextmanager
+def _max_ctas(n: int) -> Iterator[None]:
+    """NCCL_MAX_CTAS for the communicators made within (NCCL reads it at each communicator's
+    init: CuPy's binding has no ncclConfig_t); the environment as it was afterwards."""
+    if n <= 0:
+        yield
+        return
+    old = os.environ.get("NCCL_MAX_CTAS")
+    os.environ["NCCL_MAX_CTAS"] = str(n)
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["NCCL_MAX_CTAS"]
+        else:
+            os.environ["NCCL_MAX_CTAS"] = old
 
 
 class Schedule:
@@ -107,13 +131,14 @@ class Schedule:
     """
 
     def __init__(self, cupy: Any, device_id: int, specs: Sequence[Spec],
-                 buffers: Sequence[tuple[int, int]], uid: Any, rank: int, size: int) -> None:
+                 buffers: Sequence[tuple[int, int]], uid: Any, rank: int, size: int,
+                 max_ctas: int = 0) -> None:
         from cupy.cuda import nccl
 
         self.cupy, self.device_id, self.specs = cupy, device_id, tuple(specs)
         self.size = size
         cuda = cupy.cuda
-        with cuda.Device(device_id):
+        with cuda.Device(device_id), _max_ctas(max_ctas):
             self.comm = nccl.NcclCommunicator(size, uid, rank)
             self.stream = cuda.Stream(non_blocking=True, priority=-1000)
             n = len(specs)
@@ -123,6 +148,9 @@ class Schedule:
         self._calls = [self._call(nccl, s, b) for s, b in zip(specs, buffers, strict=True)]
         self._launched = [0.0] * len(specs)  # host time of the last launch (0: none pending)
         self.launches = 0
+        # Set while a CUDA graph captures launches: the watchdog then leaves the events alone
+        # (a captured record is no record; the graph's replays are not launches it can time).
+        self.capturing = False
 
     def _call(self, nccl: Any, spec: Spec, buf: tuple[int, int]) -> tuple[Any, ...]:
         if spec.dtype == "bfloat16":  # no NumPy type (unscaled only: see the optimizer)
@@ -163,7 +191,8 @@ class Schedule:
             with self.stream:
                 view *= post
         self._done[i].record(self.stream)
-        self._launched[i] = time.monotonic()
+        if not self.capturing:
+            self._launched[i] = time.monotonic()
         self.launches += 1
 
     def wait(self, i: int, stream: Any | None) -> None:
@@ -177,6 +206,8 @@ class Schedule:
     def overdue(self, limit_s: float) -> str:
         """'' or a description of the oldest launch not complete after ``limit_s`` seconds
         (checked by the engine's background thread; non-blocking event queries)."""
+        if self.capturing:
+            return ""
         now = time.monotonic()
         for i, t in enumerate(self._launched):
             if t and now - t > limit_s:

@@ -65,6 +65,8 @@ class Stats:
             self._hits = 0
             self._misses = 0
             self.steady: dict[str, int] = dict.fromkeys(_STEADY, 0)
+            self._captures = 0
+            self._replays = 0
             self._since = time.monotonic()
 
     def record_op(self, op: str, nbytes: int, latency_s: float) -> None:
@@ -112,6 +114,15 @@ class Stats:
             self._hits += hits
             self._misses += misses
 
+    def record_capture(self) -> None:
+        """One training step captured as a CUDA graph."""
+        with self._lock:
+            self._captures += 1
+
+    def record_replay(self) -> None:
+        """One replay of a captured step (the replaying thread; no lock: one writer)."""
+        self._replays += 1
+
     def snapshot(self) -> dict[str, Any]:
         """A consistent copy of every figure (percentiles over the last ``window`` samples)."""
         with self._lock:
@@ -122,6 +133,7 @@ class Stats:
                       self._fill_sum)
             hits, misses, since = self._hits, self._misses, self._since
             steady = dict(self.steady)
+            graphs = {"captures": self._captures, "replays": self._replays}
         return {
             "elapsed_s": time.monotonic() - since,
             "ops": {name: _op_summary(*vals) for name, vals in sorted(ops.items())},
@@ -131,6 +143,7 @@ class Stats:
             "cache": {"hits": hits, "misses": misses,
                       "hit_rate": hits / (hits + misses) if hits + misses else None},
             "steady_state": steady,
+            "graphs": graphs,
         }
 
 

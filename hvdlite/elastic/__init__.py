@@ -1,7 +1,7 @@
 """Elastic training, framework-free: Horovod's ``State``/``ObjectState``, ``run`` and
 ``HostsUpdatedInterrupt`` for NumPy code (``hvdlite.torch.elastic`` adds ``TorchState`` and
 ``ElasticSampler``). Start the job with ``hvdliterun --min-np``/``--host-discovery-script``
-(:mod:`hvdlite.elastic.driver`); see ``docs/horovod.md``, "Elastic training".
+(:mod:`hvdlite.launcher.elastic`); see ``docs/horovod.md``, "Elastic training".
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Horovod's elastic state objects and ``run`` wrapper, framework-free.
 
 A world of MPI processes cannot shrink or grow in place, so an elastic hvdlite job is a
-sequence of worlds started by the elastic ``hvdliterun`` (:mod:`hvdlite.elastic.driver`):
+sequence of worlds started by the elastic ``hvdliterun`` (:mod:`hvdlite.launcher.elastic`):
 ``commit()`` keeps the state in memory and on disk (once per host), a world that ends (a rank
 failed, or the hosts changed) is followed by one on the hosts that are there now, and in it
 ``run`` loads the newest commit and ``sync()`` sends it to every rank before the wrapped
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import pickle
+import queue
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -61,6 +62,10 @@ class State:
         self._commit_number = 0
         # The rank that holds the newest commit after a restart; 0 otherwise.
         self._sync_root = 0
+        # Horovod's: the driver's host-change notices, (timestamp, result), and the newest
+        # timestamp acted on (check_host_updates raises for a newer one).
+        self._host_messages: queue.Queue[tuple[int, int]] = queue.Queue()
+        self._last_updated_timestamp = 0
 
     def register_reset_callbacks(self, callbacks: list[Callable[[], None]]) -> None:
         """Run ``callbacks`` (no arguments) after every reset, before the state is synced:
@@ -70,9 +75,17 @@ class State:
 
     def on_reset(self) -> None:
         """Call ``reset()`` and the registered reset callbacks (``run`` does, after a reset)."""
+        self._host_messages = queue.Queue()
         self.reset()
         for callback in self._reset_callbacks:
             callback()
+
+    def on_hosts_updated(self, timestamp: int, update_res: int) -> None:
+        """Queue the driver's notice that the hosts changed at ``timestamp`` (seconds since
+        the epoch; ``update_res``: Horovod's ``HostUpdateResult`` bits, 1 added, 2 removed).
+        Called by hvdlite when the elastic ``hvdliterun`` reports a change; the next
+        ``commit()`` / ``check_host_updates()`` acts on it. Any thread."""
+        self._host_messages.put((timestamp, update_res))
 
     def commit(self) -> None:
         """Save the state (``save()``), keep it where a restarted world finds it, then
@@ -97,9 +110,23 @@ class State:
         """
         self._check_host_updates(committed=False)
 
+    def _drain_host_messages(self) -> bool:
+        """Take the queued notices; True if one is newer than the last acted on."""
+        newest = self._last_updated_timestamp
+        while True:
+            try:
+                timestamp, _ = self._host_messages.get_nowait()
+            except queue.Empty:
+                break
+            newest = max(newest, timestamp)
+        heard = newest > self._last_updated_timestamp
+        self._last_updated_timestamp = newest
+        return heard
+
     def _check_host_updates(self, committed: bool) -> None:
         ctx = _worker.context()
-        if ctx is not None and _worker.hosts_updated(ctx):
+        heard = self._drain_host_messages()
+        if (ctx is not None and _worker.hosts_updated(ctx, heard)) or (ctx is None and heard):
             interrupt = HostsUpdatedInterrupt(skip_sync=False)
             interrupt._hvdlite_committed = committed  # type: ignore[attr-defined]
             raise interrupt
@@ -182,6 +209,7 @@ def run_fn(func: Callable[..., T]) -> Callable[..., T]:
         if ctx is None:  # not under the elastic launcher: nothing to recover, nobody to reset
             state.sync()
             return func(state, *args, **kwargs)
+        _worker.listen(state)
         _worker.recover(ctx, state)
         if ctx.generation > 0:
             state.on_reset()

@@ -2,7 +2,7 @@
 newest one, and how a rank leaves its world for a reset.
 
 Standard library and hvdlite's core only (no torch). The elastic ``hvdliterun``
-(:mod:`hvdlite.elastic.driver`) starts every world with ``ELASTIC_DIR_ENV`` (the job's
+(:mod:`hvdlite.launcher.elastic`) starts every world with ``ELASTIC_DIR_ENV`` (the job's
 directory, the same path on every host) and ``GENERATION_ENV`` (0 for the first world, then
 1, 2, ... after each reset). Without them a rank is not elastic and nothing here touches the
 disk.
@@ -11,18 +11,31 @@ disk.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pickle
 import re
 import socket
 import sys
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, NoReturn, Protocol
 
 import numpy as np
 
 import hvdlite
-from hvdlite._launch import watchdog
+from hvdlite._rankside import watchdog
+from hvdlite._rankside.protocol import (
+    ELASTIC_DIR_ENV,
+    EXIT_HOSTS_UPDATED,
+    EXIT_INTERNAL_ERROR,
+    GENERATION_ENV,
+    HOSTS_UPDATED_FILE,
+    HOSTS_UPDATED_MESSAGE,
+    RESET_EXIT_CODES,
+    generation_dir,
+)
 
 
 class State(Protocol):
@@ -38,21 +51,15 @@ class State(Protocol):
 
     def _load_payload(self, payload: Any) -> None: ...
 
-ELASTIC_DIR_ENV = "HVDLITE_ELASTIC_DIR"
-GENERATION_ENV = "HVDLITE_ELASTIC_GENERATION"
-# A rank that leaves its world for a reset exits with one of these; any other failure of a
-# rank marks its slot as failed (the driver starts the next world without it).
-EXIT_HOSTS_UPDATED = 75
-EXIT_INTERNAL_ERROR = 76
-RESET_EXIT_CODES = frozenset({EXIT_HOSTS_UPDATED, EXIT_INTERNAL_ERROR})
-HOSTS_UPDATED_FILE = "hosts-updated"
-HOSTS_UPDATED_MESSAGE = "elastic.hosts_updated"
+    def on_hosts_updated(self, timestamp: int, update_res: int) -> None: ...
+
+
+__all__ = ["ELASTIC_DIR_ENV", "EXIT_HOSTS_UPDATED", "EXIT_INTERNAL_ERROR", "GENERATION_ENV",
+           "HOSTS_UPDATED_FILE", "HOSTS_UPDATED_MESSAGE", "RESET_EXIT_CODES", "Context",
+           "context", "generation_dir", "hosts_updated", "leave_for_reset", "listen",
+           "newest_commit", "persist", "read_commit", "recover", "write_commit"]
+
 _COMMIT = re.compile(r"^commit-(\d+)\.pkl$")
-
-
-def generation_dir(job_dir: str, generation: int) -> str:
-    """Where the driver tells the ranks of world ``generation`` that hosts changed."""
-    return os.path.join(job_dir, f"gen-{generation}")
 
 
 @dataclass(frozen=True)
@@ -135,6 +142,23 @@ def persist(ctx: Context, state: State) -> None:
 # The newest generation the driver told this process about (over the control channel).
 _told_generation = -1
 _listening = False
+_lock = threading.Lock()
+# The states that hear of host changes (Horovod's State.on_hosts_updated), and the notices
+# seen so far (each is handed to a state once; the driver repeats its notice).
+_states: weakref.WeakSet[State] = weakref.WeakSet()
+_notices: set[tuple[int, int]] = set()
+_given: weakref.WeakKeyDictionary[State, set[tuple[int, int]]] = weakref.WeakKeyDictionary()
+
+
+def _deliver(timestamp: int, result: int) -> None:
+    with _lock:
+        _notices.add((timestamp, result))
+        states = list(_states)
+        for state in states:
+            given = _given.setdefault(state, set())
+            if (timestamp, result) not in given:
+                given.add((timestamp, result))
+                state.on_hosts_updated(timestamp, result)
 
 
 def _on_message(message: dict[str, Any]) -> None:
@@ -142,6 +166,9 @@ def _on_message(message: dict[str, Any]) -> None:
     generation = message.get("generation")
     if message.get("t") == HOSTS_UPDATED_MESSAGE and isinstance(generation, int):
         _told_generation = max(_told_generation, generation)
+        timestamp, result = message.get("timestamp"), message.get("res")
+        if isinstance(timestamp, int) and isinstance(result, int):
+            _deliver(timestamp, result)
 
 
 def _listen() -> None:
@@ -154,15 +181,38 @@ def _listen() -> None:
         watchdog.subscribe(_on_message)
 
 
+def listen(state: State) -> None:
+    """Let ``state`` hear of host changes from the driver (``state.on_hosts_updated(
+    timestamp, result)``, as Horovod's notification manager calls it), including notices
+    that came before this call. Any thread."""
+    _listen()
+    with _lock:
+        _states.add(state)
+        notices = sorted(_notices)
+    for timestamp, result in notices:
+        _deliver(timestamp, result)
+
+
 def _told(ctx: Context) -> bool:
     """The driver said the hosts changed: through the launcher's control channel, or in the
-    job directory where this host shares the launcher's file system."""
-    return _told_generation >= ctx.generation or os.path.exists(ctx.updates_file)
+    job directory where this host shares the launcher's file system (then the notice is
+    handed to the states as well)."""
+    if _told_generation >= ctx.generation:
+        return True
+    try:
+        with open(ctx.updates_file, encoding="utf-8") as handle:
+            notice = json.load(handle)
+    except (OSError, ValueError):
+        return False
+    if isinstance(notice, dict) and isinstance(notice.get("timestamp"), int):
+        _deliver(notice["timestamp"], int(notice.get("res", 1)))
+    return True
 
 
-def hosts_updated(ctx: Context) -> bool:
-    """True on every rank when the driver reported changed hosts to any rank (collective)."""
-    seen = int(_told(ctx))
+def hosts_updated(ctx: Context, heard: bool = False) -> bool:
+    """True on every rank when the driver reported changed hosts to any rank, or any rank
+    ``heard`` of a change through its state's messages (collective)."""
+    seen = int(_told(ctx) or heard)
     return _reduce(seen, hvdlite.Max, "hvdlite.elastic.hosts_updated") > 0
 
 

@@ -68,6 +68,7 @@ from hvdlite.torch.functions import (
     broadcast_optimizer_state,
     broadcast_parameters,
 )
+from hvdlite.torch.graphs import GraphedStep, make_graphed_step
 from hvdlite.torch.mpi_ops import (
     Handle,
     allgather_async,
@@ -100,7 +101,8 @@ from hvdlite.torch.process_sets import (
 from hvdlite.torch.sync_batch_norm import SyncBatchNorm
 
 __all__ = [
-    "Adasum", "Average", "Compression", "DistributedOptimizer", "Handle", "HorovodInternalError",
+    "Adasum", "Average", "Compression", "DistributedOptimizer", "GraphedStep", "Handle",
+    "HorovodInternalError",
     "HostsUpdatedInterrupt", "HvdliteError", "InvalidArgumentError", "Max", "Min",
     "MismatchError", "NotInitializedError", "ProcessSet", "Product", "ShutdownError", "Sum",
     "SyncBatchNorm", "add_process_set", "allgather", "allgather_async", "allgather_object",
@@ -111,7 +113,8 @@ __all__ = [
     "gloo_enabled", "global_process_set", "grouped_allgather", "grouped_allgather_async",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
     "grouped_allreduce_async_", "grouped_reducescatter", "grouped_reducescatter_async", "init",
-    "is_homogeneous", "is_initialized", "join", "local_rank", "local_size", "mlsl_built",
+    "is_homogeneous", "is_initialized", "join", "local_rank", "local_size", "make_graphed_step",
+    "mlsl_built",
     "mpi_built", "mpi_enabled", "mpi_ops", "mpi_threads_supported", "nccl_built", "poll",
     "rank", "reducescatter", "reducescatter_async", "remove_process_set", "rocm_built",
     "shutdown", "size", "sparse_allreduce_async", "start_timeline", "stop_timeline",

@@ -20,7 +20,7 @@ import torch
 
 from hvdlite._torchref import numpy_dtype
 
-__all__ = ["Bucket", "auto_buckets"]
+__all__ = ["Bucket", "auto_buckets", "param_names", "split"]
 
 
 class Bucket:
@@ -156,3 +156,41 @@ def auto_buckets(params: Sequence[torch.Tensor], cap_bytes: int) -> list[list[to
         open_[key] = (members, size + nbytes)
     buckets.extend(members for members, _ in open_.values() if members)
     return buckets
+
+
+def split(items: list[Any], n: int) -> list[list[Any]]:
+    """``items`` in ``n`` consecutive groups of sizes differing by one at most (empty ones
+    left out): Horovod's ``groups=n``."""
+    size, extra = divmod(len(items), n)
+    out, start = [], 0
+    for i in range(n):
+        stop = start + size + (1 if i < extra else 0)
+        if stop > start:
+            out.append(items[start:stop])
+        start = stop
+    return out
+
+
+def param_names(named_parameters: Any, param_groups: list[dict[str, Any]],
+           all_params: list[torch.Tensor]) -> dict[torch.Tensor, str]:
+    """Every parameter's allreduce name, checked as Horovod checks them."""
+    if named_parameters is not None:
+        named = list(named_parameters)
+        if any(not isinstance(x, tuple) or len(x) != 2 for x in named):
+            raise ValueError("named_parameters must be a sequence of (name, parameter) "
+                             "tuples, as model.named_parameters() yields")
+    else:
+        named = [(f"allreduce.noname.{i}.{j}", p) for i, g in enumerate(param_groups)
+                 for j, p in enumerate(g["params"])]
+    names = [k for k, _ in named]
+    dups = sorted({k for k in names if names.count(k) > 1})
+    if dups:
+        raise ValueError(f"parameter names in named_parameters must be unique; "
+                         f"duplicates: {', '.join(dups)}")
+    named_ids = {id(p) for _, p in named}
+    unnamed = [p for p in all_params if id(p) not in named_ids]
+    if unnamed:
+        raise ValueError(f"named_parameters was given but {len(unnamed)} of the "
+                         "optimizer's parameters are not in it; pass "
+                         "model.named_parameters() of the model the optimizer trains")
+    return {p: f"DistributedOptimizer.{k}" for k, p in named}

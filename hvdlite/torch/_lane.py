@@ -77,25 +77,27 @@ def specs(buckets: Sequence[Bucket], wires: Sequence[torch.dtype], op: Any, pre:
 
 def open_lane(buckets: Sequence[Bucket], checked: Sequence[Spec], pre: float, post: float,
               process_set_id: int, ranks: Sequence[int], rank: int,
-              exchange: Any) -> Lane | None:
-    """The lane if every member of the set can launch ``buckets`` itself (collective over the
-    set: one exchange), else None (the optimizer keeps negotiating them). ``checked``: the
-    buckets' specs, found alike on every rank before their first reduction (:func:`check`)."""
+              exchange: Any) -> tuple[Lane | None, str]:
+    """(the lane, '') if every member of the set can launch ``buckets`` itself (collective
+    over the set: one exchange), else (None, why not): the optimizer keeps negotiating them.
+    ``checked``: the buckets' specs, found alike on every rank before their first reduction
+    (:func:`check`)."""
     why = _why_not(buckets, process_set_id, pre, post)
-    uid = agree(why, rank == ranks[0], exchange)
+    uid, why = agree(why, rank == ranks[0], exchange, ranks)
     if uid is None:
-        return None
+        return None, why
     device = buckets[0].device
     bufs = []
     for b in buckets:
         buf = _buffer(b)
         assert buf is not None
         bufs.append((buf.data_ptr(), buf.numel()))
-    runtime = default_engine().gpu_runtime()
+    engine = default_engine()
+    runtime = engine.gpu_runtime()
     schedule = Schedule(runtime.cupy, device, checked, bufs, uid, ranks.index(rank),
-                        len(ranks))
+                        len(ranks), engine.config.optimizer_max_ctas)
     runtime.schedules.add(schedule)
-    return Lane(schedule, buckets)
+    return Lane(schedule, buckets, engine), ""
 
 
 class Lane:
@@ -103,10 +105,12 @@ class Lane:
     ready bucket waits for every earlier one, so every rank issues the same sequence), and
     hands the reduced gradients over in ``step()``."""
 
-    __slots__ = ("schedule", "buckets", "pending", "next", "grads", "device", "__weakref__")
+    __slots__ = ("schedule", "buckets", "pending", "next", "grads", "device", "engine",
+                 "__weakref__")
 
-    def __init__(self, schedule: Schedule, buckets: Sequence[Bucket]) -> None:
+    def __init__(self, schedule: Schedule, buckets: Sequence[Bucket], engine: Any) -> None:
         self.schedule = schedule
+        self.engine = engine  # the engine it was agreed under (a re-init ends the lane)
         self.buckets = tuple(buckets)
         self.pending = [False] * len(buckets)
         self.next = 0

@@ -23,8 +23,8 @@ import hvdlite
 from hvdlite import _sets
 from hvdlite._engine import default_engine
 from hvdlite._torchref import stream_of
-from hvdlite.torch import _reduce, mpi_ops
-from hvdlite.torch._buckets import Bucket, auto_buckets
+from hvdlite.torch import mpi_ops
+from hvdlite.torch._buckets import Bucket, auto_buckets, param_names, split
 from hvdlite.torch._lane import Lane, check, open_lane, specs
 from hvdlite.torch.basics import Adasum, Average, InvalidArgumentError, resolve_op, size
 from hvdlite.torch.compression import Compression, Compressor, _CastCompressor
@@ -42,17 +42,6 @@ _GRAD = operator.attrgetter("grad")
 _ZERO_GRAD = ("optimizer.zero_grad() was called after loss.backward() but before "
               "optimizer.step() or optimizer.synchronize(): the gradients' allreduces are still "
               "in flight and would race with the zeroing. Call step() or synchronize() first.")
-
-
-def _split(items: list[Any], n: int) -> list[list[Any]]:
-    size, extra = divmod(len(items), n)
-    out, start = [], 0
-    for i in range(n):
-        stop = start + size + (1 if i < extra else 0)
-        if stop > start:
-            out.append(items[start:stop])
-        start = stop
-    return out
 
 
 class _Flight:
@@ -88,7 +77,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).__init__(params)  # type: ignore[call-arg]
         self._compression = compression
         all_params = [p for g in self.param_groups for p in g["params"]]
-        self._parameter_names = _names(named_parameters, self.param_groups, all_params)
+        self._parameter_names = param_names(named_parameters, self.param_groups, all_params)
         self.backward_passes_per_step = backward_passes_per_step
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
@@ -107,6 +96,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # at the end of the first step; None before, or where the ranks cannot use one.
         self._lane: Lane | None = None
         self._lane_tried = False
+        self._no_lane = "the first step has not run yet"  # why there is no lane (see graphs.py)
         self._specs: list[Any] | None = None  # the buckets as every rank agreed them
         self._index: dict[Bucket, int] = {}
         # As Horovod: on a rank outside process_set nothing is communicated (no hooks, and
@@ -166,7 +156,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             p_groups = [[p for p in g if id(p) in ids] for g in self._groups]
             grouped = {id(p) for g in p_groups for p in g}
             return [g for g in p_groups if g] + [[p] for p in plist if id(p) not in grouped]
-        return _split(plist, self._groups)
+        return split(plist, self._groups)
 
     def _register_hooks(self) -> None:
         for bucket in self._buckets:
@@ -206,9 +196,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _start(self, bucket: Bucket) -> _Flight:
         """Start reducing ``bucket`` (its members' gradients in place)."""
         bucket.ready = 0
-        if self._lane is not None:  # the steady state: launched here, in the agreed order
-            self._lane.ready(self._index[bucket])
-            return _LANED
+        lane = self._lane
+        if lane is not None:  # the steady state: launched here, in the agreed order
+            if lane.engine is default_engine():
+                lane.ready(self._index[bucket])
+                return _LANED
+            self._forget_lane()  # hvdlite was initialised again (an elastic reset)
         if self._specs is None:
             self._check_buckets()
         pre, post = self._factors()
@@ -260,7 +253,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if bucket.wire is not None:
             bucket.wire.copy_(flat)
             flat = bucket.wire
-        handle = _reduce.allreduce_one(flat, bucket.name, self.op, pre, post,
+        handle = mpi_ops.allreduce_one(flat, bucket.name, self.op, pre, post,
                                        self.process_set, True, "DistributedOptimizer")
         return _Flight(handle, [], [], [], bucket=bucket)
 
@@ -277,7 +270,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             grads.append(grad)
         torch._foreach_copy_(bucket.staged, grads)
         assert bucket.staging is not None
-        staged = _reduce.allreduce_one(bucket.staging, bucket.name, self.op, pre, post,
+        staged = mpi_ops.allreduce_one(bucket.staging, bucket.name, self.op, pre, post,
                                        self.process_set, True, "DistributedOptimizer")
         return _Flight(None, list(bucket.params), [], [], staged, grads + list(bucket.staged))
 
@@ -338,6 +331,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         handles = self._handles
         lane = self._lane
+        if lane is not None and lane.engine is not default_engine():
+            self._forget_lane()
+            lane = None
         try:
             if lane is not None:
                 lane.finish(self._stream_ordered())
@@ -358,7 +354,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = True
         if not self._lane_tried:
             self._lane_tried = True
-            self._lane = self._open_lane()
+            self._lane, self._no_lane = self._open_lane()
+
+    def _forget_lane(self) -> None:
+        """Agree again from the next bucket on: the lane's communicator belonged to an engine
+        that is gone (its world ended in an elastic reset, or hvdlite was shut down and
+        initialised again), and the new world may have other ranks."""
+        self._lane, self._lane_tried, self._specs = None, False, None
+        self._no_lane = "the step after hvdlite was initialised again has not run yet"
 
     def _set(self) -> tuple[int, list[int]]:
         ps = resolve(self.process_set, "DistributedOptimizer")
@@ -383,7 +386,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         check(found, self._exchange, self._set()[1], "DistributedOptimizer")
         self._specs = found
 
-    def _open_lane(self) -> Lane | None:
+    def _open_lane(self) -> tuple[Lane | None, str]:
         """After the first step: open the lane the autograd thread launches the buckets on,
         where every member of the set can (CUDA buffers over NCCL; collective over the set)."""
         set_id, ranks = self._set()
@@ -461,31 +464,6 @@ _LANED = _Flight(None, [], [], [])  # a bucket launched on the lane (its state i
 def _dense(grad: torch.Tensor | None) -> torch.Tensor:
     assert grad is not None
     return grad.to_dense() if grad.is_sparse else grad
-
-
-def _names(named_parameters: Any, param_groups: list[dict[str, Any]],
-           all_params: list[torch.Tensor]) -> dict[torch.Tensor, str]:
-    """Every parameter's allreduce name, checked as Horovod checks them."""
-    if named_parameters is not None:
-        named = list(named_parameters)
-        if any(not isinstance(x, tuple) or len(x) != 2 for x in named):
-            raise ValueError("named_parameters must be a sequence of (name, parameter) "
-                             "tuples, as model.named_parameters() yields")
-    else:
-        named = [(f"allreduce.noname.{i}.{j}", p) for i, g in enumerate(param_groups)
-                 for j, p in enumerate(g["params"])]
-    names = [k for k, _ in named]
-    dups = sorted({k for k in names if names.count(k) > 1})
-    if dups:
-        raise ValueError(f"parameter names in named_parameters must be unique; "
-                         f"duplicates: {', '.join(dups)}")
-    named_ids = {id(p) for _, p in named}
-    unnamed = [p for p in all_params if id(p) not in named_ids]
-    if unnamed:
-        raise ValueError(f"named_parameters was given but {len(unnamed)} of the "
-                         "optimizer's parameters are not in it; pass "
-                         "model.named_parameters() of the model the optimizer trains")
-    return {p: f"DistributedOptimizer.{k}" for k, p in named}
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = None,  # noqa: N802

@@ -79,18 +79,27 @@ HVD_C = "compiled: hvdlite default"
 HVD_C_ALT = "compiled: hvdlite, gradient_as_bucket_view flipped"
 DDP_C = "compiled: torch DDP"
 HVD_LOWPRI = "hvdlite, schedule stream at normal priority (experiment)"
-HVDS = (HVD, HVD_ALT, HVD_NEG, HVD_ASYNC, HVD_C, HVD_C_ALT, HVD_LOWPRI)
+HVD_CTA = {n: f"hvdlite, optimizer_max_ctas={n}" for n in (2, 4, 8, 16)}
+HVD_G = "captured: hvdlite step (make_graphed_step)"
+FLAT_G = "captured: plain step + one flat allreduce after backward"
+CAPTURED = (HVD_G, FLAT_G)
+HVDS = (HVD, HVD_ALT, HVD_NEG, HVD_ASYNC, HVD_C, HVD_C_ALT, HVD_LOWPRI, HVD_G,
+        *HVD_CTA.values())
 DDPS = (DDP, DDP_VIEWS, DDP_C)
 COMPILED = (BASE_C, HVD_C, HVD_C_ALT, DDP_C)
 TRANSFORMERS = ("vit_b_16", "gpt2")
-SHORT = {"alt": HVD_ALT, "neg": HVD_NEG, "ddp_views": DDP_VIEWS, "lowpri": HVD_LOWPRI,
-         "plain_c": BASE_C, "hvd_c": HVD_C, "hvd_c_alt": HVD_C_ALT, "ddp_c": DDP_C}
+SHORT = {"hvd_g": HVD_G, "flat_g": FLAT_G, "alt": HVD_ALT, "neg": HVD_NEG,
+         "ddp_views": DDP_VIEWS, "lowpri": HVD_LOWPRI, "plain_c": BASE_C, "hvd_c": HVD_C,
+         "hvd_c_alt": HVD_C_ALT, "ddp_c": DDP_C, **{f"cta{n}": v for n, v in HVD_CTA.items()}}
 COMM_HVD = "comm alone: hvdlite grouped_allreduce of every gradient"
 COMM_TORCH = "comm alone: torch.distributed all_reduce, one flat buffer"
 # Issue 31, 2+ GPUs, hvdlite's default: ResNets / transformers (bf16 autocast) / compiled.
 T1_RESNET_X_PLAIN, T1_RESNET_X_DDP = 1.02, 1.12
 T1_TRANSFORMER_X_PLAIN, T1_TRANSFORMER_X_DDP = 1.04, 1.06
 T1_COMPILED_X_PLAIN = 1.04
+# Issue 34, the captured step: >= 1.03x plain eager (ResNets), >= 1.05x the compiled model
+# alone (transformers, compiled), >= 1.0x the captured flat-allreduce step.
+T5_EAGER_X, T5_COMPILED_X = 1.03, 1.05
 # Issue 25, one rank: hvdlite's default against plain torch and DDP in the same launch.
 NP1_RESNET_X_PLAIN, NP1_RESNET_X_DDP, NP1_TRANSFORMER_X_PLAIN = 1.05, 1.1, 1.02
 
@@ -121,6 +130,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variants", default="",
                    help="comma-separated variants to run beside plain, hvdlite's default and "
                         f"DDP (default: all): {', '.join(SHORT)}")
+    p.add_argument("--captured", action="store_true",
+                   help="also time the captured steps (T5): hvdlite's make_graphed_step and a "
+                        "captured plain step with one flat allreduce after backward (compiled "
+                        "models under --compile on)")
     p.add_argument("--no-neg", action="store_true",
                    help="leave out the optimizer_schedule-off variant")
     p.add_argument("--no-cuda", action="store_true", help="CPU: gloo for DDP, MPI for hvdlite")
@@ -204,7 +217,7 @@ class Runner:
             ids = [env.device.index] if env.cuda else None
             self.forward = DistributedDataParallel(self.model, device_ids=ids,
                                                    gradient_as_bucket_view=kind == DDP_VIEWS)
-        if kind in COMPILED:
+        if kind in COMPILED or (kind in CAPTURED and args.compile == "on"):
             self.forward = torch.compile(self.forward)
         opt = torch.optim.SGD(self.model.parameters(), lr=args.lr)
         if kind in HVDS:  # as a user writes it: nothing but the wrap (HVD_ALT flips views)
@@ -213,7 +226,14 @@ class Runner:
             extra = {"gradient_as_bucket_view": not env.views_default} if flip else {}
             opt = env.hvd.DistributedOptimizer(opt, named_parameters=named, **extra)
         self.opt = opt
-        self.first = kind == HVD_NEG  # its first step runs with the schedule knob off
+        self.graph: Any = None  # the captured step (CAPTURED variants), made at the first step
+        if kind == FLAT_G:
+            self._flat_grads()
+        # The knobs its first step runs with (the schedule is opened at the end of it).
+        self.first: dict[str, Any] = {"optimizer_schedule": False} if kind == HVD_NEG else {}
+        for n, v in HVD_CTA.items():
+            if kind == v:
+                self.first = {"optimizer_max_ctas": n}
         mse = args.model in ("g4", "transformer")
         self.loss = torch.nn.functional.mse_loss if mse else torch.nn.functional.cross_entropy
         self.amp = args.autocast == "bf16"
@@ -227,8 +247,58 @@ class Runner:
             return self.forward(self.x, labels=self.y).loss
         return self.loss(self.forward(self.x), self.y)
 
+    def _flat_grads(self) -> None:
+        """FLAT_G: every gradient a view of one flat buffer, reduced by one allreduce."""
+        torch = self.env.torch
+        params = list(self.model.parameters())
+        self.flat = torch.zeros(sum(p.numel() for p in params), device=self.env.device)
+        offset = 0
+        for p in params:
+            p.grad = self.flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    def _eager_step(self) -> None:
+        torch = self.env.torch
+        if self.kind == FLAT_G:
+            self.opt.zero_grad(set_to_none=False)
+        else:
+            self.opt.zero_grad()
+        if self.amp:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = self._loss()
+        else:
+            loss = self._loss()
+        loss.backward()
+        if self.kind == FLAT_G:
+            torch.distributed.all_reduce(self.flat)
+            self.flat.div_(self.env.size)
+        self.opt.step()
+
+    def _captured_step(self) -> None:
+        torch = self.env.torch
+        if self.graph is not None:
+            self.graph()
+            return
+        if self.kind == HVD_G:  # as a user writes it
+            self.graph = self.env.hvd.make_graphed_step(lambda: self._eager_step(),
+                                                        optimizer=self.opt)
+            return
+        side = torch.cuda.Stream()  # torch's recipe: warm up on a side stream, then capture
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                self._eager_step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._eager_step()
+        self.graph = graph.replay
+
     def step(self) -> None:
         if self.idle:
+            return
+        if self.kind in CAPTURED:
+            self._captured_step()
             return
         torch = self.env.torch
         self.opt.zero_grad()
@@ -248,8 +318,8 @@ class Runner:
                 sched.stream = cupy.cuda.Stream(non_blocking=True, priority=0)
                 sched._sptr = sched.stream.ptr
         if self.first:  # the agreed schedule is decided at the end of the first step
-            self.first = False
-            with self.env.knobs(optimizer_schedule=False):
+            first, self.first = self.first, {}
+            with self.env.knobs(**first):
                 self.opt.step()
             return
         self.opt.step()
@@ -393,9 +463,12 @@ class Env:
             out.remove(HVD_NEG)
         if self.args.compile == "on":
             out += [BASE_C, HVD_C, HVD_C_ALT, DDP_C]
+        if self.args.captured:
+            out += [HVD_G, FLAT_G]
         if self.args.variants:
             keep = {SHORT[v.strip()] for v in self.args.variants.split(",")}
-            out = [v for v in [*out, HVD_LOWPRI] if v in keep or v in (BASE, HVD, DDP)]
+            out = [v for v in [*out, HVD_LOWPRI, *HVD_CTA.values()]
+                   if v in keep or v in (BASE, HVD, DDP)]
         return out
 
     def barrier(self) -> None:
@@ -421,7 +494,10 @@ def check_correctness(env: Env) -> dict[str, Any]:
     cudnn = torch.backends.cudnn
     cudnn.deterministic, cudnn.benchmark = True, False
     flats: dict[str, Any] = {}
-    checked = [k for k in env.variants()[1:] if k not in COMPILED]
+    # The compiled and captured variants are left out here: compiled numerics differ from
+    # eager, and the captured step's equality with eager steps is a test of its own
+    # (tests/torch/test_gpu_graphs.py, bit-exact).
+    checked = [k for k in env.variants()[1:] if k not in COMPILED + CAPTURED]
     for kind in checked:
         r = Runner(env, kind)
         r.steps(args.check_steps)
@@ -527,7 +603,8 @@ def report(env: Env, check: dict[str, Any], train: dict[str, np.ndarray],
     rows = []
     ddp_best = max((k for k in (DDP, DDP_VIEWS) if k in ips), key=ips.__getitem__)
     for k, v in train.items():
-        plain = BASE_C if k in COMPILED else BASE  # compiled variants: the compiled limit
+        compiled = k in COMPILED or (k in CAPTURED and args.compile == "on")
+        plain = BASE_C if compiled else BASE  # compiled variants: the compiled limit
         ddp = DDP_C if k in COMPILED else ddp_best
         paired = v / train[plain]  # same rounds, interleaved: drift cancels
         d: dict[str, Any] = {
@@ -611,6 +688,14 @@ def report(env: Env, check: dict[str, Any], train: dict[str, np.ndarray],
                                      "x"))
             targets.append(ge_target(f"T1 {HVD_C}: img/s >= 1.0x compiled DDP", c["vs_ddp"],
                                      1.0, "x"))
+        if HVD_G in res["training"]:
+            ref = BASE_C if args.compile == "on" else BASE
+            limit = T5_COMPILED_X if args.compile == "on" else T5_EAGER_X
+            targets.append(ge_target(f"T5 {HVD_G}: img/s >= {limit}x '{ref}'",
+                                     gl.ratio(ips[HVD_G], ips[ref]), limit, "x"))
+            if FLAT_G in ips:
+                targets.append(ge_target(f"T5 {HVD_G}: img/s >= 1.0x '{FLAT_G}'",
+                                         gl.ratio(ips[HVD_G], ips[FLAT_G]), 1.0, "x"))
         if not resnet and args.model not in TRANSFORMERS:
             notes.append(f"T1's targets are set for ResNets, ViT-B/16 and GPT-2; this run used "
                          f"{args.model} (the transformer targets shown)")

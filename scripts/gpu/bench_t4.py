@@ -10,11 +10,15 @@ CuPy's are the same non-blocking stream:
   then ``synchronize`` each; the same through ``hvdlite.allreduce_async`` on CuPy arrays; and
   ``torch.distributed.all_reduce`` per tensor (``async_op=True`` then wait all, and a plain
   loop then one synchronise: the faster counts);
-- 4 B sync call: ``hvdlite.torch.allreduce`` against ``hvdlite.allreduce`` on CuPy.
+- the ResNet-50 set as one ``hvdlite.torch.grouped_allreduce`` against one
+  ``torch.distributed.all_reduce`` of a flat buffer of all of it (one fused call, the limit);
+- 4 B sync call: ``hvdlite.torch.allreduce`` against ``hvdlite.allreduce`` on CuPy and
+  ``torch.distributed.all_reduce`` then a stream synchronise (its plain form).
 
-Results are checked exactly (integer-valued floats) before and after timing. Targets (issue
-17), at any rank count: ResNet-50 set <= 1.2x the CuPy API and <= 0.5x torch per tensor; 4 B
-sync <= 1.2x the CuPy API.
+Results are checked exactly (integer-valued floats) before and after timing. Targets: issue 17,
+at any rank count: ResNet-50 set <= 1.2x the CuPy API; 4 B sync <= 1.2x the CuPy API. Issue 32,
+at 2 GPUs: 4 B sync <= 1.0x torch.distributed's plain form; the grouped call <= 1.5x one fused
+torch.distributed call; the 161 asynchronous calls <= 0.5x torch.distributed per tensor.
 
     mpirun -n 1 python3 scripts/gpu/bench_t4.py --np 1 --json t4g.json
 """
@@ -28,13 +32,16 @@ from typing import Any
 import _gpulib as gl
 import numpy as np
 
-X_CUPY, X_TORCH = 1.2, 0.5
+X_CUPY, X_TORCH, X_SYNC_TORCH, X_GROUPED = 1.2, 0.5, 1.0, 1.5
 TORCH_T = "hvdlite.torch allreduce_async"
 CUPY_A = "CuPy API allreduce_async"
 DIST_ASYNC = "torch.distributed all_reduce (async_op, wait all)"
 DIST_LOOP = "torch.distributed all_reduce (loop, one synchronize)"
 SYNC_T = "hvdlite.torch allreduce (4 B)"
 SYNC_C = "CuPy API allreduce (4 B)"
+SYNC_D = "torch.distributed all_reduce (4 B), then synchronize"
+GROUPED_T = "hvdlite.torch grouped_allreduce of the set"
+FUSED_D = "torch.distributed all_reduce of one flat buffer of the set"
 
 
 def main() -> None:
@@ -69,12 +76,17 @@ def main() -> None:
         CUPY_A: lambda: _async_all(hvdlite.allreduce_async, hvdlite.synchronize, arrays, names,
                                    "c", gpu),
     }
+    grouped_in = [t.clone() for t in ts]
+    fns[GROUPED_T] = lambda: _grouped(hvd, grouped_in, gpu)
+    flat = torch.cat([t.reshape(-1) for t in copies])
     if dist is not None:
         fns[DIST_ASYNC] = lambda: _dist_async(dist, copies, gpu)
         fns[DIST_LOOP] = lambda: _dist_loop(dist, copies, gpu)
-    _check(gpu, {k: fns[k] for k in (TORCH_T, CUPY_A)}, want, "before timing")
+        fns[FUSED_D] = lambda: _dist_loop(dist, [flat], gpu)
+    checked = (TORCH_T, CUPY_A, GROUPED_T)
+    _check(gpu, {k: fns[k] for k in checked}, want, "before timing")
     times = gl.time_round_robin(gpu.comm, fns, args.reps, warmup=3)
-    _check(gpu, {k: fns[k] for k in (TORCH_T, CUPY_A)}, want, "after timing")
+    _check(gpu, {k: fns[k] for k in checked}, want, "after timing")
     t4 = torch.full((1,), float(gpu.rank + 1), device=dev)
     c4 = cp.asarray(t4.clone())
     sync_fns = {SYNC_T: lambda: hvd.allreduce(t4, name="t4g.sync.t"),
@@ -83,6 +95,12 @@ def main() -> None:
     for name, fn in sync_fns.items():
         got = float(np.asarray(fn().tolist() if name == SYNC_T else cp.asnumpy(fn()))[0])
         gl.check_all(gpu.comm, got == want4, name, f"got {got}, expected {want4}")
+    if dist is not None:
+        d4 = torch.full((1,), float(gpu.rank + 1), device=dev)
+        dist.distributed.all_reduce(d4)
+        gpu.sync()
+        gl.check_all(gpu.comm, float(d4[0]) == want4 * gpu.size, SYNC_D, f"got {float(d4[0])}")
+        sync_fns[SYNC_D] = lambda: _dist_loop(dist, [d4], gpu)  # the call, then synchronise
     times.update(gl.time_round_robin(gpu.comm, sync_fns, args.sync_reps, warmup=50, after=gpu.sync))
     gl.torch_close(dist)
     hvdlite.shutdown()
@@ -95,6 +113,12 @@ def _async_all(start: Any, sync: Any, xs: list[Any], names: list[str], tag: str,
     outs = [sync(h) for h in handles]
     gpu.sync()
     return outs
+
+
+def _grouped(hvd: Any, xs: list[Any], gpu: gl.Gpu) -> list[Any]:
+    outs = hvd.grouped_allreduce(xs, name="t4g.grouped")
+    gpu.sync()
+    return list(outs)
 
 
 def _dist_async(torch: Any, xs: list[Any], gpu: gl.Gpu) -> list[Any]:
@@ -140,6 +164,12 @@ def _report(gpu: gl.Gpu, args: Any, st: dict[str, dict[str, float]], n: int, why
     if torch_best is not None:
         checks.append((f"ResNet-50 set: {TORCH_T} <= {X_TORCH}x {torch_best}",
                        med[TORCH_T] / med[torch_best], X_TORCH))
+    if SYNC_D in med:
+        checks.append((f"4 B sync: {SYNC_T} <= {X_SYNC_TORCH}x {SYNC_D}",
+                       med[SYNC_T] / med[SYNC_D], X_SYNC_TORCH))
+    if FUSED_D in med:
+        checks.append((f"ResNet-50 set: {GROUPED_T} <= {X_GROUPED}x {FUSED_D}",
+                       med[GROUPED_T] / med[FUSED_D], X_GROUPED))
     for target, ratio, limit in checks:
         verdicts.append({"target": target, "ratio": ratio, "met": ratio <= limit})
     payload = {"benchmark": "T4 (GPU)", "device": gpu.device_name(), "ranks": gpu.size,

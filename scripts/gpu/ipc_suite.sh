@@ -48,10 +48,11 @@ for s in "${STEPS[@]}"; do
   case $s in
     np2-sync) step np2-sync 280 bash -c 'mpi "$@"' _ 2 0 tests/gpu ;;
     np2-async) step np2-async 280 bash -c 'mpi "$@"' _ 2 1 tests/gpu ;;
-    torch) step torch 100 bash -c 'mpi "$@"' _ 2 0 tests/torch/test_gpu_torch.py ;;
+    torch) step torch 140 bash -c 'mpi "$@"' _ 2 0 tests/torch/test_gpu_torch.py tests/torch/test_gpu_graphs.py ;;
     np4) step np4 200 bash -c 'mpi "$@"' _ 4 0 tests/gpu/test_gpu_ipc.py tests/gpu/test_gpu_collectives.py \
            -k "not timeline and not scale" ;;
-    death) step death 100 "$PY" -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_ipc_death.py ;;
+    death) step death 140 "$PY" -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_ipc_death.py \
+             tests/gpu/test_gpu_graph_death.py ;;
     np1) step np1 250 bash -c 'mpi "$@"' _ 1 0 tests/gpu ;;
     *) echo "unknown step $s" >&2; exit 2 ;;
   esac

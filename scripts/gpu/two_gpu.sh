@@ -148,7 +148,7 @@ for s in "${STEPS[@]}"; do
   case $s in
     suite-sync) suite_step suite-sync 290 np2-sync 0 tests/gpu ;;
     suite-async) suite_step suite-async 290 np2-async 1 tests/gpu ;;
-    torch) suite_step torch 110 torch 0 tests/torch/test_gpu_torch.py ;;
+    torch) suite_step torch 110 torch 0 tests/torch/test_gpu_torch.py tests/torch/test_gpu_graphs.py ;;
     validate)
       rm -f "$OUT"/validate/*.json
       run_step validate 570 env OUT="$OUT/validate" NP="$NP" \
@@ -176,7 +176,7 @@ for s in "${STEPS[@]}"; do
         --json "$OUT/ipc.json" "${IPC_EXTRA[@]}"
       ((RAN)) && RESULTS+=("$OUT/ipc.json") ;;
     watchdog)
-      run_step watchdog 120 env OUT="$OUT/ipc_suite" bash scripts/gpu/ipc_suite.sh death
+      run_step watchdog 160 env OUT="$OUT/ipc_suite" bash scripts/gpu/ipc_suite.sh death
       grep -aE '(SIGKILL|raise) \((ipc|nccl)\): the job ended' "$OUT/ipc_suite/death.log" \
         2>/dev/null ;;
   esac

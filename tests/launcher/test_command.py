@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from hvdlite import _rankwrap
 from hvdlite.config import KNOBS
+from hvdlite.launcher import rankwrap as _rankwrap
 from hvdlite.run import JobSpec, build_command, build_parser, find_mpiexec, mpi_flavor
 
 WRAPPER = [sys.executable, "-I", os.path.abspath(_rankwrap.__file__)]

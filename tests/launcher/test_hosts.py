@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from hvdlite._launch.hosts import (
+from hvdlite.launcher.cli import EXIT_UNREACHABLE, main
+from hvdlite.launcher.hosts import (
     Host,
     forwarded_env,
     interface_for,
@@ -17,7 +18,6 @@ from hvdlite._launch.hosts import (
     ssh_options,
     transport,
 )
-from hvdlite.run import EXIT_UNREACHABLE, main
 
 
 def test_parse_hosts() -> None:

@@ -1,4 +1,4 @@
-"""The launcher <-> rank control channel (hvdlite/_launch/monitor.py) over real TCP sockets."""
+"""The launcher <-> rank control channel (hvdlite/launcher/monitor.py) over real TCP sockets."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 from jobs_util import REPO
 
-from hvdlite import _rankwrap
-from hvdlite._launch.monitor import Agent, Event, Monitor, group_by_host
+from hvdlite.launcher import rankwrap as _rankwrap
+from hvdlite.launcher.monitor import Agent, Event, Monitor, group_by_host
 
 
 def _wait_for(monitor: Monitor, kind: str, timeout: float = 10.0) -> list[Event]:
@@ -163,7 +163,7 @@ def test_from_env_without_a_monitor() -> None:
 
 _RANK = r"""
 import json, sys, threading, time
-from hvdlite._launch import watchdog
+from hvdlite._rankside import watchdog
 got, box = threading.Event(), []
 watchdog.subscribe(lambda m: (box.append(m), got.set()))
 assert watchdog.start(lambda: None)

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from jobs_util import clean_env
 
-from hvdlite._launch.hosts import PRIVATE_NAMES
 from hvdlite.config import KNOBS, Config, load_config
+from hvdlite.launcher.hosts import PRIVATE_NAMES
 from hvdlite.run import find_mpiexec, mpi_flavor
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
@@ -196,6 +196,7 @@ rank = RANK
 report = {
     "rank": rank,
     "env": {k: v for k, v in os.environ.items() if k.startswith("HVDLITE_")},
+    "horovod": {k: v for k, v in os.environ.items() if k.startswith("HOROVOD_")},
     "config": dataclasses.asdict(load_config()),
     # The rank's own YAML, as init(config=...) would read it (only below the environment).
     "own": dataclasses.asdict(load_config(sys.argv[2])) if len(sys.argv) > 2 else None,
@@ -240,7 +241,19 @@ def test_settings_reach_every_rank_with_precedence(tmp_path: Path) -> None:
         launcher_own = PRIVATE_NAMES - {"HVDLITE_CONFIG"}  # the report dir, monitor, watchdog
         assert report["env"] == expected.to_env(set_here) | {
             k: v for k, v in report["env"].items() if k in launcher_own}
-        assert launcher_own - {"HVDLITE_RUN_REPORT_DIR"} <= set(report["env"])
+        unset_here = {"HVDLITE_RUN_REPORT_DIR", "HVDLITE_OUTPUT_DIR", "HVDLITE_ELASTIC_DIR",
+                      "HVDLITE_ELASTIC_GENERATION", "HVDLITE_WORKERS"}
+        assert {n for n in launcher_own - unset_here if n.startswith("HVDLITE_")} \
+            <= set(report["env"])
+        # Horovod's per-worker variables, and the HVDLITE_ names beside them.
+        rank = str(report["rank"])
+        assert report["horovod"] == {
+            "HOROVOD_FUSION_THRESHOLD": "2000",  # forwarded from the environment
+            "HOROVOD_HOSTNAME": "localhost", "HOROVOD_RANK": rank, "HOROVOD_SIZE": "2",
+            "HOROVOD_LOCAL_RANK": rank, "HOROVOD_LOCAL_SIZE": "2", "HOROVOD_CROSS_RANK": "0",
+            "HOROVOD_CROSS_SIZE": "1"}
+        assert {k.replace("HOROVOD_", "HVDLITE_"): v for k, v in report["horovod"].items()
+                if "FUSION" not in k}.items() <= report["env"].items()
         assert load_config(environ=report["env"]) == expected
         assert "HVDLITE_CONFIG" not in report["env"]
 
@@ -289,7 +302,9 @@ def test_every_knob_has_a_working_flag(tmp_path: Path) -> None:
         "log_level": ("error", "error"), "nvtx": (None, True),
         "timeline_device_events": (None, True), "timeline_max_bytes": ("1MiB", 1 << 20),
         "gil_switch_interval_us": ("100", 100.0), "optimizer_size1_shortcut": ("no", False),
-        "optimizer_schedule": ("no", False),
+        "optimizer_schedule": ("no", False), "optimizer_max_ctas": ("8", 8),
+        "start_timeout_s": ("40", 40.0), "elastic_timeout_s": ("50", 50.0),
+        "discovery_interval_s": ("0.5", 0.5),
     }  # fmt: skip
     assert set(changed) == {k.name for k in KNOBS}
     args: list[str] = []

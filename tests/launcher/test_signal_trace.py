@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 from jobs_util import clean_env, mpiexec, run_group
 
-from hvdlite import _rankwrap
+from hvdlite.launcher import rankwrap as _rankwrap
 from timeline import load
 from timeline.check import check_file
 

@@ -223,3 +223,46 @@ def test_an_interrupted_wait_leaves_the_engine_working(tmp_path: Path) -> None:
     assert rc == 0, out
     assert "rank 1: wait abandoned" in out, out
     assert "rank 0 after: [2.0, 2.0]" in out and "rank 1 after: [2.0, 2.0]" in out, out
+
+
+# The race of issue 33, made certain: rank 1's SIGALRM handler raises while rank 1 itself runs
+# a negotiation cycle as a waiting caller, outside any MPI wait (the signal is raised at the
+# very start of the cycle's Python code, so its handler runs there, before the round begins).
+# The wait must be abandoned after the round; the engine goes on on both ranks.
+_ALARM_IN_CYCLE = """
+import signal, time, numpy as np, hvdlite as hvd
+from hvdlite import _engine
+hvd.init()
+class Alarm(Exception):
+    pass
+def ring(*_):
+    raise Alarm()
+signal.signal(signal.SIGALRM, ring)
+driver = _engine._default.scheduler
+plain = driver.cycle
+fired = []
+def cycle(caller):
+    if caller and not fired:
+        fired.append(1)
+        signal.raise_signal(signal.SIGALRM)  # its handler runs at the next bytecode: here
+    return plain(caller)
+if hvd.rank() == 1:
+    driver.cycle = cycle
+    try:
+        hvd.allreduce(np.ones(2), name="only.rank1")
+    except Alarm:
+        print("rank 1: wait abandoned", flush=True)
+    driver.cycle = plain
+time.sleep(1)
+got = hvd.allreduce(np.ones(2), name="after", op=hvd.Sum)
+print(f"rank {hvd.rank()} after: {got.tolist()}", flush=True)
+hvd.barrier()
+"""
+
+
+def test_an_alarm_inside_a_callers_cycle_leaves_the_engine_working(tmp_path: Path) -> None:
+    script = _script(tmp_path, "alarm_in_cycle.py", _ALARM_IN_CYCLE)
+    rc, out, _ = _mpiexec_job(script)
+    assert rc == 0, out
+    assert "rank 1: wait abandoned" in out, out
+    assert "rank 0 after: [2.0, 2.0]" in out and "rank 1 after: [2.0, 2.0]" in out, out

@@ -18,8 +18,7 @@ FLOORS: list[tuple[float, tuple[str, ...]]] = [
            "hvdlite._handles", "hvdlite._adasum", "hvdlite._tensorref")),
     (1.0, ("hvdlite._vocab",)),
     (2.0, ("hvdlite._observe",)),
-    (2.1, ("hvdlite._exit", "hvdlite._launch.watchdog", "hvdlite._rankwrap",
-           "hvdlite._launch.monitor")),  # the launcher plane's in-rank half
+    (2.1, ("hvdlite._exit", "hvdlite._rankside")),  # the launcher plane's in-rank half
     (2.2, ("hvdlite._gpu",)),
     (2.3, ("hvdlite._backends",)),
     (2.4, ("hvdlite._control",)),
@@ -27,7 +26,7 @@ FLOORS: list[tuple[float, tuple[str, ...]]] = [
     (3.0, ("hvdlite", "hvdlite._api", "hvdlite._collectives", "hvdlite._submit",
            "hvdlite._sets", "hvdlite._tensors", "hvdlite._torchref", "hvdlite.torch",
            "hvdlite.elastic")),
-    (4.0, ("hvdlite.run", "hvdlite.doctor", "hvdlite._launch", "hvdlite.elastic.driver")),
+    (4.0, ("hvdlite.run", "hvdlite.doctor", "hvdlite.launcher")),  # the launcher plane
 ]
 
 

@@ -1,7 +1,7 @@
 """Inside a rank started by ``hvdliterun``: the thread that ends the rank when the job is over.
 
-The rank wrapper (:mod:`hvdlite._rankwrap`) holds the rank's connection to the launcher's
-monitor (:mod:`hvdlite._launch.monitor`). When the launcher orders the job to end (a host was
+The rank wrapper (:mod:`hvdlite.launcher.rankwrap`) holds the rank's connection to the launcher's
+monitor (:mod:`hvdlite.launcher.monitor`). When the launcher orders the job to end (a host was
 lost) or the wrapper loses the launcher (this host is cut off), the wrapper writes one line,
 ``{"t": "abort", "reason": ..., "code": ...}``, to a socket it handed to the rank
 (``HVDLITE_WATCHDOG_FD``). This module's thread waits on that socket, apart from hvdlite's
@@ -33,13 +33,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from hvdlite import _exit
+from hvdlite._rankside.protocol import WATCHDOG_FD_ENV
 
 if TYPE_CHECKING:
     from hvdlite._observe.timeline import Timeline
 
 __all__ = ["FD_ENV", "send", "start", "subscribe"]
 
-FD_ENV = "HVDLITE_WATCHDOG_FD"
+FD_ENV = WATCHDOG_FD_ENV
 log = logging.getLogger("hvdlite")
 
 _lock = threading.Lock()

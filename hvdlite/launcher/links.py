@@ -24,7 +24,7 @@ _ESTABLISHED = "01"
 
 def addresses() -> dict[str, str]:
     """``{interface: IPv4 address}`` of this host, loopback left out."""
-    from hvdlite._launch.hosts import interface_address
+    from hvdlite.launcher.hosts import interface_address
 
     out = {}
     with contextlib.suppress(OSError):

@@ -1,6 +1,6 @@
-"""Per-rank wrapper used by ``hvdliterun``: ``python -I .../hvdlite/_rankwrap.py <command...>``.
+"""Per-rank wrapper used by ``hvdliterun``: ``python -I .../hvdlite/launcher/rankwrap.py CMD...``.
 
-It is run by path in isolated mode, not with ``-m hvdlite._rankwrap``: then it depends on
+It is run by path in isolated mode, not with ``-m``: then it depends on
 nothing the user's environment puts on the path (PYTHONPATH, the working directory), and it
 must never initialise MPI, which would take the rank's place in the job. It uses the standard
 library only.
@@ -23,12 +23,17 @@ signal handler runs, or one whose own handler goes on), and the child's process 
 While the child runs, a marker ``live-<rank>`` in the report directory tells ``hvdliterun`` to
 wait for it before it returns.
 
+It gives the rank its worker identity: Horovod's per-worker variables (``HOROVOD_RANK``,
+``HOROVOD_SIZE``, ``HOROVOD_LOCAL_RANK``, ``HOROVOD_LOCAL_SIZE``, ``HOROVOD_CROSS_RANK``,
+``HOROVOD_CROSS_SIZE``, ``HOROVOD_HOSTNAME``) and the same values as ``HVDLITE_*``, from the
+table the launcher passes in ``WORKERS_ENV`` (one entry per MPI rank of the world).
+
 Under ``hvdliterun`` the wrapper also holds the rank's connection to the launcher's monitor
-(``hvdlite/_launch/monitor.py``, loaded by path): heartbeats both ways and the exit report,
+(``hvdlite/launcher/monitor.py``, loaded by path): heartbeats both ways and the exit report,
 which reach the launcher from any host (the report directory is only on the launcher's). When
 the launcher orders the job ended (a host was lost), or the launcher goes silent (this host is
 cut off), the wrapper hands the reason to the rank's watchdog thread
-(``hvdlite/_launch/watchdog.py``, through a socket named by ``HVDLITE_WATCHDOG_FD``), which
+(``hvdlite/_rankside/watchdog.py``, through a socket named by ``HVDLITE_WATCHDOG_FD``), which
 writes the timeline and ends the rank; ``ABORT_GRACE_S`` later a rank still there gets SIGTERM,
 then SIGKILL.
 """
@@ -46,15 +51,43 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from types import FrameType, ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _load(name: str, path: str) -> ModuleType:
+    """A module of hvdlite's loaded by path (isolated mode: hvdlite is not importable)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
 
 if TYPE_CHECKING:  # only for the checker: this file runs without hvdlite on the path
-    from hvdlite._launch.monitor import Agent
+    from hvdlite._rankside import protocol
+    from hvdlite.launcher.monitor import Agent
+else:
+    protocol = _load("_hvdlite_rankside_protocol",
+                     os.path.join(os.path.dirname(_HERE), "_rankside", "protocol.py"))
 
-REPORT_DIR_ENV = "HVDLITE_RUN_REPORT_DIR"
-RANK_ENVS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+REPORT_DIR_ENV = protocol.REPORT_DIR_ENV
+LIVE_PREFIX = protocol.LIVE_PREFIX
+WATCHDOG_FD_ENV = protocol.WATCHDOG_FD_ENV
+RANK_ENVS = protocol.RANK_ENVS
+rank_from_env = protocol.rank_from_env
+describe_status = protocol.describe_status
+# The launcher's table of worker identities, one per MPI rank of the world (JSON).
+WORKERS_ENV = "HVDLITE_WORKERS"
+IDENTITY_NAMES = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE")
+# horovodrun's --output-filename: each rank's stdout and stderr also go to DIR/rank.<N>/.
+OUTPUT_DIR_ENV = "HVDLITE_OUTPUT_DIR"
 FORWARDED_SIGNALS = (
     signal.SIGINT,
     signal.SIGTERM,
@@ -68,8 +101,6 @@ UNCATCHABLE_SIGNALS = frozenset({signal.SIGKILL, signal.SIGSTOP})
 _PR_SET_PDEATHSIG = 1
 # After the wrapper is gone, the child has this long to end (write its timeline) before SIGKILL.
 GUARD_GRACE_S = 5.0
-LIVE_PREFIX = "live-"
-WATCHDOG_FD_ENV = "HVDLITE_WATCHDOG_FD"  # hvdlite/_launch/watchdog.py reads it
 # After an abort was handed to the rank's watchdog: this long to end, then SIGTERM; SIGKILL
 # TERM_GRACE_S after that.
 ABORT_GRACE_S = 4.0
@@ -127,26 +158,6 @@ if marker:
 """
 
 
-def rank_from_env(environ: dict[str, str] | os._Environ[str] = os.environ) -> int | None:
-    """The MPI rank of this process, from the variables MPICH, Open MPI or PMIx set."""
-    for name in RANK_ENVS:
-        value = environ.get(name, "")
-        if value.isdigit():
-            return int(value)
-    return None
-
-
-def describe_status(code: int) -> str:
-    """``"exit code 3"`` or ``"signal 9 (SIGKILL)"`` for a ``Popen.returncode``."""
-    if code >= 0:
-        return f"exit code {code}"
-    try:
-        name = signal.Signals(-code).name
-    except ValueError:
-        name = "unknown signal"
-    return f"signal {-code} ({name})"
-
-
 def _signal_on_parent_death(sig: int) -> None:
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
@@ -202,29 +213,6 @@ def _end_guard(guard: subprocess.Popen[bytes] | None, marker: str | None) -> Non
             os.remove(marker)
 
 
-def _write_report(rank: int | None, code: int, signalled: bool) -> bool:
-    """Drop the failure report for the launcher; False when there is nowhere to put it."""
-    directory = os.environ.get(REPORT_DIR_ENV)
-    if not directory or not os.path.isdir(directory):
-        return False
-    report = {
-        "rank": rank,
-        "code": code,
-        "time": time.time(),
-        "signalled": signalled,
-        "host": socket.gethostname(),
-    }
-    final = os.path.join(directory, f"rank-{rank if rank is not None else os.getpid()}.json")
-    partial = f"{final}.{os.getpid()}.tmp"
-    try:
-        with open(partial, "w", encoding="utf-8") as handle:
-            json.dump(report, handle)
-        os.replace(partial, final)
-    except OSError:
-        return False
-    return True
-
-
 def _exit_like(code: int) -> None:
     """Exit with ``code``, or (``code`` < 0) die by the same signal the child died of."""
     if code >= 0:
@@ -243,18 +231,60 @@ def _exit_like(code: int) -> None:
 
 
 def _load_monitor() -> ModuleType | None:
-    """hvdlite/_launch/monitor.py, loaded by path (isolated mode: hvdlite is not importable)."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_launch", "monitor.py")
-    name = "_hvdlite_launch_monitor"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
+    """hvdlite/launcher/monitor.py, loaded by path."""
+    try:
+        return _load("_hvdlite_launcher_monitor", os.path.join(_HERE, "monitor.py"))
+    except ImportError:
         return None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+
+
+def _output_files(rank: int | None) -> tuple[Any, Any] | None:
+    """(stdout, stderr) files under ``$HVDLITE_OUTPUT_DIR/rank.<rank>``, or None."""
+    directory = os.environ.get(OUTPUT_DIR_ENV)
+    if not directory or rank is None:
+        return None
+    size = os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or "1"
+    width = len(str(max(int(size) - 1, 0))) if size.isdigit() else 1
+    folder = os.path.join(directory, f"rank.{rank:0{width}d}")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        return (open(os.path.join(folder, "stdout"), "wb"),
+                open(os.path.join(folder, "stderr"), "wb"))
+    except OSError as exc:
+        print(f"hvdliterun: rank {rank}: --output-filename {directory}: {exc}", file=sys.stderr)
+        return None
+
+
+def _tee(source: Any, sink: Any, copy: Any) -> threading.Thread:
+    """Copy ``source`` (a pipe from the child) to ``sink`` (our stdout/stderr) and ``copy``."""
+
+    def run() -> None:
+        with contextlib.suppress(OSError, ValueError):
+            while data := os.read(source.fileno(), 65536):
+                for out in (sink, copy):
+                    with contextlib.suppress(OSError, ValueError):
+                        out.write(data)
+                        out.flush()
+        with contextlib.suppress(OSError):
+            copy.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def worker_env(environ: dict[str, str], rank: int | None) -> dict[str, str]:
+    """Horovod's per-worker variables and their ``HVDLITE_*`` twins for MPI rank ``rank``,
+    from the launcher's table (``WORKERS_ENV``); empty without one."""
+    try:
+        table: list[list[Any]] = json.loads(environ.get(WORKERS_ENV, ""))
+        host, *numbers = table[rank if rank is not None else -1]
+    except (ValueError, IndexError, TypeError):
+        return {}
+    out = {"HOROVOD_HOSTNAME": str(host), "HVDLITE_HOSTNAME": str(host)}
+    for name, value in zip(IDENTITY_NAMES, numbers, strict=False):
+        out[f"HOROVOD_{name}"] = out[f"HVDLITE_{name}"] = str(value)
+    return out
 
 
 class _Supervision:
@@ -288,9 +318,11 @@ class _Supervision:
         self.agent = agent
 
     def child_env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k != WORKERS_ENV}
+        env |= worker_env(dict(os.environ), self.rank)
         if self.theirs is None:
-            return dict(os.environ)
-        return dict(os.environ) | {WATCHDOG_FD_ENV: str(self.theirs.fileno())}
+            return env
+        return env | {WATCHDOG_FD_ENV: str(self.theirs.fileno())}
 
     def started(self, child: subprocess.Popen[bytes]) -> None:
         self.child = child
@@ -365,7 +397,7 @@ def main(argv: list[str] | None = None) -> None:
     """Run ``argv`` (default: ``sys.argv[1:]``) as the rank's program; exit as it did."""
     command = sys.argv[1:] if argv is None else argv
     if not command:
-        sys.exit("usage: python -I .../hvdlite/_rankwrap.py COMMAND [ARGS...]")
+        sys.exit("usage: python -I .../hvdlite/launcher/rankwrap.py COMMAND [ARGS...]")
     rank = rank_from_env()
     received: list[int] = []
     sent = 0
@@ -392,24 +424,31 @@ def main(argv: list[str] | None = None) -> None:
     parent = os.getpid()
     marker = _live_marker(rank)
     supervision = _Supervision(rank)
+    outputs = _output_files(rank)
+    pipe = subprocess.PIPE if outputs is not None else None
     try:
         child = subprocess.Popen(
             command, preexec_fn=lambda: _die_with_parent(parent), close_fds=False,
-            env=supervision.child_env()
+            env=supervision.child_env(), stdout=pipe, stderr=pipe
         )
     except OSError as exc:
         print(f"hvdliterun: rank {rank}: cannot run {command[0]!r}: {exc}", file=sys.stderr)
-        _write_report(rank, 127, signalled=False)
+        protocol.write_report(rank, 127, signalled=False)
         supervision.finish(127, False)
         _end_guard(None, marker)
         sys.exit(127)
     supervision.started(child)
     guard = _start_guard(child.pid, marker)
     forward_pending()
+    tees = [] if outputs is None else [
+        _tee(child.stdout, sys.stdout.buffer, outputs[0]),
+        _tee(child.stderr, sys.stderr.buffer, outputs[1])]
     code = child.wait()
+    for tee in tees:
+        tee.join(timeout=2.0)
     _end_guard(guard, marker)
     signalled = bool(received) or supervision.ended_by is not None
-    reported = _write_report(rank, code, signalled) if code != 0 else False
+    reported = protocol.write_report(rank, code, signalled) if code != 0 else False
     reported = supervision.finish(code, signalled) or reported
     # The launcher names the rank that failed first, once; print here only if it cannot.
     if code != 0 and not reported:

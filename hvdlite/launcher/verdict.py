@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from hvdlite._launch.monitor import Event, Monitor, RankState, group_by_host
+from hvdlite.launcher.monitor import Event, Monitor, RankState, group_by_host
 
 __all__ = ["Verdict", "describe_lost"]
 

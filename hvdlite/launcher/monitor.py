@@ -18,7 +18,7 @@ user message, delivered as it is: :meth:`Monitor.send` / :meth:`Monitor.broadcas
 (``on_message``), :meth:`Agent.send` to the monitor (an :class:`Event` of kind ``message``).
 That is the hook for more launcher-side control (elastic training's re-rendezvous, say). Under
 ``hvdliterun`` the agent lives in the rank wrapper, which relays user messages to and from the
-rank process itself (``hvdlite._launch.watchdog.send`` / ``subscribe``).
+rank process itself (``hvdlite._rankside.watchdog.send`` / ``subscribe``).
 
 The monitor's address and a random token travel to the ranks in the environment
 (:meth:`Monitor.env`; :meth:`Agent.from_env` reads them back). A connection whose first line

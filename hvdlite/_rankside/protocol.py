@@ -1,0 +1,88 @@
+"""What ``hvdliterun`` and the processes it starts agree on: names, files and exit codes.
+
+The launcher plane (:mod:`hvdlite.launcher`) and the runtime (the engine, ``hvdlite._exit``,
+``hvdlite.elastic``) both import this module; neither imports the other through it. The rank
+wrapper (:mod:`hvdlite.launcher.rankwrap`) runs in isolated mode without hvdlite on the path and
+loads this file by path, so it uses the standard library only and has no side effects.
+
+- The report directory (``REPORT_DIR_ENV``): a rank that fails leaves ``rank-<N>.json``
+  there (:func:`write_report`); ``live-<N>`` marks a rank program that still runs.
+- The watchdog channel (``WATCHDOG_FD_ENV``): a socket from the rank wrapper into the rank
+  (:mod:`hvdlite._rankside.watchdog` is its rank end).
+- Elastic jobs: the job directory and world number (``ELASTIC_DIR_ENV``, ``GENERATION_ENV``),
+  the exit codes of a rank that leaves its world for a reset, and the driver's host-change
+  notice (``HOSTS_UPDATED_MESSAGE`` on the channel, ``HOSTS_UPDATED_FILE`` on disk).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+from collections.abc import Mapping
+
+__all__ = ["ELASTIC_DIR_ENV", "EXIT_HOSTS_UPDATED", "EXIT_INTERNAL_ERROR", "GENERATION_ENV",
+           "HOSTS_UPDATED_FILE", "HOSTS_UPDATED_MESSAGE", "LIVE_PREFIX", "RANK_ENVS",
+           "REPORT_DIR_ENV", "RESET_EXIT_CODES", "WATCHDOG_FD_ENV", "describe_status",
+           "generation_dir", "rank_from_env", "write_report"]
+
+REPORT_DIR_ENV = "HVDLITE_RUN_REPORT_DIR"
+WATCHDOG_FD_ENV = "HVDLITE_WATCHDOG_FD"
+LIVE_PREFIX = "live-"
+RANK_ENVS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+
+ELASTIC_DIR_ENV = "HVDLITE_ELASTIC_DIR"
+GENERATION_ENV = "HVDLITE_ELASTIC_GENERATION"
+# A rank that leaves its world for a reset exits with one of these; any other failure of a
+# rank is a failure of its host (the driver leaves the host out, as Horovod blacklists it).
+EXIT_HOSTS_UPDATED = 75
+EXIT_INTERNAL_ERROR = 76
+RESET_EXIT_CODES = frozenset({EXIT_HOSTS_UPDATED, EXIT_INTERNAL_ERROR})
+HOSTS_UPDATED_FILE = "hosts-updated"
+HOSTS_UPDATED_MESSAGE = "elastic.hosts_updated"
+
+
+def rank_from_env(environ: Mapping[str, str] = os.environ) -> int | None:
+    """The MPI rank of this process, from the variables MPICH, Open MPI or PMIx set."""
+    for name in RANK_ENVS:
+        value = environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def describe_status(code: int) -> str:
+    """``"exit code 3"`` or ``"signal 9 (SIGKILL)"`` for a ``Popen.returncode``."""
+    if code >= 0:
+        return f"exit code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = "unknown signal"
+    return f"signal {-code} ({name})"
+
+
+def generation_dir(job_dir: str, generation: int) -> str:
+    """Where the elastic driver tells the ranks of world ``generation`` that hosts changed."""
+    return os.path.join(job_dir, f"gen-{generation}")
+
+
+def write_report(rank: int | None, code: int, signalled: bool) -> bool:
+    """Drop this rank's failure report (``rank-<N>.json``) into the report directory;
+    False when there is none (not under ``hvdliterun``) or it cannot be written."""
+    directory = os.environ.get(REPORT_DIR_ENV)
+    if not directory or not os.path.isdir(directory):
+        return False
+    report = {"rank": rank, "code": code, "time": time.time(), "signalled": signalled,
+              "host": socket.gethostname()}
+    final = os.path.join(directory, f"rank-{rank if rank is not None else os.getpid()}.json")
+    partial = f"{final}.{os.getpid()}.tmp"
+    try:
+        with open(partial, "w", encoding="utf-8") as handle:
+            json.dump(report, handle)
+        os.replace(partial, final)
+    except OSError:
+        return False
+    return True

@@ -1,0 +1,199 @@
+"""The elastic driver's hosts: discovery, blacklisting with a cool-down, worker identities.
+
+Horovod's rules (``horovod/runner/elastic/discovery.py``, ``registration.py``): hosts come
+from the discovery script (or ``-H``) and keep the order they first appeared in (ranks fill
+them in that order, so the hosts that hold the state keep the low ranks); a host where a worker
+failed is blacklisted, for good or, with ``--blacklist-cooldown-range MIN MAX``, for a
+cool-down of ``MIN * 2**n + U(0, MIN)`` seconds clamped to ``[MIN, MAX]`` (``n``: how often it
+was blacklisted), after which it returns as an added host. A worker is one slot ``(host,
+local_rank)``: it keeps the ``HOROVOD_*`` identity of the world it was started in for as long
+as it stays in the job, as a Horovod worker process keeps its environment across resets.
+Importing this module has no side effects.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from hvdlite.launcher.common import say
+from hvdlite.launcher.hosts import worker_table
+
+__all__ = ["ADDED", "REMOVED", "Hosts", "Workers", "describe", "parse_hosts", "size"]
+
+DISCOVERY_TIMEOUT_S = 30.0
+COOLDOWN_MIN_S = 1  # Horovod's bounds on --blacklist-cooldown-range
+COOLDOWN_MAX_S = 3600
+ADDED = 1  # Horovod's HostUpdateResult bits
+REMOVED = 2
+
+
+def parse_hosts(text: str, default_slots: int | None, what: str) -> list[tuple[str, int]]:
+    """``"a:2,b"`` or lines ``a:2`` -> ``[("a", 2), ("b", default_slots)]``; ValueError."""
+    hosts: list[tuple[str, int]] = []
+    for item in text.replace(",", "\n").splitlines():
+        item = item.strip()
+        if not item or item.startswith("#"):
+            continue
+        name, sep, count = item.partition(":")
+        if sep:
+            if not count.strip().isdigit() or int(count) < 1:
+                raise ValueError(f"{what}: bad slot count in {item!r}: expected host:N, N >= 1")
+            slots = int(count)
+        elif default_slots is not None:
+            slots = default_slots
+        else:
+            raise ValueError(f"{what}: {item!r} has no ':slots' and --slots is not given")
+        if any(h == name for h, _ in hosts):
+            raise ValueError(f"{what}: host {name!r} is listed twice")
+        hosts.append((name.strip(), slots))
+    return hosts
+
+
+def size(assignment: Sequence[tuple[str, int]]) -> int:
+    """How many ranks ``assignment`` holds."""
+    return sum(n for _, n in assignment)
+
+
+def describe(assignment: Sequence[tuple[str, int]]) -> str:
+    """``a:2,b:2`` (``(none)`` when empty)."""
+    return ",".join(f"{h}:{n}" for h, n in assignment) or "(none)"
+
+
+@dataclass
+class _Blacklist:
+    """One host's blacklisting: since when, until when (None: for good), how often."""
+
+    until: float | None = None
+    count: int = 0
+    why: str = ""
+
+
+@dataclass
+class Hosts:
+    """The hosts the job may use, in the order they first appeared, less blacklisted ones.
+
+    ``discovery``: the script (None: ``static``, the ``-H`` hosts); ``cooldown``: Horovod's
+    ``--blacklist-cooldown-range`` (None: a blacklisted host never returns)."""
+
+    discovery: str | None
+    static: tuple[tuple[str, int], ...]
+    slots: int | None
+    max_np: int | None
+    interval_s: float
+    cooldown: tuple[int, int] | None = None
+    known: dict[str, int] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)
+    blacklisted: dict[str, _Blacklist] = field(default_factory=dict)
+    # Blacklist counts of hosts back from a cool-down (their next one is longer).
+    returned: dict[str, int] = field(default_factory=dict)
+    next_poll: float = 0.0
+
+    def discover(self, first: bool = False) -> int:
+        """Refresh from the discovery script (a failure ends the job only the first time) and
+        return the change since the last call: ``ADDED`` | ``REMOVED`` bits (a host back from
+        its cool-down counts as added)."""
+        before = dict(self.known)
+        if self.discovery is None:
+            self.known = dict(self.static)
+        else:
+            try:
+                out = subprocess.run([self.discovery], capture_output=True, text=True,
+                                     timeout=DISCOVERY_TIMEOUT_S, check=True).stdout
+                self.known = dict(parse_hosts(out, self.slots, "host discovery script"))
+            except (OSError, subprocess.SubprocessError, ValueError) as exc:
+                if first:
+                    raise RuntimeError(f"--host-discovery-script {self.discovery!r} "
+                                       f"failed: {exc}") from exc
+                say(f"host discovery failed ({exc}); keeping the last hosts", "elastic")
+        self.order = [h for h in self.order if h in self.known] + \
+            [h for h in self.known if h not in self.order]
+        self.next_poll = time.monotonic() + self.interval_s
+        change = 0
+        for host, n in self.known.items():
+            if n > before.get(host, 0):
+                change |= ADDED
+            elif n < before[host]:
+                change |= REMOVED
+        if any(h not in self.known for h in before):
+            change |= REMOVED
+        now = time.monotonic()
+        for host, entry in list(self.blacklisted.items()):
+            if entry.until is not None and now >= entry.until:
+                del self.blacklisted[host]
+                self.returned[host] = entry.count
+                if host in self.known:
+                    say(f"host {host} is back from its blacklist cool-down", "elastic")
+                    change |= ADDED
+        return change
+
+    def poll(self) -> int | None:
+        """Discover again if it is time: the change (0: none), or None if it did not run."""
+        if time.monotonic() < self.next_poll:
+            return None
+        if self.discovery is None and not self.cooling():
+            return None
+        return self.discover()
+
+    def cooling(self) -> bool:
+        """A blacklisted host may still come back (its cool-down runs)."""
+        return any(e.until is not None for e in self.blacklisted.values())
+
+    def blacklist(self, host: str, why: str) -> None:
+        """Leave ``host`` out (Horovod's blacklist): for good, or for its next cool-down."""
+        if host in self.blacklisted:
+            return
+        count = self.returned.pop(host, 0) + 1
+        until = None
+        if self.cooldown is not None:
+            low, high = self.cooldown
+            delay = max(low, min(high, low * (1 << count) + random.uniform(0, 1) * low))
+            until = time.monotonic() + delay
+        self.blacklisted[host] = _Blacklist(until, count, why)
+
+    def can_return(self) -> bool:
+        """More slots may still come: a discovery script, or a host cooling down."""
+        return self.discovery is not None or self.cooling()
+
+    def assignment(self) -> list[tuple[str, int]]:
+        """The slots a world started now would use: in host order, at most --max-np."""
+        out: list[tuple[str, int]] = []
+        total = 0
+        for host in self.order:
+            if host in self.blacklisted:
+                continue
+            free = self.known[host]
+            if self.max_np is not None:
+                free = min(free, self.max_np - total)
+            if free > 0:
+                out.append((host, free))
+                total += free
+        return out
+
+
+class Workers:
+    """The job's workers, one per slot ``(host, local_rank)``: each keeps the identity
+    (``[host, rank, size, local_rank, local_size, cross_rank, cross_size]``) of the world it
+    was started in until it leaves the job (its host failed, was removed or lost the slot)."""
+
+    def __init__(self) -> None:
+        self.identity: dict[tuple[str, int], list[object]] = {}
+
+    def table(self, assignment: Sequence[tuple[str, int]]) -> list[list[object]]:
+        """The identities of the ranks of a world on ``assignment``, in rank order: kept for
+        slots whose worker goes on, the new world's values for new workers."""
+        rows = worker_table(assignment, size(assignment))
+        keep = {(str(r[0]), int(str(r[3]))) for r in rows}
+        self.identity = {slot: row for slot, row in self.identity.items() if slot in keep}
+        out = []
+        for row in rows:
+            slot = (str(row[0]), int(str(row[3])))
+            out.append(self.identity.setdefault(slot, row))
+        return out
+
+    def leave(self, host: str) -> None:
+        """Every worker of ``host`` leaves the job (the host failed or is gone)."""
+        self.identity = {s: row for s, row in self.identity.items() if s[0] != host}

@@ -1,0 +1,80 @@
+"""The MPI launcher under ``hvdliterun``: which one, its flavour, and its command line.
+
+Importing this module has no side effects.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from hvdlite.launcher import rankwrap
+
+__all__ = ["JobSpec", "build_command", "find_mpiexec", "mpi_flavor"]
+
+
+def find_mpiexec(explicit: str | None = None) -> str | None:
+    """The MPI launcher: ``explicit``, else ``mpiexec`` next to ``sys.executable``, else PATH."""
+    if explicit:
+        return shutil.which(explicit)
+    beside = Path(sys.executable).parent / "mpiexec"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which("mpiexec") or shutil.which("mpirun")
+
+
+def mpi_flavor(mpiexec: str) -> str:
+    """``"openmpi"``, ``"hydra"`` (MPICH, Intel MPI, MVAPICH) or ``"unknown"``."""
+    try:
+        probe = subprocess.run(
+            [mpiexec, "--version"], capture_output=True, text=True, timeout=20, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    text = (probe.stdout + probe.stderr).lower()
+    if "open mpi" in text or "open-mpi" in text or "openrte" in text or "prrte" in text:
+        return "openmpi"
+    if "hydra" in text or "mpich" in text or "intel(r) mpi" in text:
+        return "hydra"
+    return "unknown"
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything :func:`build_command` needs."""
+
+    mpiexec: str
+    flavor: str
+    np: int
+    command: tuple[str, ...]
+    forward_env: tuple[tuple[str, str], ...]
+    hosts: str | None = None
+    hostfile: str | None = None
+    mpi_args: tuple[str, ...] = ()
+    is_root: bool = False
+
+
+def build_command(spec: JobSpec) -> list[str]:
+    """The full MPI launcher command line for ``spec``."""
+    wrapper = [sys.executable, "-I", os.path.abspath(rankwrap.__file__)]
+    if spec.flavor == "openmpi":
+        cmd = [spec.mpiexec, "-np", str(spec.np), "--oversubscribe", "--bind-to", "none"]
+        if spec.is_root:
+            cmd.append("--allow-run-as-root")
+        cmd += ["-H", spec.hosts] if spec.hosts else []
+        cmd += ["--hostfile", spec.hostfile] if spec.hostfile else []
+        for name, _ in spec.forward_env:
+            cmd += ["-x", name]
+    else:
+        cmd = [spec.mpiexec, "-n", str(spec.np)]
+        cmd += ["-hosts", spec.hosts] if spec.hosts else []
+        cmd += ["-f", spec.hostfile] if spec.hostfile else []
+        if spec.flavor == "hydra":
+            for name, value in spec.forward_env:
+                cmd += ["-genv", name, value]
+    return cmd + list(spec.mpi_args) + wrapper + list(spec.command)
+

@@ -1,0 +1,211 @@
+"""The captured step: a whole data-parallel training step (forward, backward, the gradient
+buckets' allreduces, the optimizer) captured once as one CUDA graph and replayed.
+
+A replay runs no Python, takes no lock, wakes no thread and makes no MPI call: what makes it
+possible is ``DistributedOptimizer``'s agreed schedule (``hvdlite/torch/_lane.py``). After the
+warm-up steps every rank launches its buckets itself, in the agreed order, on the schedule's own
+NCCL communicator and stream, so capturing a step captures those launches too: the READY event
+of each bucket forks the schedule's stream off the captured stream and the step's waits join it
+back, so the buckets keep overlapping backward inside the graph. Before the first replay every
+member of the set shows what it captured (the buckets and how many launches of each), and a
+rank whose capture differs raises :class:`~hvdlite.MismatchError` on every rank.
+
+Usage (see docs/horovod.md, "The captured step")::
+
+    step = hvd.make_graphed_step(train_step, static_x, static_y, optimizer=opt)
+    for x, y in loader:
+        loss = step(x, y)          # copies x, y into the static inputs, replays
+
+``train_step(x, y)`` runs one whole step on those tensors (``opt.zero_grad()``, forward,
+``loss.backward()``, ``opt.step()``) and returns what the caller wants back (a loss tensor, a
+tuple of tensors); it must be capturable: static shapes, no host synchronisation (``.item()``,
+printing a tensor, data-dependent Python control flow), a capturable optimizer (``SGD``,
+``Adam(capturable=True)``, ``AdamW(capturable=True)``), learning rates that live in tensors if
+they change. What it returns is the same tensors every replay, overwritten by each.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from hvdlite._engine import default_engine
+from hvdlite.errors import HvdliteError, MismatchError
+from hvdlite.torch.functions import allgather_object
+from hvdlite.torch.process_sets import global_process_set
+
+__all__ = ["GraphedStep", "make_graphed_step"]
+
+
+def _optimizers(optimizer: Any) -> list[Any]:
+    if optimizer is None:
+        return []
+    items = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    for o in items:
+        if not hasattr(o, "_lane") or not hasattr(o, "_buckets"):
+            raise TypeError(f"make_graphed_step: optimizer must be a hvdlite.torch."
+                            f"DistributedOptimizer (or a list of them), got {type(o).__name__}")
+    return items
+
+
+def _check_inputs(inputs: Sequence[Any]) -> list[torch.Tensor]:
+    out = []
+    for i, t in enumerate(inputs):
+        if not isinstance(t, torch.Tensor) or not t.is_cuda:
+            raise TypeError(f"make_graphed_step: static input {i} must be a CUDA tensor, got "
+                            f"{type(t).__name__ if not isinstance(t, torch.Tensor) else t.device}")
+        out.append(t)
+    return out
+
+
+class GraphedStep:
+    """A captured training step; call it with new inputs (copied into the static ones) to
+    replay it. Build it with :func:`make_graphed_step`.
+
+    Blocking: a call enqueues the replay and returns at once (stream-ordered on the current
+    stream), except with the timeline on (it waits for the replay, so the span brackets it).
+    Not thread-safe: replay from the thread that captured. Inputs may live on any device (a
+    host batch is copied in, asynchronously from pinned memory). Errors: ``ValueError`` for
+    inputs whose shape or dtype differ from the captured ones (capture again), and the
+    engine's sticky :class:`~hvdlite.HvdliteError` (a peer failed, the job is ending) or an
+    ``HvdliteError`` after a re-init or elastic reset (the graph's communicators are gone:
+    capture again).
+    """
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: list[torch.Tensor], outputs: Any,
+                 engine: Any, name: str) -> None:
+        self.graph = graph
+        self.inputs = inputs
+        self.outputs = outputs
+        self.name = name
+        self.replays = 0
+        self._engine = engine
+        self._facts = [(t.shape, t.dtype) for t in inputs]
+
+    def __call__(self, *inputs: Any) -> Any:
+        """Copy ``inputs`` (tensors of the captured shapes and dtypes; none to replay on what
+        the static inputs hold) into the static inputs and replay; returns the captured
+        outputs, overwritten by this replay."""
+        engine = self._engine
+        if default_engine() is not engine:
+            raise HvdliteError(f"{self.name}: captured before hvdlite was initialised again "
+                               "(an elastic reset or a re-init): its communicators are gone; "
+                               "capture the step again with make_graphed_step")
+        engine.scheduler.check_usable()
+        if inputs:
+            self._copy_in(inputs)
+        tracer = engine.tracer
+        if tracer.on:
+            with tracer.phase([self.name], "GRAPH_REPLAY", {"replay": self.replays},
+                              sync=torch.cuda.current_stream().synchronize):
+                self.graph.replay()
+        else:
+            self.graph.replay()
+        self.replays += 1
+        tracer.stats.record_replay()
+        return self.outputs
+
+    def _copy_in(self, inputs: Sequence[Any]) -> None:
+        if len(inputs) != len(self.inputs):
+            raise ValueError(f"{self.name}: {len(inputs)} inputs given, the step was captured "
+                             f"with {len(self.inputs)}")
+        for i, (t, (shape, dtype)) in enumerate(zip(inputs, self._facts, strict=True)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{self.name}: input {i} must be a torch.Tensor, got "
+                                f"{type(t).__name__}")
+            if t.shape != shape or t.dtype != dtype:
+                raise ValueError(f"{self.name}: input {i} is {tuple(t.shape)} {t.dtype}, the "
+                                 f"step was captured for {tuple(shape)} {dtype}; a captured "
+                                 "step replays fixed shapes: capture again with "
+                                 "make_graphed_step (or run that batch eagerly)")
+        for dst, src in zip(self.inputs, inputs, strict=True):
+            if src is not dst:
+                dst.copy_(src, non_blocking=True)
+
+
+def make_graphed_step(step_fn: Callable[..., Any], *static_inputs: torch.Tensor,
+                      optimizer: Any = None, warmup_steps: int = 3, pool: Any = None,
+                      name: str = "graphed_step") -> GraphedStep:
+    """Capture ``step_fn(*static_inputs)``, one whole training step, as one CUDA graph.
+
+    Collective over the members of each ``optimizer``'s process set (every rank captures
+    together). Runs ``warmup_steps`` eager steps first on a side stream (at least 2: the first
+    agrees the buckets, after it the optimizer launches them on its agreed schedule, which is
+    what gets captured), then captures one step (as with torch, capturing runs nothing: the
+    first replay is the step after the warm-up ones), then checks that every rank captured the
+    same launches. ``optimizer``: the
+    ``DistributedOptimizer`` (or a list of them) the step uses; each must run its buckets on
+    the agreed schedule (CUDA buckets over NCCL, a GPU per rank): ranks that share a GPU (CUDA
+    IPC) or buckets on the CPU raise ``HvdliteError`` naming why, and the step can run eagerly
+    instead. Other hvdlite collectives cannot be captured (they are negotiated on the host at
+    run time): called inside ``step_fn`` during the capture they raise ``HvdliteError``.
+    ``pool``: a graph memory pool handle to share (``torch.cuda.graph_pool_handle()``).
+
+    Async completion is moot inside a graph (every wait in it is a stream wait). The timeline
+    records each replay as one span ``GRAPH_REPLAY`` on the track ``name``; ``hvd.stats()``
+    counts replays under ``"graphs"``. After an elastic reset capture again (the graph holds
+    the old world's communicators). Blocking: returns once captured. Raises
+    :class:`~hvdlite.MismatchError` on every rank if ranks captured different launches.
+    """
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 2:
+        raise ValueError(f"make_graphed_step: warmup_steps must be an int >= 2, got "
+                         f"{warmup_steps!r}")
+    opts = _optimizers(optimizer)
+    inputs = _check_inputs(static_inputs)
+    engine = default_engine()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup_steps):
+            step_fn(*inputs)
+    torch.cuda.current_stream().wait_stream(side)
+    for opt in opts:
+        if opt._buckets and opt._lane is None:
+            raise HvdliteError(f"make_graphed_step: {type(opt).__name__}'s buckets are not on "
+                               f"an agreed schedule: {opt._no_lane}; "
+                               "run this step eagerly (a captured step needs CUDA buckets "
+                               "over NCCL, a GPU per rank)")
+    before = [opt._lane.schedule.launches if opt._lane is not None else 0 for opt in opts]
+    graph = torch.cuda.CUDAGraph()
+    schedules = [opt._lane.schedule for opt in opts if opt._lane is not None]
+    for s in schedules:
+        s.capturing = True
+    engine.scheduler.capture_thread = threading.get_ident()
+    try:
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            outputs = step_fn(*inputs)
+    finally:
+        engine.scheduler.capture_thread = None
+        for s in schedules:
+            s.capturing = False
+    _agree_capture(opts, before, name)
+    engine.tracer.stats.record_capture()
+    return GraphedStep(graph, inputs, outputs, engine, name)
+
+
+def _agree_capture(opts: list[Any], before: list[int], name: str) -> None:
+    """Every rank shows what it captured: per optimizer, its buckets and how many launches the
+    capture took; MismatchError on every rank if they differ (before any replay)."""
+    mine = []
+    for opt, n in zip(opts, before, strict=True):
+        lane = opt._lane
+        launches = (lane.schedule.launches - n) if lane is not None else 0
+        mine.append({"buckets": [b.name for b in opt._buckets], "launches": launches})
+    payload = json.dumps(mine).encode()
+    if opts:
+        got = allgather_object(payload, f"{name}.capture", opts[0].process_set)
+        ranks = opts[0]._set()[1]
+    else:
+        got = allgather_object(payload, f"{name}.capture", global_process_set)
+        ranks = list(range(len(got)))
+    bad = [f"rank {r}: {json.loads(g)}" for r, g in zip(ranks, got, strict=True)
+           if g != got[0]]
+    if bad:
+        raise MismatchError(f"{name}: the ranks captured different steps (rank {ranks[0]}: "
+                            f"{json.loads(got[0])}; {'; '.join(bad)}); every rank must run the "
+                            "same step (the same backward passes and optimizer steps) when "
+                            "it is captured")

@@ -1,0 +1,76 @@
+"""A rank that dies or raises while its peer replays a captured training step
+(``hvd.make_graphed_step``): the survivor, blocked on NCCL kernels inside the graph that wait for
+the gone rank, ends within 15 s, the rank named. The graph's collectives run on the optimizer's
+schedule communicator, which the engine's failure aborts beside its own (the NCCL watchdog).
+
+Real ``hvdliterun`` jobs of 2 ranks with a GPU each (the captured step needs NCCL): skipped on
+one GPU. Run it outside any MPI launcher: ``python3 -m pytest tests/gpu/test_gpu_graph_death.py``.
+"""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from jobs_util import clean_env, run_group, under_mpi_launcher
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+    pytest.skip("needs two GPUs (a captured step runs over NCCL)", allow_module_level=True)
+if under_mpi_launcher():
+    pytest.skip("launches its own jobs: run it outside mpirun", allow_module_level=True)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
+
+_JOB = """
+import os, signal, sys, time
+import torch
+import hvdlite.torch as hvd
+hvd.init()
+torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).cuda()
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-6),
+                               named_parameters=model.named_parameters())
+x = torch.randn(512, 2048, device="cuda")
+
+def step(x):
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    opt.step()
+
+graphed = hvd.make_graphed_step(step, x, optimizer=opt)
+for i in range(1_000_000):
+    graphed()
+    if i == 50 and hvd.rank() == 1:
+        torch.cuda.synchronize()
+        with open(sys.argv[1], "w") as f:
+            f.write(repr(time.time()))
+        {how}
+    if i % 10 == 0:
+        torch.cuda.synchronize()  # rank 0 blocks here on the graph's NCCL kernels
+"""
+
+HOW = {
+    "SIGKILL": "os.kill(os.getpid(), signal.SIGKILL)",
+    "raise": "raise RuntimeError('user code failed on rank 1')",
+}
+
+
+@pytest.mark.parametrize("how", list(HOW))
+def test_a_rank_gone_during_replays_ends_the_job(tmp_path: Path, how: str) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(_JOB.format(how=HOW[how])), encoding="utf-8")
+    stamp = tmp_path / "gone"
+    code, out = run_group([sys.executable, "-m", "hvdlite.run", "-np", "2", "--",
+                           sys.executable, str(script), str(stamp)], clean_env(), 90.0)
+    ended = time.time()
+    assert code is not None and code != 0, out
+    assert stamp.exists(), f"rank 1 never reached the failure point:\n{out}"
+    took = ended - float(stamp.read_text())
+    print(f"{how} (captured step): the job ended {took:.1f} s after rank 1 went", flush=True)
+    assert took < 15, f"the job took {took:.1f} s to end after rank 1 went:\n{out}"
+    assert "rank 1" in out, out

@@ -1,0 +1,189 @@
+"""The captured step (``hvd.make_graphed_step``) on CUDA: replays equal eager hvdlite steps bit
+for bit, keep their buckets on the agreed schedule, refuse inputs of another shape, and refuse
+a capture that differs between ranks. Marked ``gpu``; at one rank through the N-rank path
+(``optimizer_size1_shortcut`` off: an NCCL communicator of one rank), at two ranks with a GPU
+each; two ranks sharing a GPU (CUDA IPC) get the clear error instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch_util import n_rank_path
+
+import hvdlite
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _device(hvd: Any) -> torch.device:
+    dev = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
+
+
+def _model(dev: torch.device) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(),
+                               torch.nn.Linear(64, 64), torch.nn.Tanh(),
+                               torch.nn.Linear(64, 1)).to(dev)
+
+
+def _batch(step: int, rank: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(step * 7919 + rank)
+    x = torch.randn(8, 16, generator=gen)
+    return x.to(dev), x.sum(dim=1, keepdim=True).sin().to(dev)
+
+
+def _optimizer(hvd: Any, model: torch.nn.Module, tag: str) -> Any:
+    with n_rank_path():
+        return hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5),
+            named_parameters=[(f"{tag}.{n}", p) for n, p in model.named_parameters()],
+            bucket_cap_mb=4000 * 4 / 2**20)  # several buckets
+
+
+def _lane_expected(hvd: Any) -> bool:
+    from hvdlite._engine import default_engine
+
+    return default_engine().device_transport(0) == "nccl"
+
+
+def _flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_captured_steps_equal_eager_steps(hvd: Any) -> None:
+    """3 warm-up steps on the first batch (the capture itself runs nothing, as torch's), then
+    9 replays on new batches, against 12 eager hvdlite steps on the same batches from the same
+    state: the very same bits (fp32 SGD with momentum), on every rank; the replays counted in
+    hvdlite.stats()."""
+    dev = _device(hvd)
+    eager, captured = _model(dev), _model(dev)
+    opt_e, opt_c = _optimizer(hvd, eager, "eager"), _optimizer(hvd, captured, "graph")
+    batches = [_batch(s, hvd.rank(), dev) for s in range(10)]
+
+    def step(model: torch.nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    for x, y in [batches[0]] * 3 + batches[1:]:
+        step(eager, opt_e, x, y)
+    sx, sy = batches[0][0].clone(), batches[0][1].clone()
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> Any:
+        return step(captured, opt_c, x, y)
+
+    if not _lane_expected(hvd):
+        with pytest.raises(hvd.HvdliteError, match="not on an agreed schedule.*ipc"):
+            hvd.make_graphed_step(train_step, sx, sy, optimizer=opt_c)
+        return
+    replays0 = hvdlite.stats()["graphs"]["replays"]
+    graphed = hvd.make_graphed_step(train_step, sx, sy, optimizer=opt_c)
+    launches = opt_c._lane.schedule.launches
+    losses = []
+    for x, y in batches[1:]:
+        losses.append(graphed(x, y).clone())
+    torch.cuda.synchronize(dev)
+    assert hvdlite.stats()["graphs"]["replays"] - replays0 == 9
+    assert opt_c._lane.schedule.launches == launches  # replays launch nothing from Python
+    assert len({float(v) for v in losses}) > 1  # the replays read the new batches
+    got, want = _flat(captured), _flat(eager)
+    assert torch.equal(got, want), (got - want).abs().max()
+    everyone = hvd.allgather(got.unsqueeze(0), name="graphs.params")
+    assert all(torch.equal(everyone[0], row) for row in everyone)
+
+
+def test_a_changed_shape_says_to_capture_again(hvd: Any) -> None:
+    dev = _device(hvd)
+    model = _model(dev)
+    opt = _optimizer(hvd, model, "shape")
+    sx, sy = _batch(0, hvd.rank(), dev)
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> Any:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    if not _lane_expected(hvd):
+        pytest.skip("ranks sharing a GPU cannot capture (see the test above)")
+    graphed = hvd.make_graphed_step(train_step, sx, sy, optimizer=opt)
+    x, y = _batch(1, hvd.rank(), dev)
+    with pytest.raises(ValueError, match=r"input 0 is \(4, 16\).*captured for \(8, 16\).*capture "
+                                         "again"):
+        graphed(x[:4], y[:4])
+    graphed(x, y)  # the right shapes still replay
+    with pytest.raises(hvd.HvdliteError, match="cannot be captured"):
+        def bad_step(x: torch.Tensor, y: torch.Tensor) -> Any:
+            train_step(x, y)
+            hvd.allreduce(x, name="graphs.inside")  # negotiated on the host: refused
+        hvd.make_graphed_step(bad_step, sx, sy, optimizer=opt, warmup_steps=2)
+
+
+def test_ranks_that_capture_different_steps_fail_before_any_replay(hvd: Any) -> None:
+    """The last rank's captured step takes two optimizer steps (its warm-up steps one):
+    MismatchError on every rank once the capture ends, naming both captures."""
+    if hvd.size() < 2:
+        pytest.skip("needs two ranks")
+    dev = _device(hvd)
+    model = _model(dev)
+    opt = _optimizer(hvd, model, "mismatch")
+    sx, sy = _batch(0, hvd.rank(), dev)
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> Any:
+        twice = torch.cuda.is_current_stream_capturing() and hvd.rank() == hvd.size() - 1
+        for _ in range(2 if twice else 1):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+
+    if not _lane_expected(hvd):
+        pytest.skip("ranks sharing a GPU cannot capture (see the first test)")
+    with pytest.raises(hvd.MismatchError, match="captured different steps.*'launches': 6"):
+        hvd.make_graphed_step(train_step, sx, sy, optimizer=opt)
+
+
+def test_the_lane_is_agreed_again_after_a_reinit(hvd: Any) -> None:
+    """An optimizer that outlives ``shutdown(); init()`` (an elastic reset in the same
+    process does this) drops its lane, whose communicator went with the old engine, checks its
+    buckets again and opens a new lane: exact averages before and after, and no launch on the
+    old communicator."""
+    dev = _device(hvd)
+    shapes = [(64, 32), (32,), (300,)]
+    params = [torch.nn.Parameter(torch.zeros(s, device=dev)) for s in shapes]
+    opt = _optimizer_of(hvd, params, "reinit")
+
+    def steps(first: int) -> None:
+        for step in range(first, first + 3):
+            opt.zero_grad()
+            sum((p * float(hvd.rank() + step + k)).sum() for k, p in enumerate(params)).backward()
+            opt.step()
+            for k, (p, s) in enumerate(zip(params, shapes, strict=True)):
+                want = sum(r + step + k for r in range(hvd.size())) / hvd.size()
+                assert torch.equal(p.grad, torch.full(s, float(want), device=dev)), (step, k)
+
+    steps(0)
+    old = opt._lane
+    assert (old is not None) == _lane_expected(hvd)
+    hvd.shutdown()
+    hvd.init()
+    _device(hvd)
+    with n_rank_path():  # the knob the engine had; the new engine reads the environment
+        steps(3)
+    if old is not None:
+        assert opt._lane is not None and opt._lane is not old
+        assert old.schedule.comm is None  # destroyed with its engine
+
+
+def _optimizer_of(hvd: Any, params: list[torch.nn.Parameter], tag: str) -> Any:
+    with n_rank_path():
+        return hvd.DistributedOptimizer(
+            torch.optim.SGD(params, lr=0.0),
+            named_parameters=[(f"{tag}.{k}", p) for k, p in enumerate(params)],
+            bucket_cap_mb=800 / 2**20)
