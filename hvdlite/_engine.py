@@ -234,6 +234,10 @@ class Engine:
         engine's parts. ``fatal`` (a failure, not this rank's shutdown): device work may wait
         for a rank that is gone (the NCCL watchdog): fail it, abort the communicators so a
         thread blocked on it wakes and raises, and make sure the job ends."""
+        if fatal and self._gpu is not None and isinstance(reason, ShutdownError):
+            # A peer shut down (its script ended, or raised): collectives of the agreed
+            # schedules still waiting for it on this rank's device never complete.
+            self._gpu.abort_schedules(pending_only=True)
         if fatal and self._gpu is not None and not isinstance(reason, ShutdownError):
             self._gpu.retirer.fail_pending(fail)
             self._gpu.abort_schedules()

@@ -251,9 +251,12 @@ class GpuRuntime:
                 log.warning("hvdlite stall: %s", late)
         return ""
 
-    def abort_schedules(self) -> None:
-        """Abort every schedule's communicator (the job is ending with an error)."""
+    def abort_schedules(self, pending_only: bool = False) -> None:
+        """Abort every schedule's communicator (the job is ending with an error), or with
+        ``pending_only`` those with a launch not yet complete (a peer shut down)."""
         for schedule in list(self.schedules):
+            if pending_only and not schedule.pending():
+                continue
             try:
                 schedule.abort()
             except Exception:

@@ -151,6 +151,7 @@ class Schedule:
         # Set while a CUDA graph captures launches: the watchdog then leaves the events alone
         # (a captured record is no record; the graph's replays are not launches it can time).
         self.capturing = False
+        self.captured = False  # launches of it live in a CUDA graph
 
     def _call(self, nccl: Any, spec: Spec, buf: tuple[int, int]) -> tuple[Any, ...]:
         if spec.dtype == "bfloat16":  # no NumPy type (unscaled only: see the optimizer)
@@ -218,6 +219,16 @@ class Schedule:
                         f"{len(self.specs)} of the schedule) launched {now - t:.0f} s ago has "
                         "not completed on the device: a peer died or stopped launching it")
         return ""
+
+    def pending(self) -> bool:
+        """Whether a launch has not completed on the device (non-blocking queries); a step
+        captured in a CUDA graph counts as pending: its replays are not launches to query."""
+        if self.comm is None:
+            return False
+        if self.captured:
+            return True
+        return any(t and not done.done for t, done in zip(self._launched, self._done,
+                                                         strict=True))
 
     def abort(self) -> None:
         """The job is ending with an error: abort the communicator so NCCL kernels waiting for

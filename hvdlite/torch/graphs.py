@@ -173,7 +173,7 @@ def make_graphed_step(step_fn: Callable[..., Any], *static_inputs: torch.Tensor,
     graph = torch.cuda.CUDAGraph()
     schedules = [opt._lane.schedule for opt in opts if opt._lane is not None]
     for s in schedules:
-        s.capturing = True
+        s.capturing = s.captured = True
     engine.scheduler.capture_thread = threading.get_ident()
     try:
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
