@@ -113,6 +113,8 @@ def _submit(
     reduction rules (``hvdlite.torch``): ``Average`` is a ``Sum`` with ``postscale / set
     size``, so integer averages truncate toward zero, and bool tensors refuse it."""
     engine = default_engine()  # a stopped engine refuses the call at submission (or its round)
+    if engine.scheduler.capture_thread is not None:  # refused before anything is allocated
+        engine.scheduler.check_usable()
     channel = (
         engine.global_channel if process_set is None else engine.channel_for(set_id_of(process_set))
     )
