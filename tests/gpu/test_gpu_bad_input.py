@@ -50,7 +50,7 @@ def test_non_contiguous_torch_cuda_is_refused_with_the_fix(hvd: Any) -> None:
 
     x = torch.ones(4, 6, device="cuda").t()
     _raises(hvd, "torch.T", lambda: hvd_torch.allreduce(x, name="bad.torch.T"), ValueError,
-            "'bad.torch.T'", "x.contiguous()")
+            "'allreduce.bad.torch.T'", "x.contiguous()")  # Horovod's torch name
 
 
 def test_host_and_device_in_one_grouped_call(hvd: Any) -> None:
@@ -150,5 +150,7 @@ def test_tensor_on_another_device_than_the_ranks(hvd: Any) -> None:
         x = cupy.full(5, float(hvd.rank() + 1), cupy.float32)
     got = hvd.allreduce(x, name="other.device", op=hvd.Sum)
     assert got.data.device_id == other
-    assert float(got.min()) == float(sum(range(1, hvd.size() + 1))) == float(got.max())
+    # Read where it lies: a kernel of the current device reading another GPU's memory needs
+    # peer access, which nothing here enabled (an illegal address at 2 GPUs, run 63).
+    assert np.array_equal(cupy.asnumpy(got), np.full(5, float(sum(range(1, hvd.size() + 1)))))
     _next_collective_works(hvd, "other.device")
