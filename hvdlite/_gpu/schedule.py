@@ -238,8 +238,11 @@ class Schedule:
             comm.abort()
 
     def close(self) -> None:
-        """Destroy the communicator once the device finished with it."""
+        """Free the communicator once the device finished with it: by ``ncclCommAbort``,
+        which is local, since ranks may close their schedules in different orders (the
+        registry is a weak set, and an optimizer may be collected on one rank and not on
+        another), where ``ncclCommDestroy``'s finalisation may wait for the peers."""
         comm, self.comm = self.comm, None
         if comm is not None:
             self.stream.synchronize()
-            comm.destroy()
+            comm.abort()
