@@ -78,18 +78,17 @@ BASE_C = "compiled: plain torch"
 HVD_C = "compiled: hvdlite default"
 HVD_C_ALT = "compiled: hvdlite, gradient_as_bucket_view flipped"
 DDP_C = "compiled: torch DDP"
-HVD_LOWPRI = "hvdlite, schedule stream at normal priority (experiment)"
 HVD_CTA = {n: f"hvdlite, optimizer_max_ctas={n}" for n in (2, 4, 8, 16)}
 HVD_G = "captured: hvdlite step (make_graphed_step)"
 FLAT_G = "captured: plain step + one flat allreduce after backward"
 CAPTURED = (HVD_G, FLAT_G)
-HVDS = (HVD, HVD_ALT, HVD_NEG, HVD_ASYNC, HVD_C, HVD_C_ALT, HVD_LOWPRI, HVD_G,
+HVDS = (HVD, HVD_ALT, HVD_NEG, HVD_ASYNC, HVD_C, HVD_C_ALT, HVD_G,
         *HVD_CTA.values())
 DDPS = (DDP, DDP_VIEWS, DDP_C)
 COMPILED = (BASE_C, HVD_C, HVD_C_ALT, DDP_C)
 TRANSFORMERS = ("vit_b_16", "gpt2")
 SHORT = {"hvd_g": HVD_G, "flat_g": FLAT_G, "alt": HVD_ALT, "neg": HVD_NEG,
-         "ddp_views": DDP_VIEWS, "lowpri": HVD_LOWPRI, "plain_c": BASE_C, "hvd_c": HVD_C,
+         "ddp_views": DDP_VIEWS, "plain_c": BASE_C, "hvd_c": HVD_C,
          "hvd_c_alt": HVD_C_ALT, "ddp_c": DDP_C, **{f"cta{n}": v for n, v in HVD_CTA.items()}}
 COMM_HVD = "comm alone: hvdlite grouped_allreduce of every gradient"
 COMM_TORCH = "comm alone: torch.distributed all_reduce, one flat buffer"
@@ -299,30 +298,12 @@ class Runner:
             return
         if self.kind in CAPTURED:
             self._captured_step()
-            return
-        torch = self.env.torch
-        self.opt.zero_grad()
-        if self.amp:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = self._loss()
-        else:
-            loss = self._loss()
-        loss.backward()
-        if self.kind == HVD_LOWPRI and getattr(self.opt, "_lane", None) is not None \
-                and not getattr(self, "repri", False):
-            self.repri = True  # an experiment: the lane's stream at the device's lowest priority
-            sched = self.opt._lane.schedule
-            with torch.cuda.device(self.env.device):
-                import cupy
-
-                sched.stream = cupy.cuda.Stream(non_blocking=True, priority=0)
-                sched._sptr = sched.stream.ptr
-        if self.first:  # the agreed schedule is decided at the end of the first step
+        elif self.first:  # the agreed schedule is decided at the end of the first step
             first, self.first = self.first, {}
             with self.env.knobs(**first):
-                self.opt.step()
-            return
-        self.opt.step()
+                self._eager_step()
+        else:
+            self._eager_step()
 
     def steps(self, n: int) -> None:
         """``n`` steps (asynchronous completion on for the variant that tests it)."""
@@ -467,7 +448,7 @@ class Env:
             out += [HVD_G, FLAT_G]
         if self.args.variants:
             keep = {SHORT[v.strip()] for v in self.args.variants.split(",")}
-            out = [v for v in [*out, HVD_LOWPRI, *HVD_CTA.values()]
+            out = [v for v in [*out, *HVD_CTA.values()]
                    if v in keep or v in (BASE, HVD, DDP)]
         return out
 

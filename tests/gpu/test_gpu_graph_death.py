@@ -9,13 +9,10 @@ one GPU. Run it outside any MPI launcher: ``python3 -m pytest tests/gpu/test_gpu
 
 from __future__ import annotations
 
-import sys
-import textwrap
-import time
 from pathlib import Path
 
 import pytest
-from jobs_util import clean_env, run_group, under_mpi_launcher
+from jobs_util import under_mpi_launcher
 
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
@@ -24,6 +21,8 @@ if under_mpi_launcher():
     pytest.skip("launches its own jobs: run it outside mpirun", allow_module_level=True)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
+
+from gpu_util import GONE, rank_one_goes  # noqa: E402 - after the skips (it imports cupy)
 
 _JOB = """
 import os, signal, sys, time
@@ -54,23 +53,6 @@ for i in range(1_000_000):
         torch.cuda.synchronize()  # rank 0 blocks here on the graph's NCCL kernels
 """
 
-HOW = {
-    "SIGKILL": "os.kill(os.getpid(), signal.SIGKILL)",
-    "raise": "raise RuntimeError('user code failed on rank 1')",
-}
-
-
-@pytest.mark.parametrize("how", list(HOW))
+@pytest.mark.parametrize("how", list(GONE))
 def test_a_rank_gone_during_replays_ends_the_job(tmp_path: Path, how: str) -> None:
-    script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(_JOB.format(how=HOW[how])), encoding="utf-8")
-    stamp = tmp_path / "gone"
-    code, out = run_group([sys.executable, "-m", "hvdlite.run", "-np", "2", "--",
-                           sys.executable, str(script), str(stamp)], clean_env(), 90.0)
-    ended = time.time()
-    assert code is not None and code != 0, out
-    assert stamp.exists(), f"rank 1 never reached the failure point:\n{out}"
-    took = ended - float(stamp.read_text())
-    print(f"{how} (captured step): the job ended {took:.1f} s after rank 1 went", flush=True)
-    assert took < 15, f"the job took {took:.1f} s to end after rank 1 went:\n{out}"
-    assert "rank 1" in out, out
+    rank_one_goes(tmp_path, _JOB.format(how=GONE[how]), how, "captured step")

@@ -22,14 +22,10 @@ Run it outside any MPI launcher (it launches its own jobs):
 from __future__ import annotations
 
 import os
-import re
-import sys
-import textwrap
-import time
 from pathlib import Path
 
 import pytest
-from jobs_util import clean_env, run_group, under_mpi_launcher
+from jobs_util import under_mpi_launcher
 
 cupy = pytest.importorskip("cupy")
 if cupy.cuda.runtime.getDeviceCount() == 0:
@@ -44,7 +40,7 @@ EXPECT = os.environ.get("HVDLITE_TEST_EXPECT_TRANSPORT") or (
 if EXPECT not in ("ipc", "nccl"):
     raise ValueError(f"HVDLITE_TEST_EXPECT_TRANSPORT must be ipc or nccl, got {EXPECT!r}")
 
-HVDLITE_FRAME = re.compile(r'File "[^"]*/hvdlite/')
+from gpu_util import GONE, rank_one_goes  # noqa: E402 - after the skips (it imports cupy)
 
 _STREAM = """
 import os, signal, sys, time
@@ -87,28 +83,7 @@ for i in range(1_000_000):
         h.wait()
 """
 
-HOW = {
-    "SIGKILL": "os.kill(os.getpid(), signal.SIGKILL)",
-    "raise": "raise RuntimeError('user code failed on rank 1')",
-}
-
-
-@pytest.mark.parametrize("how", list(HOW))
+@pytest.mark.parametrize("how", list(GONE))
 def test_a_rank_gone_mid_stream_ends_the_job(tmp_path: Path, how: str) -> None:
-    script = tmp_path / "job.py"
-    job = _STREAM.format(how=HOW[how], expect=EXPECT, inside=EXPECT == "nccl")
-    script.write_text(textwrap.dedent(job), encoding="utf-8")
-    stamp = tmp_path / "gone"
-    code, out = run_group([sys.executable, "-m", "hvdlite.run", "-np", "2", "--",
-                           sys.executable, str(script), str(stamp)], clean_env(), 90.0)
-    ended = time.time()
-    assert code is not None and code != 0, out
-    assert stamp.exists(), f"rank 1 never reached the failure point:\n{out}"
-    took = ended - float(stamp.read_text())
-    print(f"{how} ({EXPECT}): the job ended {took:.1f} s after rank 1 went", flush=True)
-    assert took < 15, f"the job took {took:.1f} s to end after rank 1 went:\n{out}"
-    assert "rank 1" in out, out
-    if how == "SIGKILL":  # (a raising rank prints its own traceback, as Python does)
-        assert not HVDLITE_FRAME.search(out), f"a traceback through hvdlite's code:\n{out}"
-    else:
-        assert "user code failed on rank 1" in out, out
+    job = _STREAM.format(how=GONE[how], expect=EXPECT, inside=EXPECT == "nccl")
+    rank_one_goes(tmp_path, job, how, EXPECT)
