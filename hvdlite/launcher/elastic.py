@@ -222,7 +222,7 @@ class _World:
 
     def reports(self) -> list[dict[str, Any]]:
         """Failure reports: the wrappers' files and, from the monitor, their exit reports."""
-        found = {r["rank"]: r for r in read_reports(self.report_dir)}
+        found = {r["rank"]: r for r in read_reports(self.report_dir, causes=True)}
         if self.verdict is not None:
             self.verdict.poll()
             for r in self.verdict.failures:
@@ -368,10 +368,7 @@ class _Driver:
         lost = verdict.loss(now) if verdict is not None else None
         if verdict is None or lost is None:
             return False
-        gone = [st for st in verdict.monitor.ranks().values() if st.lost]
-        if any(st.host != verdict.local_host for st in gone):  # as Verdict: the others' loss
-            gone = [st for st in gone if st.host != verdict.local_host]  # is the teardown
-        hosts = {world.host_of(st.rank) for st in gone}
+        hosts = {world.host_of(rank) for rank in verdict.lost_ranks}
         world.lost_hosts = sorted(h for h in hosts if h is not None)
         say(f"{lost}; ending world {world.generation}", "elastic")
         return True
