@@ -459,8 +459,9 @@ def main(argv: list[str] | None = None) -> None:
         supervision.finish(127, False)
         _end_guard(None, marker)
         sys.exit(127)
-    supervision.started(child)
+    # The guard first: once the rank is heard from, a wrapper killed is reported as such.
     guard = _start_guard(child.pid, marker, supervision.agent)
+    supervision.started(child)
     forward_pending()
     tees = [] if outputs is None else [
         _tee(child.stdout, sys.stdout.buffer, outputs[0]),
