@@ -172,6 +172,10 @@ def conclude(outcome: Outcome, report_dir: str, np: int, timeout: float | None,
     if outcome.interrupted is not None:
         say(f"interrupted by {signal.Signals(outcome.interrupted).name}; job ended")
         return 128 + outcome.interrupted
+    if outcome.returncode != 0 and verdict.orphaned:
+        say(f"{verdict.orphaned}: its rank wrapper was killed while the rank ran; the job of "
+            f"{ranks_text(np)} was ended")
+        return exit_code(outcome.returncode)
     if outcome.returncode != 0:
         say(f"the MPI launcher ended the job with {describe_status(outcome.returncode)} and "
             f"no rank reported a failure (see the messages above)")

@@ -77,6 +77,14 @@ class Verdict:
         return self.concluded or None
 
     @property
+    def orphaned(self) -> str | None:
+        """``rank 2 (host n2)`` whose wrapper was killed first while the rank ran (its host
+        alive), or None: what ended a job where nothing else did (a wrapper killed by hand or
+        by the OOM killer)."""
+        first = next((e for e in self._lost if e.alive), None)
+        return None if first is None else f"rank {first.rank} (host {first.host})"
+
+    @property
     def pending(self) -> bool:
         """Ranks were lost and no conclusion was drawn yet."""
         return bool(self._lost) and self.concluded is None

@@ -281,3 +281,29 @@ def _wait_until(ok: object, timeout: float = 10.0) -> None:
     while not ok():  # type: ignore[operator]
         assert time.monotonic() < end, "not within the time"
         time.sleep(0.02)
+
+
+def test_a_wrapper_killed_by_hand_is_named(tmp_path: Path) -> None:
+    # Rank 1's wrapper SIGKILLed (by hand, by the OOM killer): no failure report, no lost
+    # host (its guard says the host answers); hvdliterun names the rank.
+    script = tmp_path / "forever.py"
+    script.write_text(
+        "import os, sys, time, numpy as np, hvdlite as hvd\n"
+        "hvd.init()\n"
+        "open(f'{sys.argv[1]}/wrapper-{hvd.rank()}', 'w').write(str(os.getppid()))\n"
+        "while True:\n"
+        "    hvd.allreduce(np.ones(4), name='s'); time.sleep(0.01)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "PMI_"))}
+    proc = subprocess.Popen([sys.executable, "-m", "hvdlite.run", "-np", "2", "--",
+                             sys.executable, str(script), str(tmp_path)], cwd=REPO, env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_until(lambda: (tmp_path / "wrapper-1").exists() or proc.poll() is not None, 60)
+        os.kill(int((tmp_path / "wrapper-1").read_text()), 9)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode not in (0, None), err
+    assert ("hvdliterun: rank 1 (host " + socket.gethostname() + "): its rank wrapper was "
+            "killed while the rank ran; the job of 2 ranks was ended") in err, err
