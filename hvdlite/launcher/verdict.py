@@ -101,7 +101,8 @@ class Verdict:
         alive = {e.host for e in self._lost if e.alive}
         down = [e for e in self._lost if not e.alive]
         if not down:
-            self.concluded = ""  # every loss was a wrapper the MPI launcher killed
+            # Every loss so far was a wrapper killed on a host that answers: no conclusion yet
+            # (a host may still be found silent, the MPI launcher having noticed it first).
             return None
         first = down[0].time
         if self._first_failure_at is not None and self._first_failure_at <= first:
