@@ -109,7 +109,9 @@ TERM_GRACE_S = 2.0
 # The guard process. argv: the child's pid, the grace in seconds, the marker file ("" for
 # none), the monitor connection's descriptor (-1 for none) and the line to send on it. Its
 # stdin is a pipe from the wrapper: a byte means the wrapper is done (the child ended); EOF
-# without one means the wrapper was killed while the child ran. Then the guard tells the
+# without one means the wrapper was killed (while the child ran, or the child ended of its
+# parent-death signal as the wrapper was dying: either way the guard waits for the
+# wrapper's word once the child has ended). Then the guard tells the
 # launcher's monitor on the wrapper's connection, which its copy keeps open, that this host
 # is alive (the MPI launcher is ending the job: not this host's loss).
 _GUARD = r"""
@@ -141,11 +143,15 @@ def kill(sig):
     except OSError:
         pass
 watch = [0] + ([fd] if fd is not None else [])
+timeout = None if fd is not None else 0.2
 while True:
-    ready = select.select(watch, [], [], None if fd is not None else 0.2)[0]
+    ready = select.select(watch, [], [], timeout)[0]
     if 0 in ready:
         if os.read(0, 64):
             break  # the wrapper is done: the child ended
+        # EOF without the byte: the wrapper was killed. The child may have ended first: its
+        # parent-death signal comes when the wrapper's main thread dies, before the wrapper's
+        # other threads let go of this pipe.
         if agent >= 0:
             try:
                 os.write(agent, orphaned)
@@ -159,8 +165,8 @@ while True:
                 pass
             ended(5.0)
         break
-    if fd in ready or (fd is None and ended(0)):
-        break
+    if fd in ready or (timeout is not None and ended(0)):
+        watch, timeout = [0], None  # the child ended: the wrapper's byte, or EOF, says how
 if marker:
     try:
         os.remove(marker)
