@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from hvdlite._control.held_signals import hold_signals
 from hvdlite._control.scheduler import POKE
 from hvdlite._vocab.entry import Entry
 from hvdlite._vocab.messages import Response
@@ -73,6 +74,7 @@ def run_now(engine: Owner, channel: Channel, lane: Lane, call: Call, stream: Any
             sched.wake.put(POKE)
         if not lock.acquire(timeout=_WAIT_FOR_LOOP_S):
             return MISS
+    held = None
     try:
         found = sched.cached_alone(channel, lane.request, 0)
         if found is None:
@@ -82,9 +84,15 @@ def run_now(engine: Owner, channel: Channel, lane: Lane, call: Call, stream: Any
                                                               stream)
         if step is None:
             return MISS
+        # A user's signal handler that raised inside the cycle would stop the engine on every
+        # rank: it runs after the cycle instead (the interrupted-wait race, held_signals.py).
+        held = hold_signals()
         return _cycle(engine, channel, lane, call, slot, step, stream)
     finally:
         lock.release()
+        if held is not None:
+            held.release()
+            held.deliver()
 
 
 def prepare(engine: Owner, entry: Entry, framework: str, stream: Any) -> None:

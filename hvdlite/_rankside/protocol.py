@@ -25,10 +25,11 @@ from collections.abc import Mapping
 
 __all__ = ["ELASTIC_DIR_ENV", "EXIT_HOSTS_UPDATED", "EXIT_INTERNAL_ERROR", "GENERATION_ENV",
            "HOSTS_UPDATED_FILE", "HOSTS_UPDATED_MESSAGE", "LIVE_PREFIX", "RANK_ENVS",
-           "REPORT_DIR_ENV", "RESET_EXIT_CODES", "WATCHDOG_FD_ENV", "describe_status",
-           "generation_dir", "rank_from_env", "write_report"]
+           "REPORT_DIR_ENV", "RESET_EXIT_CODES", "UNREACHABLE_KEY", "WATCHDOG_FD_ENV",
+           "describe_status", "generation_dir", "rank_from_env", "write_report"]
 
 REPORT_DIR_ENV = "HVDLITE_RUN_REPORT_DIR"
+UNREACHABLE_KEY = "launcher_unreachable"  # in a report: see write_report
 WATCHDOG_FD_ENV = "HVDLITE_WATCHDOG_FD"
 LIVE_PREFIX = "live-"
 RANK_ENVS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
@@ -69,14 +70,18 @@ def generation_dir(job_dir: str, generation: int) -> str:
     return os.path.join(job_dir, f"gen-{generation}")
 
 
-def write_report(rank: int | None, code: int, signalled: bool) -> bool:
+def write_report(rank: int | None, code: int, signalled: bool,
+                 launcher_unreachable: bool = False) -> bool:
     """Drop this rank's failure report (``rank-<N>.json``) into the report directory;
-    False when there is none (not under ``hvdliterun``) or it cannot be written."""
+    False when there is none (not under ``hvdliterun``) or it cannot be written.
+    ``launcher_unreachable``: the wrapper ended the rank because the launcher stopped
+    answering (this host is cut off), so the report names no cause (the launcher's monitor
+    names the host); it is the report's key ``UNREACHABLE_KEY``."""
     directory = os.environ.get(REPORT_DIR_ENV)
     if not directory or not os.path.isdir(directory):
         return False
     report = {"rank": rank, "code": code, "time": time.time(), "signalled": signalled,
-              "host": socket.gethostname()}
+              "host": socket.gethostname(), UNREACHABLE_KEY: launcher_unreachable}
     final = os.path.join(directory, f"rank-{rank if rank is not None else os.getpid()}.json")
     partial = f"{final}.{os.getpid()}.tmp"
     try:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from hvdlite._rankside.protocol import LIVE_PREFIX, describe_status
+from hvdlite._rankside.protocol import LIVE_PREFIX, UNREACHABLE_KEY, describe_status
 from hvdlite.launcher import rankwrap
 
 __all__ = ["KILL_GRACE_S", "POLL_S", "await_ranks", "describe_status", "end_group",
@@ -51,12 +51,17 @@ def end_group(proc: subprocess.Popen[bytes], grace_s: float = KILL_GRACE_S) -> N
     proc.wait()
 
 
-def read_reports(directory: str) -> list[dict[str, Any]]:
-    """The rank wrappers' failure reports (``rank-<N>.json``) in ``directory``."""
+def read_reports(directory: str, causes: bool = False) -> list[dict[str, Any]]:
+    """The rank wrappers' failure reports (``rank-<N>.json``) in ``directory``. ``causes``:
+    only those that may name a cause, leaving out the ranks a wrapper ended because the
+    launcher stopped answering (a cut-off host, whose report reached a shared directory: the
+    monitor names that host, a moment later)."""
     reports = []
     for path in Path(directory).glob("rank-*.json"):
         with contextlib.suppress(OSError, ValueError):
             reports.append(json.loads(path.read_text(encoding="utf-8")))
+    if causes:
+        return [r for r in reports if not r.get(UNREACHABLE_KEY)]
     return reports
 
 
@@ -64,7 +69,8 @@ def first_failure(reports: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
     """The failure that started it: ranks that were signalled by the teardown come last."""
     if not reports:
         return None
-    return min(reports, key=lambda r: (bool(r.get("signalled")), r["time"], r["rank"] or 0))
+    return min(reports, key=lambda r: (bool(r.get(UNREACHABLE_KEY)), bool(r.get("signalled")),
+                                       r["time"], r["rank"] or 0))
 
 
 def await_ranks(report_dir: str, busy: Callable[[], bool] | None = None) -> None:

@@ -13,7 +13,8 @@ error, with no wait for slots that cannot come back; ``--reset-limit`` bounds th
 ``elastic_timeout_s`` the wait for ``--min-np`` slots. Each rank gets Horovod's per-worker
 variables of its worker (``HOROVOD_RANK``: the rank its worker had when it was started). The
 ranks are told of changed hosts on the control channel (``state._host_messages``), and MPICH's
-"BAD TERMINATION" banner is left out of a world that ends for a reset.
+"BAD TERMINATION" banner and its process manager's teardown lines (``assert (!closed)
+failed``, ...) are left out of a world the driver ends or explains (:mod:`.worldout`).
 """
 
 from __future__ import annotations
@@ -28,13 +29,12 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import IO, Any
+from typing import Any
 
 from hvdlite._rankside import protocol
 from hvdlite.config import Config
@@ -51,6 +51,7 @@ from hvdlite.launcher.common import (
 from hvdlite.launcher.discovery import Hosts, Workers, describe, parse_hosts, size
 from hvdlite.launcher.job import JobSpec, build_command
 from hvdlite.launcher.verdict import Verdict
+from hvdlite.launcher.worldout import BannerFilter, NoiseFilter
 
 __all__ = ["ElasticArgs", "add_flags", "elastic_args", "is_elastic", "run_elastic"]
 
@@ -140,75 +141,6 @@ def elastic_args(parser: argparse.ArgumentParser, ns: argparse.Namespace,
                        config.discovery_interval_s, cooldown)
 
 
-class BannerFilter:
-    """Copies the MPI launcher's stdout to ours, less MPICH's "BAD TERMINATION" banner: in an
-    elastic job a rank that ends its world is followed by the next world, not a failed job
-    (the driver says what happened in one line of its own)."""
-
-    RULE = b"=" * 20
-
-    def __init__(self, source: IO[bytes], sink: IO[bytes]) -> None:
-        self.source, self.sink = source, sink
-        self.buf = b""
-        self.partial = False  # part of the current line went out already
-        self.blank = False  # a blank line held back: it may open a banner
-        self.banner = 0  # lines left in the banner (0: not in one)
-        self.thread = threading.Thread(target=self._run, name="hvdliterun-banner",
-                                       daemon=True)
-        self.thread.start()
-
-    def _write(self, data: bytes) -> None:
-        try:
-            self.sink.write(data)
-            self.sink.flush()
-        except (OSError, ValueError):
-            pass
-
-    def _line(self, line: bytes) -> None:
-        if self.partial:
-            self.partial = False
-            self._write(line + b"\n")
-        elif self.banner:
-            self.banner -= 1
-            if line.startswith(b"Please see the FAQ"):
-                self.banner = 0
-        elif line.startswith(self.RULE):
-            self.banner, self.blank = 12, False
-        elif not line.strip():
-            if self.blank:
-                self._write(b"\n")
-            self.blank = True
-        else:
-            if self.blank:
-                self._write(b"\n")
-            self.blank = False
-            self._write(line + b"\n")
-
-    def _run(self) -> None:
-        while True:
-            try:
-                data = os.read(self.source.fileno(), 65536)
-            except OSError:
-                data = b""
-            if not data:
-                break
-            *lines, self.buf = (self.buf + data).split(b"\n")
-            for line in lines:
-                self._line(line)
-            if self.buf and not self.banner and (self.partial or not self.buf.startswith(b"=")):
-                if self.blank and not self.partial:
-                    self._write(b"\n")
-                    self.blank = False
-                self._write(self.buf)
-                self.partial, self.buf = True, b""
-        if self.buf and not self.banner:
-            self._write(self.buf)
-
-    def join(self, timeout: float = 2.0) -> None:
-        """Wait for the MPI launcher's stdout to be copied out (it closed)."""
-        self.thread.join(timeout)
-
-
 @dataclass
 class _World:
     generation: int
@@ -219,10 +151,11 @@ class _World:
     verdict: Verdict | None = None
     lost_hosts: list[str] = field(default_factory=list)
     output: BannerFilter | None = None
+    errors: NoiseFilter | None = None
 
     def reports(self) -> list[dict[str, Any]]:
         """Failure reports: the wrappers' files and, from the monitor, their exit reports."""
-        found = {r["rank"]: r for r in read_reports(self.report_dir)}
+        found = {r["rank"]: r for r in read_reports(self.report_dir, causes=True)}
         if self.verdict is not None:
             self.verdict.poll()
             for r in self.verdict.failures:
@@ -301,16 +234,18 @@ class _Driver:
                                    forward_env=tuple(forward.items()))
         try:
             proc = subprocess.Popen(build_command(spec), env=self.env | extra,
-                                    start_new_session=True, stdout=subprocess.PIPE)
+                                    start_new_session=True, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE)
         except OSError:
             if monitor is not None:
                 monitor.close()
             raise
-        assert proc.stdout is not None
+        assert proc.stdout is not None and proc.stderr is not None
         output = BannerFilter(proc.stdout, sys.stdout.buffer)
+        errors = NoiseFilter(proc.stderr, sys.stderr.buffer)
         verdict = Verdict(monitor, socket.gethostname()) if monitor is not None else None
         return _World(generation, assignment, report_dir, proc, time.monotonic(), verdict,
-                      output=output)
+                      output=output, errors=errors)
 
     def watch(self, world: _World) -> _Ended:
         """Wait for ``world`` to end; end it early on a failure, a signal or the timeout, and
@@ -368,10 +303,7 @@ class _Driver:
         lost = verdict.loss(now) if verdict is not None else None
         if verdict is None or lost is None:
             return False
-        gone = [st for st in verdict.monitor.ranks().values() if st.lost]
-        if any(st.host != verdict.local_host for st in gone):  # as Verdict: the others' loss
-            gone = [st for st in gone if st.host != verdict.local_host]  # is the teardown
-        hosts = {world.host_of(st.rank) for st in gone}
+        hosts = {world.host_of(rank) for rank in verdict.lost_ranks}
         world.lost_hosts = sorted(h for h in hosts if h is not None)
         say(f"{lost}; ending world {world.generation}", "elastic")
         return True
@@ -387,9 +319,16 @@ class _Driver:
                 return
             time.sleep(POLL_S)
 
-    def close(self, world: _World) -> None:
+    def close(self, world: _World, ended: _Ended | None) -> None:
+        """The world's output copied out (its MPI launcher's teardown lines only where the
+        driver cannot say why it ended), its monitor closed."""
         if world.output is not None:
             world.output.join()
+        if world.errors is not None:
+            explained = ended is not None and (
+                ended.code == 0 or bool(ended.reports) or bool(world.lost_hosts)
+                or ended.interrupted is not None or ended.timed_out)
+            world.errors.finish(keep=not explained)
         if world.verdict is not None:
             world.verdict.monitor.close()
 
@@ -429,11 +368,12 @@ class _Driver:
             except OSError as exc:
                 say(f"cannot start {self.spec.mpiexec!r}: {exc}", "elastic")
                 return 127
+            ended: _Ended | None = None
             try:
                 ended = self.watch(world)
                 await_ranks(world.report_dir)
             finally:
-                self.close(world)
+                self.close(world, ended)
             if ended.interrupted is not None:
                 say(f"interrupted by {signal.Signals(ended.interrupted).name}; job ended",
                     "elastic")

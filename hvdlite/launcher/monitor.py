@@ -9,11 +9,16 @@ every ``beat_s``; both sides give up on the other after ``timeout_s`` of silence
 - a host cut off (link down, host hung): no heartbeat; the monitor reports its ranks ``lost``
   after ``timeout_s``, and on the cut-off host each agent reports the launcher lost after the
   same time (``Agent(on_lost=...)``), so the ranks there end too;
-- a rank that ends: its agent sends an ``exit`` report (code, whether it was signalled).
+- a rank that ends: its agent sends an ``exit`` report (code, whether it was signalled);
+- a rank whose agent is killed while the host lives on (the MPI launcher tearing the job down
+  after another host was lost): the rank's guard process, which holds a copy of the agent's
+  connection, sends ``orphaned``, and the monitor reports the rank ``lost`` with
+  ``Event.alive`` set: its host still answers, so it is not the host that was lost.
 
 Messages are JSON objects, one per line, each with a type ``"t"``. Reserved types: ``hello``
 (agent -> monitor, first message: token, rank, host, pid), ``beat`` (both ways), ``exit``
-(agent -> monitor), ``abort`` (monitor -> agent: ``reason``, ``code``). Any other type is a
+(agent -> monitor), ``orphaned`` (the rank's guard -> monitor, see above), ``abort``
+(monitor -> agent: ``reason``, ``code``). Any other type is a
 user message, delivered as it is: :meth:`Monitor.send` / :meth:`Monitor.broadcast` to agents
 (``on_message``), :meth:`Agent.send` to the monitor (an :class:`Event` of kind ``message``).
 That is the hook for more launcher-side control (elastic training's re-rendezvous, say). Under
@@ -45,8 +50,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ENV_ADDR", "ENV_BEAT", "ENV_TIMEOUT", "ENV_TOKEN", "Agent", "Event", "Monitor",
-           "RankState", "group_by_host"]
+__all__ = ["ENV_ADDR", "ENV_BEAT", "ENV_TIMEOUT", "ENV_TOKEN", "ORPHANED_LINE", "Agent", "Event",
+           "Monitor", "RankState", "group_by_host"]
 
 ENV_ADDR = "HVDLITE_MONITOR_ADDR"  # host:port of the monitor
 ENV_TOKEN = "HVDLITE_MONITOR_TOKEN"
@@ -57,6 +62,12 @@ DEFAULT_BEAT_S = 1.0
 DEFAULT_TIMEOUT_S = 30.0
 SEND_TIMEOUT_S = 2.0  # a send that cannot go out in this long means the peer is gone
 MAX_LINE = 1 << 20  # a longer line is a protocol error: the connection is dropped
+# The line a rank's guard sends on the agent's connection when the agent's process was killed
+# while the rank still ran (its host is alive). A newline first ends any line cut short.
+ORPHANED_LINE = b'\n{"t":"orphaned"}\n'
+CLOSED_REASON = "its connection to hvdliterun closed without an exit report"
+ORPHANED_REASON = ("its wrapper was killed while the rank ran (the MPI launcher ending the job; "
+                   "the host still answers)")
 
 
 def _line(message: Mapping[str, Any]) -> bytes:
@@ -111,7 +122,9 @@ class RankState:
 @dataclass(frozen=True)
 class Event:
     """Something the monitor saw. ``kind``: ``joined``, ``exited`` (``code``), ``lost``
-    (``reason``) or ``message`` (``payload``: the agent's message)."""
+    (``reason``; ``silent_s``: how long the rank had not answered when it was given up, 0 when
+    its connection closed; ``alive``: its host still answers, see ``orphaned``) or ``message``
+    (``payload``: the agent's message)."""
 
     kind: str
     rank: int
@@ -120,6 +133,8 @@ class Event:
     reason: str = ""
     payload: dict[str, Any] = field(default_factory=dict)
     time: float = field(default_factory=time.monotonic)
+    silent_s: float = 0.0
+    alive: bool = False
 
 
 def group_by_host(states: Mapping[int, RankState] | list[RankState]) -> dict[str, list[int]]:
@@ -273,7 +288,7 @@ class Monitor:
         except (OSError, ValueError):
             data, messages = b"", None
         if messages is None:
-            self._drop(conn, "its connection to hvdliterun closed without an exit report")
+            self._drop(conn, CLOSED_REASON)
             return
         for msg in messages:
             self._handle(conn, msg)
@@ -300,10 +315,22 @@ class Monitor:
         if kind == "exit":
             self._events.put(Event("exited", st.rank, st.host, code=st.exit_code,
                                    payload=msg))
+        elif kind == "orphaned":
+            self._mark_lost(st, ORPHANED_REASON, alive=True)
         elif kind != "beat":
             self._events.put(Event("message", st.rank, st.host, payload=msg))
 
-    def _drop(self, conn: _Conn, reason: str | None) -> None:
+    def _mark_lost(self, st: RankState, reason: str, silent_s: float = 0.0,
+                   alive: bool = False) -> None:
+        """``st``'s rank is ``lost`` (once, and only without an exit report)."""
+        with self._lock:
+            if st.exit_code is not None or st.lost is not None:
+                return
+            st.lost = reason
+        self._events.put(Event("lost", st.rank, st.host, reason=reason, silent_s=silent_s,
+                               alive=alive))
+
+    def _drop(self, conn: _Conn, reason: str | None, silent_s: float = 0.0) -> None:
         """Close ``conn``; a joined rank without an exit report is ``lost`` for ``reason``."""
         with contextlib.suppress(KeyError, ValueError, OSError):
             self._sel.unregister(conn.sock)
@@ -312,13 +339,10 @@ class Monitor:
             st = self._states.get(conn.rank) if conn.rank is not None else None
             if conn.rank is not None and self._by_rank.get(conn.rank) is conn:
                 del self._by_rank[conn.rank]
-            lost = st is not None and st.exit_code is None and st.lost is None and reason
-            if lost and st is not None:
-                st.lost = reason
         with contextlib.suppress(OSError):
             conn.sock.close()
-        if lost and st is not None and reason:
-            self._events.put(Event("lost", st.rank, st.host, reason=reason))
+        if st is not None and reason:
+            self._mark_lost(st, reason, silent_s)
 
     def _beat_and_expire(self, now: float) -> None:
         with self._lock:
@@ -331,8 +355,8 @@ class Monitor:
                 continue
             silent = now - states[conn.rank].last_seen
             if silent > self.timeout_s:
-                self._drop(conn, f"no heartbeat for {silent:.1f} s (host unreachable: network "
-                                 "cut, host down or hung)")
+                self._drop(conn, f"no heartbeat for {silent:.1f} s (network cut, host down or "
+                                 "hung)", silent)
             elif not _send(conn.sock, conn.lock, {"t": "beat"}):
                 self._drop(conn, "its connection to hvdliterun failed")
 
@@ -387,6 +411,12 @@ class Agent:
                                              "rank": self.rank, "host": self.host,
                                              "pid": os.getpid()}):
             raise OSError(f"cannot send to the hvdliterun monitor at {self.address}")
+
+    def fileno(self) -> int:
+        """The connection's file descriptor (-1 before :meth:`connect`): the rank wrapper's
+        guard holds a copy, to send ``orphaned`` (:data:`ORPHANED_LINE`) should this process
+        be killed while its rank runs."""
+        return self._sock.fileno() if self._sock is not None else -1
 
     def start(self) -> None:
         """Start the thread (heartbeats out, orders in). Call after :meth:`connect`."""

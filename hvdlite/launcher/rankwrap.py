@@ -107,11 +107,17 @@ ABORT_GRACE_S = 4.0
 TERM_GRACE_S = 2.0
 
 # The guard process. argv: the child's pid, the grace in seconds, the marker file ("" for
-# none). Its stdin is a pipe from the wrapper: EOF means the wrapper is gone (or done, and then
-# the child is gone already).
+# none), the monitor connection's descriptor (-1 for none) and the line to send on it. Its
+# stdin is a pipe from the wrapper: a byte means the wrapper is done (the child ended); EOF
+# without one means the wrapper was killed (while the child ran, or the child ended of its
+# parent-death signal as the wrapper was dying: either way the guard waits for the
+# wrapper's word once the child has ended). Then the guard tells the
+# launcher's monitor on the wrapper's connection, which its copy keeps open, that this host
+# is alive (the MPI launcher is ending the job: not this host's loss).
 _GUARD = r"""
 import os, select, signal, sys, time
 child, grace, marker = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+agent, orphaned = int(sys.argv[4]), sys.argv[5].encode()
 try:
     fd = os.pidfd_open(child)  # readable once the child has ended; immune to pid reuse
 except (AttributeError, OSError):
@@ -137,11 +143,20 @@ def kill(sig):
     except OSError:
         pass
 watch = [0] + ([fd] if fd is not None else [])
+timeout = None if fd is not None else 0.2
 while True:
-    ready = select.select(watch, [], [], None if fd is not None else 0.2)[0]
-    if fd in ready or (fd is None and ended(0)):
-        break
-    if 0 in ready and not os.read(0, 64):
+    ready = select.select(watch, [], [], timeout)[0]
+    if 0 in ready:
+        if os.read(0, 64):
+            break  # the wrapper is done: the child ended
+        # EOF without the byte: the wrapper was killed. The child may have ended first: its
+        # parent-death signal comes when the wrapper's main thread dies, before the wrapper's
+        # other threads let go of this pipe.
+        if agent >= 0:
+            try:
+                os.write(agent, orphaned)
+            except OSError:
+                pass
         if not ended(grace):
             kill(signal.SIGKILL)
             try:  # and what it started in its process group (the child leads it)
@@ -150,6 +165,8 @@ while True:
                 pass
             ended(5.0)
         break
+    if fd in ready or (timeout is not None and ended(0)):
+        watch, timeout = [0], None  # the child ended: the wrapper's byte, or EOF, says how
 if marker:
     try:
         os.remove(marker)
@@ -188,23 +205,32 @@ def _live_marker(rank: int | None) -> str | None:
     return path
 
 
-def _start_guard(child: int, marker: str | None) -> subprocess.Popen[bytes] | None:
-    """The process that SIGKILLs ``child`` if it outlives this wrapper by GUARD_GRACE_S."""
+def _start_guard(child: int, marker: str | None,
+                 agent: Agent | None = None) -> subprocess.Popen[bytes] | None:
+    """The process that SIGKILLs ``child`` if it outlives this wrapper by GUARD_GRACE_S, and
+    (with ``agent``) tells the launcher's monitor that this host lives should this wrapper be
+    killed first."""
+    fd = agent.fileno() if agent is not None else -1
+    monitor = _load_monitor() if fd >= 0 else None
+    orphaned = monitor.ORPHANED_LINE.decode() if monitor is not None else ""
+    fd = fd if monitor is not None else -1
     try:
         return subprocess.Popen(
             [sys.executable, "-I", "-S", "-c", _GUARD, str(child), repr(GUARD_GRACE_S),
-             marker or ""],
+             marker or "", str(fd), orphaned],
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            close_fds=True, start_new_session=True)
+            close_fds=True, pass_fds=(fd,) if fd >= 0 else (), start_new_session=True)
     except OSError:
         return None
 
 
 def _end_guard(guard: subprocess.Popen[bytes] | None, marker: str | None) -> None:
-    """The child has ended: release the guard (EOF on its stdin) and drop the marker."""
+    """The child has ended: release the guard (a byte, then EOF, on its stdin) and drop the
+    marker."""
     if guard is not None:
         with contextlib.suppress(OSError, ValueError):
             if guard.stdin is not None:
+                guard.stdin.write(b"x")
                 guard.stdin.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
             guard.wait(timeout=2.0)
@@ -295,6 +321,7 @@ class _Supervision:
         self.agent: Agent | None = None
         self.child: subprocess.Popen[bytes] | None = None
         self.ended_by: str | None = None  # why the wrapper ended the rank
+        self.launcher_unreachable = False  # it ended the rank because the launcher went silent
         self._mine: socket.socket | None = None
         self.theirs: socket.socket | None = None
         self._lock = threading.Lock()
@@ -362,6 +389,7 @@ class _Supervision:
                         self.agent.send(msg)
 
     def _launcher_lost(self, reason: str) -> None:
+        self.launcher_unreachable = True
         self.end_rank(f"rank {self.rank} (host {socket.gethostname()}): {reason}", 1)
 
     def end_rank(self, reason: str, code: int) -> None:
@@ -437,8 +465,9 @@ def main(argv: list[str] | None = None) -> None:
         supervision.finish(127, False)
         _end_guard(None, marker)
         sys.exit(127)
+    # The guard first: once the rank is heard from, a wrapper killed is reported as such.
+    guard = _start_guard(child.pid, marker, supervision.agent)
     supervision.started(child)
-    guard = _start_guard(child.pid, marker)
     forward_pending()
     tees = [] if outputs is None else [
         _tee(child.stdout, sys.stdout.buffer, outputs[0]),
@@ -448,7 +477,9 @@ def main(argv: list[str] | None = None) -> None:
         tee.join(timeout=2.0)
     _end_guard(guard, marker)
     signalled = bool(received) or supervision.ended_by is not None
-    reported = protocol.write_report(rank, code, signalled) if code != 0 else False
+    reported = (protocol.write_report(rank, code, signalled,
+                                      supervision.launcher_unreachable)
+                if code != 0 else False)
     reported = supervision.finish(code, signalled) or reported
     # The launcher names the rank that failed first, once; print here only if it cannot.
     if code != 0 and not reported:

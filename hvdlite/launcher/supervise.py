@@ -119,7 +119,7 @@ def supervise(proc: subprocess.Popen[bytes], report_dir: str, timeout: float | N
                 # Every rank that can still be reached has ended; the MPI launcher may wait
                 # long for the lost host's proxy (a cut link): do not wait for it.
                 end_by = min(end_by, now + FAILURE_GRACE_S / 3)
-            if end_by is None and (verdict.failures or read_reports(report_dir)):
+            if end_by is None and (verdict.failures or read_reports(report_dir, causes=True)):
                 end_by = now + FAILURE_GRACE_S
             if end_by is not None and now > end_by:
                 end_group(proc)
@@ -132,7 +132,7 @@ def supervise(proc: subprocess.Popen[bytes], report_dir: str, timeout: float | N
 def _lost(verdict: Verdict, now: float, report_dir: str) -> bool:
     """Read the monitor; when ranks were lost, tell the others to end (True, once)."""
     verdict.poll()
-    lost = verdict.loss(now, read_reports(report_dir)) if verdict.pending else None
+    lost = verdict.loss(now, read_reports(report_dir, causes=True)) if verdict.pending else None
     if lost is not None:
         verdict.monitor.abort(f"{lost}; hvdliterun ends the job", ranks=verdict.monitor.running())
     return lost is not None
@@ -172,6 +172,10 @@ def conclude(outcome: Outcome, report_dir: str, np: int, timeout: float | None,
     if outcome.interrupted is not None:
         say(f"interrupted by {signal.Signals(outcome.interrupted).name}; job ended")
         return 128 + outcome.interrupted
+    if outcome.returncode != 0 and verdict.orphaned:
+        say(f"{verdict.orphaned}: its rank wrapper was killed while the rank ran; the job of "
+            f"{ranks_text(np)} was ended")
+        return exit_code(outcome.returncode)
     if outcome.returncode != 0:
         say(f"the MPI launcher ended the job with {describe_status(outcome.returncode)} and "
             f"no rank reported a failure (see the messages above)")

@@ -4,10 +4,14 @@ A rank that ends with a failure reports it (``exited``, code != 0). A rank whose
 closes without an exit report, or that goes silent, is ``lost``; losses are gathered for
 ``gather_s`` (a host's ranks go together, a cut-off host's within one heartbeat), then named by
 host: ``host n2 (ranks 2, 3)`` when every rank of the host was lost, else ``rank 3 on host
-n2``. What follows a loss is the MPI launcher's teardown, not a cause: a failure reported after
-it, losses on hosts that began more than ``WINDOW_S`` after the first, and losses on the
-launcher's own host while a remote one was lost (the MPI launcher kills the wrappers there when
-it notices the remote host gone; the launcher's host itself cannot be lost, we run on it).
+n2``; a host whose connections closed is ``lost``, one that went silent ``stopped answering``
+(and for how long). What follows a loss is the MPI launcher's teardown, not a cause: a failure
+reported after it, losses on hosts that began more than ``WINDOW_S`` after the first, losses
+on the launcher's own host while a remote one was lost (the launcher's host itself cannot be
+lost, we run on it), and losses on any host that showed it still answers (``Event.alive``: a
+rank's guard reported its wrapper killed while the rank ran, which is what the MPI launcher
+does on every surviving host when it ends the job, whether it runs on a rank's host or on a
+head node of its own).
 """
 
 from __future__ import annotations
@@ -52,10 +56,11 @@ class Verdict:
         self.failures: list[dict[str, Any]] = []  # shaped like the rank wrapper's report files
         self._lost: list[Event] = []
         self._first_failure_at: float | None = None
-        self._first_lost_wall = 0.0
         self.concluded: str | None = None  # "" once the losses were found to be no host's
+        self.lost_ranks: list[int] = []  # the ranks named lost, once concluded
 
     def poll(self) -> None:
+        """Read the monitor's events since the last call."""
         for ev in self.monitor.events():
             if ev.kind == "exited" and ev.code:
                 self.failures.append({"rank": ev.rank, "code": ev.code, "time": time.time(),
@@ -64,14 +69,20 @@ class Verdict:
                 if self._first_failure_at is None:
                     self._first_failure_at = ev.time
             elif ev.kind == "lost":
-                if not self._lost:
-                    self._first_lost_wall = time.time() - (time.monotonic() - ev.time)
                 self._lost.append(ev)
 
     @property
     def lost_host(self) -> str | None:
         """The message naming the lost host(s) and ranks, once concluded; else None."""
         return self.concluded or None
+
+    @property
+    def orphaned(self) -> str | None:
+        """``rank 2 (host n2)`` whose wrapper was killed first while the rank ran (its host
+        alive), or None: what ended a job where nothing else did (a wrapper killed by hand or
+        by the OOM killer)."""
+        first = next((e for e in self._lost if e.alive), None)
+        return None if first is None else f"rank {first.rank} (host {first.host})"
 
     @property
     def pending(self) -> bool:
@@ -81,25 +92,47 @@ class Verdict:
     def loss(self, now: float, reports: Sequence[dict[str, Any]] = ()) -> str | None:
         """Once, when ranks were lost (and gathered): what to tell the user and the ranks.
         ``reports``: the rank wrappers' failure reports from the report directory (wall
-        times), which a loss that came after them does not override."""
+        times, those that may name a cause), which a loss that came after them does not
+        override."""
         if self.concluded is not None or not self._lost:
             return None
-        first = self._lost[0].time
+        if now - self._lost[0].time < self.gather_s:
+            return None
+        alive = {e.host for e in self._lost if e.alive}
+        down = [e for e in self._lost if not e.alive]
+        if not down:
+            # Every loss so far was a wrapper killed on a host that answers: no conclusion yet
+            # (a host may still be found silent, the MPI launcher having noticed it first).
+            return None
+        first = down[0].time
         if self._first_failure_at is not None and self._first_failure_at <= first:
             return None
-        if any(r["time"] <= self._first_lost_wall for r in reports):
+        first_wall = time.time() - (time.monotonic() - first)
+        if any(r["time"] <= first_wall for r in reports):
             return None  # a rank reported its failure first: the losses are the teardown
         if now - first < self.gather_s:
             return None
-        causes = [e for e in self._lost if e.time - first <= WINDOW_S]
-        causes = [e for e in causes if e.host != self.local_host]
+        causes = [e for e in down if e.time - first <= WINDOW_S
+                  and e.host != self.local_host and e.host not in alive]
         if not causes:
-            # Only the launcher's own host: its wrappers were killed there (by the MPI
-            # launcher after a failure, or by hand); that is no lost host.
+            # Only hosts that still answer: their wrappers were killed (by the MPI launcher
+            # after a failure, or by hand); that is no lost host.
             self.concluded = ""
             return None
         everyone = self.monitor.ranks()
-        lost = [everyone[e.rank] for e in causes if e.rank in everyone]
-        reasons = sorted({e.reason for e in causes})
-        self.concluded = f"{describe_lost(lost, everyone)} lost: {'; '.join(reasons)}"
+        parts = []
+        closed = [e for e in causes if not e.silent_s]
+        if closed:
+            reasons = "; ".join(sorted({e.reason for e in closed}))
+            parts.append(f"{self._who(closed, everyone)} lost: {reasons}")
+        silent = [e for e in causes if e.silent_s]
+        if silent:
+            longest = max(silent, key=lambda e: e.silent_s)
+            parts.append(f"{self._who(silent, everyone)} stopped answering: {longest.reason}")
+        self.lost_ranks = sorted({e.rank for e in causes})
+        self.concluded = "; ".join(parts)
         return self.concluded
+
+    @staticmethod
+    def _who(events: list[Event], everyone: dict[int, RankState]) -> str:
+        return describe_lost([everyone[e.rank] for e in events if e.rank in everyone], everyone)

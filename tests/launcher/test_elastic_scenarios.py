@@ -8,6 +8,7 @@ a host back from its cool-down, driven through ``hvdliterun`` with the NumPy job
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -26,5 +27,8 @@ def test_horovod_elastic_scenario(scenario: es.Scenario, tmp_path: Path) -> None
     assert scenario.check is not None
     scenario.check(result)
     assert "BAD TERMINATION" not in result.out, result.out  # MPICH's banner: not for a reset
+    # Nor Hydra's teardown lines (a kill-reset printed "[proxy:1@vm] ...: assert (!closed)
+    # failed" and three more before hvdlite/launcher/worldout.py).
+    assert not re.search(r"^\[(mpiexec|proxy:[^@]*)@", result.out, re.M), result.out
     if scenario.name.startswith("all_"):
         assert result.took_s < es.LOSS_BOUND_S, f"took {result.took_s:.1f} s: {result.out}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -225,3 +226,84 @@ def test_abort_ends_a_rank_blocked_outside_python(patient: Monitor) -> None:
     assert proc.returncode == 5, err
     assert ("[hvdlite rank 0] host n9 (ranks 4, 5) lost: test; this rank ends now (its "
             "timeline is written)") in err
+
+
+def test_a_killed_wrapper_is_a_teardown_not_a_lost_host(patient: Monitor) -> None:
+    # The MPI launcher kills the wrappers of the hosts that live on when it ends a job: the
+    # rank's guard, which holds a copy of the wrapper's connection, says so (alive), at once.
+    monitor = patient
+    proc = _wrapped_rank(monitor, "block")
+    try:
+        _wait_for(monitor, "message", timeout=30)  # the rank runs
+        start = time.monotonic()
+        proc.kill()
+        events = _wait_for(monitor, "lost", timeout=5)
+    finally:
+        proc.kill()
+        proc.communicate()
+    lost = [e for e in events if e.kind == "lost"][0]
+    assert time.monotonic() - start < 2.0
+    assert (lost.rank, lost.alive, lost.silent_s) == (0, True, 0.0), lost
+    assert lost.reason.startswith("its wrapper was killed while the rank ran"), lost
+    assert monitor.running() == []
+
+
+def test_verdict_names_the_host_that_went_alone(monitor: Monitor) -> None:
+    # Host "hb" closes (killed); host "ha"'s wrappers are then killed by the MPI launcher,
+    # their guards say so: only "hb" is named. Then host "hc" goes silent: it stopped answering.
+    from hvdlite.launcher.verdict import Verdict
+
+    agents = [_agent(monitor, r, h) for r, h in enumerate(["ha", "ha", "hb", "hb", "hc"])]
+    for a in agents:
+        a.start()
+    _wait_until(lambda: len(monitor.ranks()) == 5)
+    verdict = Verdict(monitor, "head", gather_s=0.3)
+    for a in agents[2:4]:
+        a.close()
+    for a in agents[:2]:
+        assert a.send({"t": "orphaned"})
+    _wait_until(lambda: (verdict.poll(), verdict.loss(time.monotonic()))[1] is not None)
+    assert verdict.lost_host == ("host hb (ranks 2, 3) lost: its connection to hvdliterun "
+                                 "closed without an exit report"), verdict.lost_host
+    assert verdict.lost_ranks == [2, 3]
+    silent = Verdict(monitor, "head", gather_s=0.3)
+    agents[4]._stop.set()  # its heartbeats stop; the connection stays open
+    _wait_until(lambda: (silent.poll(), silent.loss(time.monotonic()))[1] is not None)
+    assert re.fullmatch(r"host hc \(rank 4\) stopped answering: no heartbeat for \d\.\d s "
+                        r"\(network cut, host down or hung\)", silent.lost_host or ""), \
+        silent.lost_host
+    for a in agents:
+        a.close()
+
+
+def _wait_until(ok: object, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not ok():  # type: ignore[operator]
+        assert time.monotonic() < end, "not within the time"
+        time.sleep(0.02)
+
+
+def test_a_wrapper_killed_by_hand_is_named(tmp_path: Path) -> None:
+    # Rank 1's wrapper SIGKILLed (by hand, by the OOM killer): no failure report, no lost
+    # host (its guard says the host answers); hvdliterun names the rank.
+    script = tmp_path / "forever.py"
+    script.write_text(
+        "import os, sys, time, numpy as np, hvdlite as hvd\n"
+        "hvd.init()\n"
+        "open(f'{sys.argv[1]}/wrapper-{hvd.rank()}', 'w').write(str(os.getppid()))\n"
+        "while True:\n"
+        "    hvd.allreduce(np.ones(4), name='s'); time.sleep(0.01)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "PMI_"))}
+    proc = subprocess.Popen([sys.executable, "-m", "hvdlite.run", "-np", "2", "--",
+                             sys.executable, str(script), str(tmp_path)], cwd=REPO, env=env,
+                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_until(lambda: (tmp_path / "wrapper-1").exists() or proc.poll() is not None, 60)
+        os.kill(int((tmp_path / "wrapper-1").read_text()), 9)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode not in (0, None), err
+    assert ("hvdliterun: rank 1 (host " + socket.gethostname() + "): its rank wrapper was "
+            "killed while the rank ran; the job of 2 ranks was ended") in err, err

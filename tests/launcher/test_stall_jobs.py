@@ -266,3 +266,52 @@ def test_an_alarm_inside_a_callers_cycle_leaves_the_engine_working(tmp_path: Pat
     assert rc == 0, out
     assert "rank 1: wait abandoned" in out, out
     assert "rank 0 after: [2.0, 2.0]" in out and "rank 1 after: [2.0, 2.0]" in out, out
+
+
+# The same race on the immediate path (_control/immediate.py): a blocking allreduce that
+# repeats its lane with nothing else pending runs its cycle on the calling thread without a
+# wait (run_now -> Scheduler.cycle_alone). Rank 1's SIGALRM is raised at the very start of
+# that cycle's round, so without the held signals its handler raises inside the cycle and
+# stops the engine on every rank. Held, the cycle completes (the collective is done on both
+# ranks) and the alarm reaches rank 1's caller after it; the engine goes on.
+_ALARM_IN_IMMEDIATE = """
+import signal, sys, numpy as np, hvdlite as hvd
+from hvdlite import _engine
+hvd.init()
+class Alarm(Exception):
+    pass
+def ring(*_):
+    raise Alarm()
+signal.signal(signal.SIGALRM, ring)
+x = np.ones(2)
+for _ in range(3):  # the lane is cached: the next call takes the immediate path
+    hvd.allreduce(x, name="repeat", op=hvd.Sum)
+neg = _engine._default.global_channel.negotiator
+plain = neg.round_alone
+callers = []
+def round_alone(*args):
+    if not callers:
+        callers.append(sys._getframe(2).f_code.co_name)  # cycle_alone's caller
+        signal.raise_signal(signal.SIGALRM)  # its handler runs at the next bytecode: here
+    return plain(*args)
+if hvd.rank() == 1:
+    neg.round_alone = round_alone
+try:
+    got = hvd.allreduce(x, name="repeat", op=hvd.Sum)
+    print(f"rank {hvd.rank()} repeat: {got.tolist()}", flush=True)
+except Alarm:
+    print(f"rank 1: alarm after the cycle of {callers}", flush=True)
+neg.round_alone = plain
+got = hvd.allreduce(np.ones(2), name="after", op=hvd.Sum)
+print(f"rank {hvd.rank()} after: {got.tolist()}", flush=True)
+hvd.barrier()
+"""
+
+
+def test_an_alarm_inside_an_immediate_cycle_leaves_the_engine_working(tmp_path: Path) -> None:
+    script = _script(tmp_path, "alarm_in_immediate.py", _ALARM_IN_IMMEDIATE)
+    rc, out, _ = _mpiexec_job(script)
+    assert rc == 0, out
+    assert "rank 1: alarm after the cycle of ['_cycle']" in out, out  # immediate.py's _cycle
+    assert "rank 0 repeat: [2.0, 2.0]" in out, out  # the collective was done
+    assert "rank 0 after: [2.0, 2.0]" in out and "rank 1 after: [2.0, 2.0]" in out, out

@@ -11,12 +11,11 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import elastic_numpy
 import pytest
-from cluster import Cluster, running_cluster
+from cluster import Cluster
 from elastic_util import RECOVERY_LIMIT_S, TRAIN, check_job, events
 from jobs_util import REPO
 from mh_util import rank_env
@@ -25,12 +24,6 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
 
 JOB_TIMEOUT_S = 180
 ELASTIC_TIMEOUT_S = 60
-
-
-@pytest.fixture(scope="module")
-def three_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    with running_cluster(tmp_path_factory.mktemp("elastic-hosts"), n=3) as hosts:
-        yield hosts
 
 
 def _wait(what: str, ok: object, proc: subprocess.Popen[bytes], out: Path, err: Path,

@@ -6,6 +6,7 @@ a host killed and a host cut off mid-job."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -234,18 +235,41 @@ def test_host_killed_mid_job(cluster: Cluster) -> None:
         rc, err, seconds = _ended_within(proc, KILLED_BOUND_S)
     finally:
         cluster.revive(2)
-    n2 = cluster.host(2).name
-    print(f"host killed: hvdliterun ended {seconds:.1f} s later; {err.strip().splitlines()[-1]}")
+    n1, n2 = (h.name for h in cluster.hosts)
+    verdict = _verdict(err)
+    print(f"host killed: hvdliterun ended {seconds:.1f} s later; {verdict}")
     assert rc == 1, err[-3000:]
-    assert f"host {n2} (ranks 2, 3) lost" in err, err[-3000:]
+    assert verdict.startswith(f"hvdliterun: host {n2} (ranks 2, 3) lost: its connection to "
+                              "hvdliterun closed without an exit report; the job of 4 ranks "
+                              "was ended"), err[-3000:]
+    assert n1 not in verdict, verdict  # only the host that was killed
     assert seconds < KILLED_BOUND_S, (seconds, err[-3000:])
     _survivors_traces(out, [0, 1])
 
 
+def _verdict(err: str) -> str:
+    """hvdliterun's last line: how the job ended."""
+    return [line for line in err.splitlines() if line.startswith("hvdliterun:")][-1]
+
+
+def stopped_answering(verdict: str, host: str, ranks: str) -> float:
+    """The seconds of silence a 'stopped answering' verdict names (fails if it names none)."""
+    said = re.match(rf"hvdliterun: host {host} \(ranks {ranks}\) stopped answering: no "
+                    rf"heartbeat for (\d+\.\d) s \(network cut, host down or hung\); the job "
+                    rf"of 4 ranks was ended", verdict)
+    assert said, verdict
+    return float(said.group(1))
+
+
 def test_host_cut_off_mid_job(cluster: Cluster) -> None:
     # The issue's case: with the stall shutdown set, the negotiation blocks inside MPI and the
-    # stall inspector never runs; the launcher's monitor and the ranks' watchdogs end it.
-    proc, out, _ = _start_forever(cluster, "cut",
+    # stall inspector never runs; the launcher's monitor and the ranks' watchdogs end it. The
+    # report directory is on the shared file system (as a cluster's NFS home would hold it):
+    # the cut-off host's wrappers, which give up on the launcher up to a heartbeat before the
+    # launcher gives up on them, leave reports the launcher reads; they name no cause.
+    reports = cluster.shared / "cut-reports"
+    reports.mkdir()
+    proc, out, _ = _start_forever(cluster, "cut", HVDLITE_RUN_REPORT_DIR=str(reports),
                                   HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=str(STALL_SHUTDOWN_S))
     try:
         cluster.cut(2)
@@ -262,10 +286,13 @@ def test_host_cut_off_mid_job(cluster: Cluster) -> None:
     finally:
         cluster.reconnect(2)
         cluster.revive(2)
-    n2 = cluster.host(2).name
-    print(f"host cut off: hvdliterun ended {seconds:.1f} s later; "
-          f"{err.strip().splitlines()[-1]}")
+    verdict = _verdict(err)
+    print(f"host cut off: hvdliterun ended {seconds:.1f} s later; {verdict}")
     assert rc == 1, err[-3000:]
-    assert f"host {n2} (ranks 2, 3) lost: no heartbeat" in err, err[-3000:]
+    silent = stopped_answering(verdict, cluster.host(2).name, "2, 3")
+    # The monitor's timeout (stall shutdown + 3 s), to within its check once a heartbeat.
+    assert STALL_SHUTDOWN_S + 3 <= silent < STALL_SHUTDOWN_S + 5, verdict
+    assert cluster.host(1).name not in verdict, verdict
     assert seconds < CUT_BOUND_S, (seconds, err[-3000:])
+    assert "failed first" not in err, err[-3000:]  # the cut-off ranks' reports name no cause
     _survivors_traces(out, [0, 1])
