@@ -97,6 +97,15 @@ class Bucket:
             self.staged.append(self.staging[offset:offset + n].view(p.shape))
             offset += n
 
+    def hand_back(self, grads: list[torch.Tensor]) -> None:
+        """Copy the reduced staging buffer back into ``grads`` (the gradients it was staged
+        from, one batched copy); a ``.grad`` replaced while the bucket was on the wire is
+        pointed back at its reduced gradient, as Horovod writes the reduced value back."""
+        torch._foreach_copy_(grads, self.staged)
+        if not all(map(operator.is_, map(_GRAD, self.params), grads)):
+            for p, grad in zip(self.params, grads, strict=True):
+                p.grad = grad
+
     def repoint(self) -> None:
         """Point every member's ``.grad`` at its view (holding the reduced gradient): a
         ``.grad`` replaced while the bucket was on the wire is overwritten, as Horovod writes

@@ -15,7 +15,6 @@ bucket in ``step()``.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,7 +28,6 @@ from hvdlite.torch._buckets import Bucket
 
 __all__ = ["Lane", "check", "open_lane", "specs"]
 
-_GRAD = operator.attrgetter("grad")
 _WIRE_NAMES = {torch.bfloat16: "bfloat16"}
 
 
@@ -169,12 +167,7 @@ class Lane:
                     bucket.buffer.copy_(bucket.wire)
                 bucket.repoint()
             else:
-                grads = self.grads[i]
-                torch._foreach_copy_(grads, bucket.staged)
-                params = bucket.params
-                if not all(map(operator.is_, map(_GRAD, params), grads)):
-                    for p, grad in zip(params, grads, strict=True):
-                        p.grad = grad  # replaced while on the wire: the reduced value wins
+                bucket.hand_back(self.grads[i])
                 self.grads[i] = []
         self.pending = [False] * len(self.pending)
         self.next = 0

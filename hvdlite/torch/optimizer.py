@@ -12,7 +12,6 @@ stream.
 from __future__ import annotations
 
 import contextlib
-import operator
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -38,7 +37,6 @@ _TOO_MANY = ("gradients were computed more than backward_passes_per_step times b
              "bucket's allreduce had started, so this step's gradients are not to be "
              "trusted. Call optimizer.step() (or optimizer.synchronize()) between backward "
              "passes, or raise backward_passes_per_step to accumulate gradients locally.")
-_GRAD = operator.attrgetter("grad")
 _ZERO_GRAD = ("optimizer.zero_grad() was called after loss.backward() but before "
               "optimizer.step() or optimizer.synchronize(): the gradients' allreduces are still "
               "in flight and would race with the zeroing. Call step() or synchronize() first.")
@@ -272,14 +270,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         assert bucket.staging is not None
         staged = mpi_ops.allreduce_one(bucket.staging, bucket.name, self.op, pre, post,
                                        self.process_set, True, "DistributedOptimizer")
-        return _Flight(None, list(bucket.params), [], [], staged, grads + list(bucket.staged))
+        return _Flight(None, [], [], [], staged, grads, bucket)
 
     def _finish(self, flight: _Flight, stream: Any) -> None:
         """Hand every member of ``flight`` its reduced gradient. ``stream``: CUDA work reads
         them on it (a CuPy stream object, ordered after the collectives: no host wait), or
         None (wait on the host)."""
         bucket = flight.bucket
-        if bucket is not None:
+        if bucket is not None and flight.staged is None:
             if stream is None or bucket.device < 0:
                 flight.handle.wait()
             else:
@@ -294,13 +292,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 flight.staged.wait()
             else:
                 flight.staged.wait_stream(stream)
-            half = len(flight.targets) // 2
-            grads = flight.targets[:half]
-            torch._foreach_copy_(grads, flight.targets[half:])
-            params = flight.dense
-            if not all(map(operator.is_, map(_GRAD, params), grads)):
-                for p, grad in zip(params, grads, strict=True):  # replaced while on the wire:
-                    p.grad = grad  # the reduced value wins, as Horovod writes it back
+            assert bucket is not None
+            bucket.hand_back(flight.targets)
         if flight.handle is not None:
             outs = flight.handle.wait() if stream is None else flight.handle.wait_stream(stream)
             if len(flight.dense) == 1 and not isinstance(outs, list):

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch_util import n_rank_path
+from torch_util import cuda_device, n_rank_path
 
 import hvdlite
 
@@ -19,10 +19,7 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def _device(hvd: Any) -> torch.device:
-    dev = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
-    torch.cuda.set_device(dev)
-    return dev
+_device = cuda_device
 
 
 def _model(dev: torch.device) -> torch.nn.Module:

@@ -11,16 +11,13 @@ from typing import Any
 
 import pytest
 import torch
-from torch_util import n_rank_path
+from torch_util import cuda_device, n_rank_path
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def _device(hvd: Any) -> torch.device:
-    dev = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
-    torch.cuda.set_device(dev)
-    return dev
+_device = cuda_device
 
 
 def _rank_sum(hvd: Any, f: Any) -> float:

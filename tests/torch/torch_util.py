@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -63,6 +64,13 @@ def reduce_ref(inputs: list[torch.Tensor], op: str, pre: float = 1.0,
     if bf16:
         return (acc * post).to(dtype)
     return scale_ref(acc.to(dtype), post)
+
+
+def cuda_device(hvd: Any) -> torch.device:
+    """This rank's GPU (local rank modulo the devices), made current."""
+    dev = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
+    torch.cuda.set_device(dev)
+    return dev
 
 
 @contextlib.contextmanager
