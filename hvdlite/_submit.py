@@ -138,7 +138,7 @@ def _submit(
         steady = engine.tracer.stats.steady
         made = lane.allocated
         view = lane.view  # a viewed framework's edge (torch): its cached arrays
-        arrays = tensors if view is None else list(map(view, tensors))
+        arrays = tensors if view is None else view(tensors)
         call = lane.bind(arrays, tensors, out, inplace, params, engine.reclaim)
         steady["lane_misses" if call is None else "lane_hits"] += 1
         steady["results_allocated"] += lane.allocated - made

@@ -33,11 +33,12 @@ class TensorRef:
     array of the same kind back into the caller's framework type.
 
     A framework whose tensors are viewed (torch) also gives the edge of the call route:
-    ``view`` maps a caller's tensor to its cached array (the same object while the tensor
-    holds the same memory, so a lane matches it; anything else comes back as it is), and
-    ``counts`` measures who refers to result tensors handed out (``_vocab/plans.py``'s
-    recycling), views of their storage included; ``ring`` keeps a single tensor's recycled
-    results with the tensor (:class:`Ring`).
+    ``view`` maps a call's tensors to their cached arrays (each the same object while its
+    tensor holds the same memory, so a lane matches it; anything else comes back as it is),
+    and ``counts`` makes, once per result set, the function that measures who refers to the
+    result tensors handed out (``_vocab/plans.py``'s recycling), views of their storage
+    included; ``ring`` keeps a single tensor's recycled results with the tensor
+    (:class:`Ring`).
     """
 
     array: Any
@@ -45,8 +46,8 @@ class TensorRef:
     framework: str
     to_user: Callable[[Any], Any]
     device_id: int = -1  # CUDA device ordinal; -1 for host memory
-    view: Callable[[Any], Any] | None = None
-    counts: Callable[[Sequence[Any]], list[int]] | None = None
+    view: Callable[[Sequence[Any]], list[Any]] | None = None
+    counts: Callable[[Sequence[Any]], Callable[[], list[int]]] | None = None
     ring: Ring | None = None
 
     @property

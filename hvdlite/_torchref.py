@@ -24,7 +24,7 @@ import torch
 
 from hvdlite._tensorref import Ring, TensorRef, label
 
-__all__ = ["array_of", "ref_of", "view", "counts", "stream_of", "to_torch", "numpy_dtype"]
+__all__ = ["array_of", "ref_of", "views", "counter", "stream_of", "to_torch", "numpy_dtype"]
 
 # torch dtype -> NumPy type string; bfloat16 and the float8 types have no NumPy twin.
 _TYPESTR: dict[torch.dtype, str] = {
@@ -34,6 +34,7 @@ _TYPESTR: dict[torch.dtype, str] = {
 }
 _NP_DTYPE = {k: np.dtype(v) for k, v in _TYPESTR.items()}
 _CUDA_NAMES = tuple(f"cuda:{i}" for i in range(16))
+_MAX_STREAMS = 64  # torch streams remembered (a program uses a few per device)
 
 
 def numpy_dtype(dtype: torch.dtype) -> np.dtype[Any] | None:
@@ -69,12 +70,12 @@ class _Entry:
 _views: dict[int, _Entry] = {}
 
 
-def _forget(key: int, alive: Any, views: dict[int, _Entry] = _views) -> None:
-    # ``views`` bound at definition: a tensor collected during interpreter teardown calls
+def _forget(key: int, alive: Any, table: dict[int, _Entry] = _views) -> None:
+    # ``table`` bound at definition: a tensor collected during interpreter teardown calls
     # this after the module's globals were cleared.
-    entry = views.get(key)
+    entry = table.get(key)
     if entry is not None and entry.alive is alive:
-        del views[key]
+        del table[key]
 
 
 def _lookup(t: torch.Tensor) -> _Entry | None:
@@ -86,28 +87,56 @@ def _lookup(t: torch.Tensor) -> _Entry | None:
     return None
 
 
-def view(t: Any) -> Any:
-    """The edge of the call route: ``t``'s cached array if ``t`` still holds the memory it
-    covers (the same object every call, so the core's lane matches it), else ``t`` itself
-    (the lane then misses and the call is built anew)."""
-    entry = _views.get(id(t))
-    if (entry is not None and entry.ptr == t.data_ptr() and entry.shape == t.shape
-            and entry.dtype is t.dtype and t.is_contiguous()):
-        return entry.array
-    return t
+def views(tensors: Sequence[Any]) -> list[Any]:
+    """The edge of the call route: each tensor's cached array if the tensor still holds the
+    memory it covers (the same object every call, so the core's lane matches it), else the
+    tensor itself (the lane then misses and the call is built anew). One call for a whole
+    grouped call: the check is inlined, no frame per member."""
+    get = _views.get
+    if len(tensors) == 1:  # a single tensor: no loop
+        t = tensors[0]
+        entry = get(id(t))
+        if (entry is not None and entry.ptr == t.data_ptr() and entry.shape == t.shape
+                and entry.dtype is t.dtype and t.is_contiguous()):
+            return [entry.array]
+        return [t]
+    out = []
+    for t in tensors:
+        entry = get(id(t))  # an entry lives exactly as long as its tensor (_forget)
+        if (entry is not None and entry.ptr == t.data_ptr() and entry.shape == t.shape
+                and entry.dtype is t.dtype and t.is_contiguous()):
+            out.append(entry.array)
+        else:
+            out.append(t)
+    return out
 
 
 _storage_users: Callable[[int], int] = torch._C._storage_Use_Count
 
 
-def counts(tensors: Sequence[torch.Tensor]) -> list[int]:
-    """Who refers to result tensors handed out: each one's reference count and its storage's
-    use count (a view the caller made of a result holds the storage, not the tensor)."""
-    out = []
-    for t in tensors:
-        out.append(sys.getrefcount(t))
-        out.append(_storage_users(t.untyped_storage()._cdata))
-    return out
+def counter(tensors: Sequence[torch.Tensor]) -> Callable[[], list[int]]:
+    """Who refers to result tensors handed out, measured by a function made once per result
+    set: each tensor's reference count and its storage's use count (a view the caller made
+    of a result holds the storage, not the tensor). The storages are looked up here, once,
+    and held by the counter: their use counts are read by address every call, and a result
+    whose storage the caller replaced (``set_``) stays busy for good instead of being
+    counted through memory it no longer covers."""
+    held = tuple(t.untyped_storage() for t in tensors)
+    cdatas = tuple(s._cdata for s in held)
+    ts = tuple(tensors)
+    refs, users = sys.getrefcount, _storage_users
+    if len(ts) == 1:  # a single tensor's result: no loop
+        t, cdata = ts[0], cdatas[0]
+
+        def one(_held: tuple[Any, ...] = held) -> list[int]:
+            return [refs(t), users(cdata)]
+
+        return one
+
+    def count(_held: tuple[Any, ...] = held) -> list[int]:
+        return [*map(refs, ts), *map(users, cdatas)]
+
+    return count
 
 
 def array_of(t: torch.Tensor, what: Any, name: str | None = None) -> Any:
@@ -155,10 +184,11 @@ def _insert(t: torch.Tensor, what: str) -> _Entry:
         index = t.get_device()
         array = _cupy_view(t, storage, shape)
         device = _CUDA_NAMES[index] if index < len(_CUDA_NAMES) else f"cuda:{index}"
-        ref = TensorRef(array, device, "torch", torch.from_dlpack, index, view, counts, Ring())
+        ref = TensorRef(array, device, "torch", torch.from_dlpack, index, views, counter,
+                        Ring())
     elif t.device.type == "cpu":
         array = np.asarray(_Iface(storage, t.data_ptr(), shape, typestr))
-        ref = TensorRef(array, "cpu", "torch", torch.from_numpy, -1, view, counts, Ring())
+        ref = TensorRef(array, "cpu", "torch", torch.from_numpy, -1, views, counter, Ring())
     else:
         raise TypeError(f"{what}: torch tensors on device {t.device} are not supported "
                         "(cpu, cuda)")
@@ -178,12 +208,34 @@ def _cupy_view(t: torch.Tensor, storage: Any, shape: tuple[int, ...]) -> Any:
                         memptr=cupy.cuda.MemoryPointer(mem, 0))
 
 
+_raw_stream: Callable[[int], int] | None = None  # torch's current stream, as a handle
+_streams: dict[tuple[int, int], Any] = {}  # (device, handle) -> its CuPy stream object
+
+
 def stream_of(device_id: int) -> Any:
     """torch's current stream on ``device_id`` as a CuPy stream object, made once per stream
-    (``hvdlite/_gpu/runtime.py``'s ``current_stream``)."""
+    (``hvdlite/_gpu/runtime.py``'s ``current_stream``); per call one raw handle read and one
+    dict lookup (``torch.cuda.current_stream()`` builds a torch object every call)."""
+    raw = _raw_stream
+    if raw is not None:
+        stream = _streams.get((device_id, raw(device_id)))
+        if stream is not None:
+            return stream
+    return _new_stream(device_id)
+
+
+def _new_stream(device_id: int) -> Any:
+    global _raw_stream
     from hvdlite._gpu.runtime import current_stream
 
-    return current_stream("torch", device_id)
+    stream = current_stream("torch", device_id)
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:  # else every call asks runtime.current_stream
+        _raw_stream = raw
+        if len(_streams) >= _MAX_STREAMS:  # streams made per step: keep the table bounded
+            _streams.clear()
+        _streams[(device_id, raw(device_id))] = stream
+    return stream
 
 
 def to_torch(array: Any) -> torch.Tensor:

@@ -65,8 +65,9 @@ class Results:
     a result refers to the result or to ``flat``, and so keeps it busy).
 
     A framework whose tensors are viewed (torch) gets ``user``: its own tensors over the
-    views, made once with the set, handed out instead of the arrays and counted by the
-    framework's ``counts`` (a view of a torch tensor holds its storage, not the tensor).
+    views, made once with the set, handed out instead of the arrays and counted by
+    ``counter``, made once with them by the framework (a view of a torch tensor holds its
+    storage, not the tensor).
     """
 
     __slots__ = ("flat", "views", "free", "user", "counter")
@@ -76,13 +77,13 @@ class Results:
         self.views = views
         self.free: list[int] = []
         self.user: list[Any] | None = None
-        self.counter: Callable[[Sequence[Any]], list[int]] | None = None
+        self.counter: Callable[[], list[int]] | None = None
 
     def _counts(self) -> list[int]:
         if self.counter is not None:
             # The framework's tensors alone: whoever holds the arrays (an entry in flight, the
             # handle once done) holds them too.
-            return self.counter(self.user)  # type: ignore[arg-type]
+            return self.counter()
         flat = self.flat
         return refcounts(self.views if flat is None else [flat, *self.views])
 
@@ -160,10 +161,11 @@ class Lane:
         self.allocated = 0  # result sets made (the engine's stats add them up)
         self.results: list[Results] = []
         self.alloc = alloc  # makes a new Results (None: the collective allocates no output)
-        # A viewed framework's edge (torch: the caller's tensor -> its cached array) and its
-        # result counter (see Results); None for arrays hvdlite uses as they are.
-        self.view: Callable[[Any], Any] | None = None
-        self.counts: Callable[[Sequence[Any]], list[int]] | None = None
+        # A viewed framework's edge (torch: the caller's tensors -> their cached arrays, one
+        # call for all members) and the maker of its result counters (see Results); None for
+        # arrays hvdlite uses as they are.
+        self.view: Callable[[Sequence[Any]], list[Any]] | None = None
+        self.counts: Callable[[Sequence[Any]], Callable[[], list[int]]] | None = None
         # A viewed framework's last matched array: its edge hands the same (immutable) view
         # while the tensor holds the same memory, so that one needs no layout check.
         self.last: Any = None
@@ -182,6 +184,12 @@ class Lane:
         addresses), still of the same shapes (and dtype: NumPy lets a caller reassign it;
         a CuPy array's is fixed), with the same parameters."""
         inputs = self.inputs
+        if self.view is not None:
+            # A viewed framework's cached arrays (torch): its edge hands out the same array only
+            # while its tensor keeps the memory, shape and dtype the array was made for, and
+            # nothing else reshapes it; the same objects are the same layout.
+            return (len(tensors) == len(inputs) and params == self.params
+                    and all(map(operator.is_, tensors, inputs)))
         return (len(tensors) == len(inputs) and params == self.params
                 and all(map(operator.is_, tensors, inputs))
                 and tuple(map(_SHAPE, tensors)) == self.shapes
@@ -253,7 +261,7 @@ class Lane:
         self.allocated += 1
         if self.counts is not None and self.to_user is not None:
             res.user = [self.to_user(v) for v in res.views]
-            res.counter = self.counts  # counted from here on (see Results._counts)
+            res.counter = self.counts(res.user)  # counted from here on (Results._counts)
         if keep and len(results) < _RESULT_SETS:
             res.free = res._counts()  # only ``res`` refers to them now
             results.append(res)

@@ -15,6 +15,7 @@ set, averages divide by its size and rows are taken at this rank's place in the 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,11 +34,22 @@ __all__ = [
 ]
 
 _DIFF = torch.autograd.Function
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
-def _zeros_for_none(grads: Sequence[Any], like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    return [torch.zeros_like(t) if g is None else g.contiguous()
-            for g, t in zip(grads, like, strict=True)]
+def _zeros_for_none(grads: Sequence[Any], like: Sequence[tuple[Any, ...]]) -> list[torch.Tensor]:
+    """The gradients, zeros where autograd passed None (``like``: each input's shape, dtype
+    and device)."""
+    return [torch.zeros(shape, dtype=dtype, device=device) if g is None else g.contiguous()
+            for g, (shape, dtype, device) in zip(grads, like, strict=True)]
+
+
+def _own(out: torch.Tensor) -> torch.Tensor:
+    """A forward's result as autograd may keep it: a new tensor over the same memory. The
+    route hands out recycled result tensors (``_vocab/plans.py``); autograd writes its graph
+    into the tensor object it gets, which a later call, differentiable or not, would hand out
+    again with that stale graph attached."""
+    return out.detach()
 
 
 class _Allreduce(_DIFF):
@@ -45,8 +57,8 @@ class _Allreduce(_DIFF):
     def forward(ctx: Any, tensor: torch.Tensor, name: str | None, op: Any, pre: float,
                 post: float, process_set: Any) -> torch.Tensor:
         ctx.args = (op, pre, post, process_set)
-        return mpi_ops._allreduce([tensor], name, op, pre, post, False, False, "allreduce",
-                                     process_set, True)
+        return _own(mpi_ops._allreduce([tensor], name, op, pre, post, False, False, "allreduce",
+                                       process_set, True))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
@@ -90,10 +102,10 @@ class _GroupedAllreduce(_DIFF):
     def forward(ctx: Any, name: str | None, op: Any, pre: float, post: float,
                 process_set: Any, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.args = (op, pre, post, process_set)
-        ctx.like = [torch.empty_like(t) for t in tensors]
-        outs = mpi_ops._allreduce(list(tensors), name, op, pre, post, False, True,
-                                     "grouped_allreduce", process_set, True)
-        return tuple(outs)
+        ctx.like = [(t.shape, t.dtype, t.device) for t in tensors]
+        outs = mpi_ops._allreduce(tensors, name, op, pre, post, False, True,
+                                  "grouped_allreduce", process_set, True)
+        return tuple(map(_own, outs))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
@@ -111,7 +123,17 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
     """Reduce a list of tensors as one unit; returns the list of results (differentiable).
     Member ``i`` is named ``f"{name}.{i}"``."""
     op = resolve_op(op, average, "grouped_allreduce")
-    tensors = mpi_ops._check_tensors(tensors, "grouped_allreduce")
+    members = mpi_ops._members(tensors, "grouped_allreduce")
+    if compression is Compression.none:
+        try:
+            diff = torch.is_grad_enabled() and any(map(_REQUIRES_GRAD, members))
+        except AttributeError:  # a member that is no tensor: the checks below name it
+            diff = True
+        if not diff:
+            # Nothing to differentiate: no autograd Function, no torch call per member.
+            return mpi_ops._allreduce(members, name, op, prescale_factor, postscale_factor,
+                                      False, True, "grouped_allreduce", process_set, True)
+    tensors = mpi_ops._check_tensors(members, "grouped_allreduce")
     pairs = [compression.compress(t) for t in tensors]
     outs = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, process_set,
                                    *[p[0] for p in pairs])
@@ -187,7 +209,7 @@ class _Broadcast(_DIFF):
                 process_set: Any) -> torch.Tensor:
         ctx.root_rank = root_rank
         ctx.process_set = process_set
-        return mpi_ops._broadcast(tensor, root_rank, name, False, process_set).wait()
+        return _own(mpi_ops._broadcast(tensor, root_rank, name, False, process_set).wait())
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:

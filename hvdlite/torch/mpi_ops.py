@@ -6,7 +6,7 @@ the differentiable synchronous forms live in :mod:`hvdlite.torch.functional_ops`
 Where hvdlite's core and Horovod differ, Horovod's behaviour is built here:
 
 - ``Average`` is a ``Sum`` with ``postscale_factor / size()``: joined ranks count in the
-  divisor and integer averages truncate toward zero (hvdlite's core floors).
+  divisor and integer averages truncate toward zero.
 - float16 and bfloat16 are scaled in float32; bfloat16 (which NumPy cannot hold) is reduced in
   float32 and rounded once, and moved as raw 16-bit words by allgather/broadcast/alltoall.
 - ``reducescatter`` takes ``prescale_factor``/``postscale_factor``; ``alltoall`` returns the
@@ -63,10 +63,17 @@ def _core(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def _check_tensors(tensors: Any, what: str) -> list[torch.Tensor]:
+    return [check_tensor(t, what) for t in _members(tensors, what)]
+
+
+def _members(tensors: Any, what: str) -> Sequence[Any]:
+    """A grouped call's list of tensors, checked as a list only: its members are checked once,
+    by the allreduce route (:func:`_allreduce`: one type check per member; a sparse member is
+    refused with its fix where the core views it)."""
     if not isinstance(tensors, (list, tuple)) or not tensors:
         raise TypeError(f"{what}: expected a non-empty list of torch.Tensor, got "
                         f"{type(tensors).__name__}")
-    return [check_tensor(t, what) for t in tensors]
+    return tensors
 
 
 def allreduce_one(t: Any, name: str | None, op: ReduceOp, pre: Any, post: Any,
@@ -101,7 +108,7 @@ _GLOBAL = global_process_set
 _ALLREDUCE = Kind.ALLREDUCE
 
 
-def _allreduce(tensors: list[Any], name: str | None, op: ReduceOp, pre: Any, post: Any,
+def _allreduce(tensors: Sequence[Any], name: str | None, op: ReduceOp, pre: Any, post: Any,
                inplace: bool, group: bool, what: str, process_set: Any,
                blocking: bool = False) -> Any:
     """Allreduce of ``tensors`` (one, or a grouped call's list): the handle, or with
@@ -110,13 +117,14 @@ def _allreduce(tensors: list[Any], name: str | None, op: ReduceOp, pre: Any, pos
     for t in tensors:
         if type(t) is not _TENSOR and type(t) is not _PARAMETER:
             check_tensor(t, what)
-        if t.dtype is _F16 or t.dtype is _BF16:
-            return _low(tensors, name, op, pre, post, inplace, group, what, process_set,
+        dtype = t.dtype
+        if dtype is _F16 or dtype is _BF16:
+            return _low(list(tensors), name, op, pre, post, inplace, group, what, process_set,
                         blocking)
     return _route(tensors, name, op, pre, post, inplace, group, what, process_set, blocking)
 
 
-def _route(tensors: list[Any], name: str | None, op: ReduceOp, pre: Any, post: Any,
+def _route(tensors: Sequence[Any], name: str | None, op: ReduceOp, pre: Any, post: Any,
            inplace: bool, group: bool, what: str, process_set: Any, blocking: bool) -> Any:
     """The core's one route, with Horovod's rules (``horovod=True``) and torch's current
     stream for CUDA tensors."""
@@ -257,8 +265,8 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
     result is the list of reduced tensors, in order."""
     what = "grouped_allreduce_async"
     op = resolve_op(op, average, what)
-    return _allreduce(_check_tensors(tensors, what), name, op, prescale_factor,
-                      postscale_factor, False, True, what, process_set)
+    return _allreduce(_members(tensors, what), name, op, prescale_factor, postscale_factor,
+                      False, True, what, process_set)
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
@@ -268,8 +276,8 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
     """In-place :func:`grouped_allreduce_async`."""
     what = "grouped_allreduce_async_"
     op = resolve_op(op, average, what)
-    return _allreduce(_check_tensors(tensors, what), name, op, prescale_factor,
-                      postscale_factor, True, True, what, process_set)
+    return _allreduce(_members(tensors, what), name, op, prescale_factor, postscale_factor,
+                      True, True, what, process_set)
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None,
@@ -279,8 +287,8 @@ def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = N
     """Blocking in-place grouped allreduce; returns the list of (updated) tensors."""
     what = "grouped_allreduce_"
     op = resolve_op(op, average, what)
-    return _allreduce(_check_tensors(tensors, what), name, op, prescale_factor,
-                      postscale_factor, True, True, what, process_set, True)
+    return _allreduce(_members(tensors, what), name, op, prescale_factor, postscale_factor,
+                      True, True, what, process_set, True)
 
 
 def _member_name(op: str, name: str | None, i: int, n: int) -> str | None:
