@@ -81,6 +81,14 @@ def _output(kind: Kind, ref: TensorRef, out: Any, inplace: bool, name: str) -> A
     return arr
 
 
+# Horovod's Average of device float32/float64 with factors of 1 over a power-of-two set size
+# stays the core's Average: NCCL averages inside the collective, with no scaling kernel after
+# it, and a single tensor keeps the direct and immediate paths (``_control/immediate.py``),
+# which take no factors. 1/size is a power of two, so premultiplying by it, as NCCL does for
+# floats, gives Horovod's sum times 1/size bit for bit, except where a value is subnormal or
+# the sum overflows (Horovod: inf). float16 stays a Sum (its subnormals are common).
+_DEVICE_AVERAGE = frozenset({"float32", "float64"})
+
 # Checks that depend only on (dtype, device kind, collective, op, factors), done once per key
 # per process: a call that misses its lane still validates by one dict lookup. Bounded: a
 # schedule may change a factor every step.
@@ -367,7 +375,8 @@ def _check_reduction(
     size: int = 0,
 ) -> tuple[int, float, float]:
     """The checks that depend only on the dtype: op, scale factors, device support.
-    ``size`` > 0: Horovod's rules (``Average`` is a ``Sum`` with ``postscale / size``)."""
+    ``size`` > 0: Horovod's rules (``Average`` is a ``Sum`` with ``postscale / size``; on the
+    device, see ``_DEVICE_AVERAGE``)."""
     opv = 0
     reduces = SPECS[kind].reduces
     if reduces:
@@ -379,8 +388,10 @@ def _check_reduction(
                 raise TypeError(f"{what}: op Average is not defined for bool tensors; use Sum "
                                 "(logical or), Min or Max")
             prescale = _check_factor(prescale, "prescale_factor", row, what)
-            postscale = _check_factor(postscale, "postscale_factor", row, what) / size
-            op = ReduceOp.SUM
+            postscale = _check_factor(postscale, "postscale_factor", row, what)
+            if not (is_cuda and prescale == 1.0 and postscale == 1.0 and size & (size - 1) == 0
+                    and row.name in _DEVICE_AVERAGE):
+                postscale, op = postscale / size, ReduceOp.SUM
         opv = int(check_op(row, op, what))
         prescale = _check_factor(prescale, "prescale_factor", row, what)
         postscale = _check_factor(postscale, "postscale_factor", row, what)

@@ -6,7 +6,9 @@ the differentiable synchronous forms live in :mod:`hvdlite.torch.functional_ops`
 Where hvdlite's core and Horovod differ, Horovod's behaviour is built here:
 
 - ``Average`` is a ``Sum`` with ``postscale_factor / size()``: joined ranks count in the
-  divisor and integer averages truncate toward zero.
+  divisor and integer averages truncate toward zero. (CUDA float32/float64 with factors of 1
+  over a power-of-two set: NCCL's own average, the same bits but for subnormals and an
+  overflowing sum; ``hvdlite/_submit.py``, ``_DEVICE_AVERAGE``.)
 - float16 and bfloat16 are scaled in float32; bfloat16 (which NumPy cannot hold) is reduced in
   float32 and rounded once, and moved as raw 16-bit words by allgather/broadcast/alltoall.
 - ``reducescatter`` takes ``prescale_factor``/``postscale_factor``; ``alltoall`` returns the

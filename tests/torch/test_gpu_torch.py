@@ -116,6 +116,51 @@ def test_cuda_results_are_reused_only_once_nothing_refers_to_them(hvd: Any) -> N
     assert torch.equal(r3, torch.full_like(t, _rank_sum(hvd, lambda r: r + 10)))
 
 
+def test_cuda_float_average_is_nccls_average_and_exact(hvd: Any) -> None:
+    """Horovod's Average of CUDA float32/float64 with factors of 1 at a power-of-two set size
+    reaches the core as its own Average (NCCL averages; the direct and immediate paths take
+    it), exactly; float16 and scaled calls stay a Sum with postscale 1/size, exactly too."""
+    from hvdlite._engine import default_engine
+    from hvdlite._ops import ReduceOp
+
+    n = hvd.size()
+    if n & (n - 1):
+        pytest.skip("the core's Average is used at power-of-two set sizes only")
+    dev = _device(hvd)
+    lanes = default_engine().global_channel.lanes
+    want = n / 2  # the mean of r + 0.5 over every rank r
+    average, plain = (ReduceOp.AVERAGE, 1.0), (ReduceOp.SUM, 1 / n)
+    for dtype, pre, core in ((torch.float32, 1.0, average), (torch.float64, 1.0, average),
+                             (torch.float16, 1.0, plain), (torch.float32, 2.0, plain)):
+        name = f"gpu.avg.{dtype}.{pre}"
+        t = torch.full((5,), float(hvd.rank()) + 0.5, device=dev, dtype=dtype)
+        for _ in range(3):  # the lane's repeats: the immediate path where it applies
+            got = hvd.allreduce(t, name=name, prescale_factor=pre)
+            torch.cuda.current_stream(dev).synchronize()
+            assert torch.equal(got, torch.full_like(t, want * pre)), (dtype, pre)
+        request = lanes.get(f"allreduce.{name}").request
+        assert (request.op, request.postscale) == core, (dtype, pre, request)
+
+
+def test_cuda_call_follows_torchs_current_stream(hvd: Any) -> None:
+    """The stream a call is ordered on is torch's current one, looked up by its raw handle
+    each call: a call under a side stream, then the default stream again, then another side
+    stream, each reduces its producer's values."""
+    dev = _device(hvd)
+    t = torch.zeros((1 << 20,), device=dev)
+    total = _rank_sum(hvd, lambda r: r + 1)
+    for k, stream in enumerate((torch.cuda.Stream(dev), None, torch.cuda.Stream(dev), None)):
+        ctx = torch.cuda.stream(stream) if stream is not None else torch.cuda.stream(
+            torch.cuda.default_stream(dev))
+        with ctx:
+            t.fill_(float(hvd.rank() + 1))
+            for _ in range(10):  # keep the producer busy on this stream
+                t.mul_(1.0)
+            got = hvd.allreduce(t, op=hvd.Sum, name="gpu.streams")
+            torch.cuda.current_stream(dev).synchronize()
+        assert torch.equal(got, torch.full_like(t, total)), k
+
+
 # -- every collective, autograd and training on CUDA (at 2 ranks on one GPU: through CUDA IPC)
 
 def test_every_collective_on_cuda(hvd: Any) -> None:
