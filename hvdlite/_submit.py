@@ -112,6 +112,7 @@ def _submit(
     block: bool = False,
     process_set: Any = None,
     horovod: bool = False,
+    array: Any = None,
 ) -> Any:
     """The one template: validate, resolve the process set, the tensor and its stream, look
     up the dtype, build request and output, submit; returns the handle. ``block`` (the
@@ -119,7 +120,9 @@ def _submit(
     itself, so the background thread is not woken (and a repeated allreduce with nothing else
     pending takes the immediate path, ``_control/immediate.py``). ``horovod``: Horovod's
     reduction rules (``hvdlite.torch``): ``Average`` is a ``Sum`` with ``postscale / set
-    size``, so integer averages truncate toward zero, and bool tensors refuse it."""
+    size``, so integer averages truncate toward zero, and bool tensors refuse it. ``array``:
+    a viewed framework's cached array of its single tensor, already checked at its edge
+    (``hvdlite/_torchref.py``'s ``edge``), used where the name's lane is that framework's."""
     engine = default_engine()  # a stopped engine refuses the call at submission (or its round)
     if engine.scheduler.capture_thread is not None:  # refused before anything is allocated
         engine.scheduler.check_usable()
@@ -145,8 +148,9 @@ def _submit(
     if lane is not None:
         steady = engine.tracer.stats.steady
         made = lane.allocated
-        view = lane.view  # a viewed framework's edge (torch): its cached arrays
-        arrays = tensors if view is None else view(tensors)
+        view = lane.view  # a viewed framework's edge (torch): its cached arrays, or the one
+        # its frontend already looked up (``array``)
+        arrays = tensors if view is None else (array,) if array is not None else view(tensors)
         call = lane.bind(arrays, tensors, out, inplace, params, engine.reclaim)
         steady["lane_misses" if call is None else "lane_hits"] += 1
         steady["results_allocated"] += lane.allocated - made

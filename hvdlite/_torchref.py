@@ -24,7 +24,8 @@ import torch
 
 from hvdlite._tensorref import Ring, TensorRef, label
 
-__all__ = ["array_of", "ref_of", "views", "counter", "stream_of", "to_torch", "numpy_dtype"]
+__all__ = ["Edge", "array_of", "ref_of", "edge", "views", "counter", "stream_of", "to_torch",
+           "numpy_dtype"]
 
 # torch dtype -> NumPy type string; bfloat16 and the float8 types have no NumPy twin.
 _TYPESTR: dict[torch.dtype, str] = {
@@ -54,8 +55,12 @@ class _Iface:
                                     "typestr": typestr, "version": 3}
 
 
-class _Entry:
-    __slots__ = ("alive", "ptr", "shape", "dtype", "array", "ref")
+class Edge:
+    """One tensor's cache entry: the array over its memory (``array``), the layout that array
+    was made for (``ptr``, ``shape``, ``dtype``), its CUDA device (``device_id``, -1: host) and
+    its :class:`TensorRef`."""
+
+    __slots__ = ("alive", "ptr", "shape", "dtype", "array", "ref", "device_id")
 
     def __init__(self, alive: Any, ptr: int, shape: Any, dtype: torch.dtype, array: Any,
                  ref: TensorRef) -> None:
@@ -65,12 +70,13 @@ class _Entry:
         self.dtype = dtype
         self.array = array
         self.ref = ref
+        self.device_id = ref.device_id
 
 
-_views: dict[int, _Entry] = {}
+_views: dict[int, Edge] = {}
 
 
-def _forget(key: int, alive: Any, table: dict[int, _Entry] = _views) -> None:
+def _forget(key: int, alive: Any, table: dict[int, Edge] = _views) -> None:
     # ``table`` bound at definition: a tensor collected during interpreter teardown calls
     # this after the module's globals were cleared.
     entry = table.get(key)
@@ -78,11 +84,23 @@ def _forget(key: int, alive: Any, table: dict[int, _Entry] = _views) -> None:
         del table[key]
 
 
-def _lookup(t: torch.Tensor) -> _Entry | None:
+def _lookup(t: torch.Tensor) -> Edge | None:
     """``t``'s cache entry if it still describes ``t``'s memory, else None."""
     entry = _views.get(id(t))
     if (entry is not None and entry.ptr == t.data_ptr() and entry.shape == t.shape
             and entry.dtype is t.dtype and t.is_contiguous() and entry.alive() is t):
+        return entry
+    return None
+
+
+def edge(t: Any) -> Edge | None:
+    """``t``'s cache entry if ``t`` still holds the memory its array covers, else None (not
+    seen yet, or its memory, shape, dtype or contiguity changed): the single-tensor form of
+    :func:`views`, for a frontend that also reads the dtype and the device from the entry
+    instead of from the tensor."""
+    entry = _views.get(id(t))
+    if (entry is not None and entry.ptr == t.data_ptr() and entry.shape == t.shape
+            and entry.dtype is t.dtype and t.is_contiguous()):
         return entry
     return None
 
@@ -162,7 +180,7 @@ def ref_of(t: torch.Tensor, what: Any, name: str | None = None) -> TensorRef:
     return entry.ref
 
 
-def _insert(t: torch.Tensor, what: str) -> _Entry:
+def _insert(t: torch.Tensor, what: str) -> Edge:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
     if t.layout is not torch.strided:
@@ -194,7 +212,7 @@ def _insert(t: torch.Tensor, what: str) -> _Entry:
                         "(cpu, cuda)")
     key = id(t)
     alive = weakref.ref(t, lambda r, k=key, forget=_forget: forget(k, r))  # type: ignore[misc]
-    entry = _Entry(alive, t.data_ptr(), t.shape, t.dtype, array, ref)
+    entry = Edge(alive, t.data_ptr(), t.shape, t.dtype, array, ref)
     _views[key] = entry
     return entry
 

@@ -31,6 +31,7 @@ import torch
 import hvdlite
 from hvdlite._ops import ReduceOp
 from hvdlite._submit import _submit
+from hvdlite._torchref import edge as _edge
 from hvdlite._torchref import stream_of
 from hvdlite._vocab.messages import Kind
 from hvdlite.errors import NotInitializedError
@@ -85,19 +86,19 @@ def allreduce_one(t: Any, name: str | None, op: ReduceOp, pre: Any, post: Any,
     ``DistributedOptimizer``; ``op`` already resolved. ``inplace``: the result is written
     into ``t``. The tensor goes the core's one route (``hvdlite/_submit.py``): its cached
     array at the edge, its name's lane, recycled result tensors, the core's handle."""
-    kind = type(t)
-    if (kind is not _TENSOR and kind is not _PARAMETER) or process_set is not _GLOBAL:
+    # The tensor's cached view, checked (its memory, shape, dtype): what the call needs to know
+    # of the tensor (its dtype, device and array) is read from it, not from torch again.
+    seen = _edge(t) if process_set is _GLOBAL else None
+    if seen is None or seen.dtype is _F16:  # first seen, changed, float16, bfloat16, a set
         return _allreduce([t], name, op, pre, post, inplace, False, what, process_set,
                           blocking)
-    dtype = t.dtype
-    if dtype is _F16 or dtype is _BF16:
-        return _low([t], name, op, pre, post, inplace, False, what, process_set, blocking)
     if type(name) is str:  # horovod_name, inlined: this is the per-call path
         name = f"allreduce.{name}" if name else None
+    device = seen.device_id
     try:
         return _submit(_ALLREDUCE, (t,), name, op=op, prescale=pre, postscale=post,
-                       inplace=inplace, stream=stream_of(t.get_device()) if t.is_cuda else None,
-                       block=blocking, horovod=True)
+                       inplace=inplace, stream=stream_of(device) if device >= 0 else None,
+                       block=blocking, horovod=True, array=seen.array)
     except ValueError as exc:
         raise invalid(exc) from None
     except NotInitializedError as exc:
