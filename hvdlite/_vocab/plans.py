@@ -157,7 +157,7 @@ class Lane:
         self.shapes: tuple[tuple[int, ...], ...] = ()
         self.span: Any = None
         self.inplace = False
-        self.request_bytes = -1  # a grouped call's payload (its entries' stats)
+        self.request_bytes = array.nbytes  # the payload (a grouped call's: all members')
         self.allocated = 0  # result sets made (the engine's stats add them up)
         self.results: list[Results] = []
         self.alloc = alloc  # makes a new Results (None: the collective allocates no output)
@@ -235,7 +235,7 @@ class Lane:
             output = res.views[0] if res is not None else None
             if res is not None and res.user is not None:
                 user = res.user[0]
-        return Call(tensor, output, None, user, tensor.nbytes)
+        return Call(tensor, output, None, user, self.request_bytes)  # the same layout
 
     def result(self, reclaim: Callable[[], None] | None = None,
                keep: bool = True) -> Results | None:
