@@ -11,9 +11,15 @@ CuPy's are the same non-blocking stream:
   ``torch.distributed.all_reduce`` per tensor (``async_op=True`` then wait all, and a plain
   loop then one synchronise: the faster counts);
 - the ResNet-50 set as one ``hvdlite.torch.grouped_allreduce`` against one
-  ``torch.distributed.all_reduce`` of a flat buffer of all of it (one fused call, the limit);
+  ``torch.distributed.all_reduce`` of a flat buffer of all of it (one fused call, the limit),
+  and the same grouped call through the CuPy API (what the core costs without the torch layer);
 - 4 B sync call: ``hvdlite.torch.allreduce`` against ``hvdlite.allreduce`` on CuPy and
-  ``torch.distributed.all_reduce`` then a stream synchronise (its plain form).
+  ``torch.distributed.all_reduce`` then a stream synchronise (its plain form). After timing,
+  20 more calls of each hvdlite form say how many took the immediate path (the calling
+  thread, no queue: ``hvdlite/_control/immediate.py``).
+
+Per variant: median and p99 of the whole variant, and for the set variants the median per
+tensor (the 161 asynchronous calls' target is per tensor).
 
 Results are checked exactly (integer-valued floats) before and after timing. Targets: issue 17,
 at any rank count: ResNet-50 set <= 1.2x the CuPy API; 4 B sync <= 1.2x the CuPy API. Issue 32,
@@ -21,6 +27,14 @@ at 2 GPUs: 4 B sync <= 1.0x torch.distributed's plain form; the grouped call <= 
 torch.distributed call; the 161 asynchronous calls <= 0.5x torch.distributed per tensor.
 
     mpirun -n 1 python3 scripts/gpu/bench_t4.py --np 1 --json t4g.json
+
+Issue 38's figures, a GPU per rank (one launch prints every target it judges; run_all.sh's
+launch):
+
+    export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+    mpirun --allow-run-as-root --oversubscribe --bind-to none -n 2 -x PATH -x LD_LIBRARY_PATH \
+        -x PYTHONPATH -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST \
+        -x NVSHMEM_DISABLE_NVLS python3 scripts/gpu/bench_t4.py --np 2 --json t4g.json
 """
 
 from __future__ import annotations
@@ -41,6 +55,7 @@ SYNC_T = "hvdlite.torch allreduce (4 B)"
 SYNC_C = "CuPy API allreduce (4 B)"
 SYNC_D = "torch.distributed all_reduce (4 B), then synchronize"
 GROUPED_T = "hvdlite.torch grouped_allreduce of the set"
+GROUPED_C = "CuPy API grouped_allreduce of the set"
 FUSED_D = "torch.distributed all_reduce of one flat buffer of the set"
 
 
@@ -78,12 +93,14 @@ def main() -> None:
     }
     grouped_in = [t.clone() for t in ts]
     fns[GROUPED_T] = lambda: _grouped(hvd, grouped_in, gpu)
+    grouped_cp = [cp.asarray(t.clone()) for t in ts]
+    fns[GROUPED_C] = lambda: _grouped(hvdlite, grouped_cp, gpu, "t4g.grouped.c")
     flat = torch.cat([t.reshape(-1) for t in copies])
     if dist is not None:
         fns[DIST_ASYNC] = lambda: _dist_async(dist, copies, gpu)
         fns[DIST_LOOP] = lambda: _dist_loop(dist, copies, gpu)
         fns[FUSED_D] = lambda: _dist_loop(dist, [flat], gpu)
-    checked = (TORCH_T, CUPY_A, GROUPED_T)
+    checked = (TORCH_T, CUPY_A, GROUPED_T, GROUPED_C)
     _check(gpu, {k: fns[k] for k in checked}, want, "before timing")
     times = gl.time_round_robin(gpu.comm, fns, args.reps, warmup=3)
     _check(gpu, {k: fns[k] for k in checked}, want, "after timing")
@@ -102,9 +119,20 @@ def main() -> None:
         gl.check_all(gpu.comm, float(d4[0]) == want4 * gpu.size, SYNC_D, f"got {float(d4[0])}")
         sync_fns[SYNC_D] = lambda: _dist_loop(dist, [d4], gpu)  # the call, then synchronise
     times.update(gl.time_round_robin(gpu.comm, sync_fns, args.sync_reps, warmup=50, after=gpu.sync))
+    immediate = {k: _immediate(hvdlite, sync_fns[k], gpu) for k in (SYNC_T, SYNC_C)}
     gl.torch_close(dist)
     hvdlite.shutdown()
-    _report(gpu, args, {k: gl.stats(v) for k, v in times.items()}, len(shapes), why)
+    _report(gpu, args, {k: gl.stats(v) for k, v in times.items()}, len(shapes), why,
+            immediate)
+
+
+def _immediate(hvdlite: Any, fn: Callable[[], Any], gpu: gl.Gpu, calls: int = 20) -> int:
+    """How many of ``calls`` more calls of ``fn`` took the immediate path."""
+    before = hvdlite.stats()["steady_state"]["immediate"]
+    for _ in range(calls):
+        fn()
+        gpu.sync()
+    return int(hvdlite.stats()["steady_state"]["immediate"] - before)
 
 
 def _async_all(start: Any, sync: Any, xs: list[Any], names: list[str], tag: str,
@@ -115,8 +143,8 @@ def _async_all(start: Any, sync: Any, xs: list[Any], names: list[str], tag: str,
     return outs
 
 
-def _grouped(hvd: Any, xs: list[Any], gpu: gl.Gpu) -> list[Any]:
-    outs = hvd.grouped_allreduce(xs, name="t4g.grouped")
+def _grouped(hvd: Any, xs: list[Any], gpu: gl.Gpu, name: str = "t4g.grouped") -> list[Any]:
+    outs = hvd.grouped_allreduce(xs, name=name)
     gpu.sync()
     return list(outs)
 
@@ -150,14 +178,17 @@ def _check(gpu: gl.Gpu, fns: dict[str, Callable[[], list[Any]]], want: list[floa
         gl.check_all(gpu.comm, not bad, f"{name} ({when})", bad)
 
 
-def _report(gpu: gl.Gpu, args: Any, st: dict[str, dict[str, float]], n: int, why: str) -> None:
+def _report(gpu: gl.Gpu, args: Any, st: dict[str, dict[str, float]], n: int, why: str,
+            immediate: dict[str, int]) -> None:
     med = {k: v["median_s"] for k, v in st.items()}
-    rows: list[tuple[str, float, float]] = []
+    rows: list[tuple[str, float, float, str]] = []
     verdicts: list[dict[str, Any]] = []
     torch_best = min((k for k in (DIST_ASYNC, DIST_LOOP) if k in med), key=med.__getitem__,
                      default=None)
+    per_tensor = (TORCH_T, CUPY_A, DIST_ASYNC, DIST_LOOP)
     for k, v in st.items():
-        rows.append((k, gl.ms(v["median_s"]), gl.ms(v["p99_s"])))
+        each = f"{v['median_s'] / n * 1e6:.1f}" if k in per_tensor else ""
+        rows.append((k, gl.ms(v["median_s"]), gl.ms(v["p99_s"]), each))
     checks = [(f"ResNet-50 set: {TORCH_T} <= {X_CUPY}x {CUPY_A}", med[TORCH_T] / med[CUPY_A],
                X_CUPY),
               (f"4 B sync: {SYNC_T} <= {X_CUPY}x {SYNC_C}", med[SYNC_T] / med[SYNC_C], X_CUPY)]
@@ -174,16 +205,22 @@ def _report(gpu: gl.Gpu, args: Any, st: dict[str, dict[str, float]], n: int, why
         verdicts.append({"target": target, "ratio": ratio, "met": ratio <= limit})
     payload = {"benchmark": "T4 (GPU)", "device": gpu.device_name(), "ranks": gpu.size,
                "tensors": n, "results": st, "targets": verdicts, "torch_dropped": why,
-               "note": gl.shortcut_note(gpu.size), "args": vars(args)}
+               "immediate_of_20": immediate, "note": gl.shortcut_note(gpu.size),
+               "args": vars(args)}
     if gpu.rank == 0:
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
                 json.dump(payload, f, indent=2)
         print(f"T4 on {gpu.device_name()}, {gpu.size} rank(s), {n} tensors")
         width = max(len(r[0]) for r in rows)
-        print(f"| {'variant'.ljust(width)} | median ms | p99 ms |")
+        print(f"| {'variant'.ljust(width)} | median ms | p99 ms | median us per tensor |")
         for r in rows:
-            print(f"| {r[0].ljust(width)} | {r[1]:9.3f} | {r[2]:6.3f} |")
+            print(f"| {r[0].ljust(width)} | {r[1]:9.3f} | {r[2]:6.3f} | {r[3]:>20s} |")
+        if GROUPED_C in med:
+            print(f"grouped call, the torch layer's share: {GROUPED_T} / {GROUPED_C} = "
+                  f"{med[GROUPED_T] / med[GROUPED_C]:.3f}x")
+        for k, count in immediate.items():
+            print(f"immediate path: {k}: {count} of 20 calls")
         for v in verdicts:
             print(f"{'MET   ' if v['met'] else 'MISSED'} {v['target']}: {v['ratio']:.3f}x")
 
