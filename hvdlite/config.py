@@ -372,6 +372,13 @@ class Config:
              "own NCCL communicator (no background-thread wake-up per bucket). Off: every "
              "bucket is negotiated by the background thread, as other collectives are.",
     )  # fmt: skip
+    optimizer_host_schedule: bool = _knob(
+        kind="bool", parse=_parse_bool, default=False, unit="",
+        help="hvdlite.torch DistributedOptimizer with host (CPU) buckets: put them on an "
+             "agreed schedule too (each launched by the autograd thread as a nonblocking "
+             "MPI allreduce on the schedule's own communicator). Off: they are negotiated "
+             "and run by the background thread, beside the rest of backward.",
+    )  # fmt: skip
     optimizer_max_ctas: int = _knob(
         kind="int", parse=_parse_count, default=0, unit="CTAs",
         help="CUDA thread blocks (CTAs) each NCCL collective of the optimizer's schedule may "

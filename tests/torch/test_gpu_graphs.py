@@ -83,13 +83,13 @@ def test_captured_steps_equal_eager_steps(hvd: Any) -> None:
         return
     replays0 = hvdlite.stats()["graphs"]["replays"]
     graphed = hvd.make_graphed_step(train_step, sx, sy, optimizer=opt_c)
-    launches = opt_c._lane.schedule.launches
+    launches = opt_c.agreed_schedule.launches
     losses = []
     for x, y in batches[1:]:
         losses.append(graphed(x, y).clone())
     torch.cuda.synchronize(dev)
     assert hvdlite.stats()["graphs"]["replays"] - replays0 == 9
-    assert opt_c._lane.schedule.launches == launches  # replays launch nothing from Python
+    assert opt_c.agreed_schedule.launches == launches  # replays launch nothing from Python
     assert len({float(v) for v in losses}) > 1  # the replays read the new batches
     got, want = _flat(captured), _flat(eager)
     assert torch.equal(got, want), (got - want).abs().max()
@@ -142,7 +142,9 @@ def test_ranks_that_capture_different_steps_fail_before_any_replay(hvd: Any) -> 
 
     if not _lane_expected(hvd):
         pytest.skip("ranks sharing a GPU cannot capture (see the first test)")
-    with pytest.raises(hvd.MismatchError, match="captured different steps.*'launches': 6"):
+    with pytest.raises(hvd.MismatchError,
+                       match=r"capture: the ranks differ \(rank \d+: entry 0: launches 6, "
+                             r"expected 3"):
         hvd.make_graphed_step(train_step, sx, sy, optimizer=opt)
 
 
@@ -166,7 +168,7 @@ def test_the_lane_is_agreed_again_after_a_reinit(hvd: Any) -> None:
                 assert torch.equal(p.grad, torch.full(s, float(want), device=dev)), (step, k)
 
     steps(0)
-    old = opt._lane
+    old = opt.agreed_schedule
     assert (old is not None) == _lane_expected(hvd)
     hvd.shutdown()
     hvd.init()
@@ -174,8 +176,10 @@ def test_the_lane_is_agreed_again_after_a_reinit(hvd: Any) -> None:
     with n_rank_path():  # the knob the engine had; the new engine reads the environment
         steps(3)
     if old is not None:
-        assert opt._lane is not None and opt._lane is not old
-        assert old.schedule.comm is None  # destroyed with its engine
+        assert opt.agreed_schedule is not None and opt.agreed_schedule is not old
+        assert old.transport.comm is None  # closed with its engine
+        with pytest.raises(hvd.HvdliteError, match="closed"):
+            old.launch(0)
 
 
 def _optimizer_of(hvd: Any, params: list[torch.nn.Parameter], tag: str) -> Any:

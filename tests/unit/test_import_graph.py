@@ -107,3 +107,16 @@ def test_the_vocabulary_imports_nothing_above_it() -> None:
     for mod, targets in edges.items():
         if mod.startswith("hvdlite._vocab"):
             assert all(_floor(t) <= 1.0 for t in targets), (mod, sorted(targets))
+
+
+def test_frontends_ask_the_runtime_and_never_reach_into_it() -> None:
+    """``hvdlite.torch`` reaches the runtime only through the frontend floor's API
+    (``_runtime_api``, ``_api``, ``_submit``, ``_torchref``): it imports nothing from the
+    engine, the control plane, the device runtime or the data planes."""
+    mods = _modules()
+    edges = _edges(mods)
+    inner = ("hvdlite._engine", "hvdlite._gpu", "hvdlite._backends", "hvdlite._control")
+    bad = sorted(f"{a} -> {b}" for a, targets in edges.items()
+                 if a == "hvdlite.torch" or a.startswith("hvdlite.torch.")
+                 for b in targets if any(b == p or b.startswith(p + ".") for p in inner))
+    assert not bad, "hvdlite.torch reaches into the runtime: " + "; ".join(bad)
