@@ -10,6 +10,7 @@ schedule opens (the NCCL types and ops from ``_backends/nccl.py``'s table).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +19,8 @@ from hvdlite._ops import DTYPES, ReduceOp
 from hvdlite._vocab.agreed import Slot
 
 __all__ = ["NcclScheduleTransport", "why_not"]
+
+_CLOSE_WAIT_S = 5.0  # longest wait at close for the schedule's stream to go idle
 
 
 def why_not(slots: Sequence[Slot]) -> str:
@@ -96,8 +99,13 @@ class NcclScheduleTransport:
 
     def close(self) -> None:
         # ncclCommAbort, which is local, rather than ncclCommDestroy, whose finalisation may
-        # wait for peers that close their schedules in another order.
+        # wait for peers that close their schedules in another order; once the stream is
+        # idle, or after a bounded wait (a launch that can never complete, such as one a
+        # peer never matched, must not hang the shutdown: the abort ends it).
         comm, self.comm = self.comm, None
-        if comm is not None:
-            self.stream.synchronize()
-            comm.abort()
+        if comm is None:
+            return
+        deadline = time.monotonic() + _CLOSE_WAIT_S
+        while not self.stream.done and time.monotonic() < deadline:
+            time.sleep(1e-3)
+        comm.abort()

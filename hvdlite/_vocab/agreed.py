@@ -41,8 +41,8 @@ def _first_difference(mine: Any, theirs: Any) -> str:
         for i, (a, b) in enumerate(zip(mine, theirs, strict=True)):
             diff = _first_difference(a, b)
             if diff:
-                label = repr(b["name"]) if isinstance(b, dict) and "name" in b else ""
-                return f"entry {i} {label}: {diff}".replace("  ", " ")
+                label = f" {b['name']!r}" if isinstance(b, dict) and "name" in b else ""
+                return f"entry {i}{label}: {diff}"
         return ""
     if isinstance(mine, dict) and isinstance(theirs, dict):
         for key in list(mine) + [k for k in theirs if k not in mine]:
