@@ -1,9 +1,11 @@
 """Helpers for tests that start their own MPI jobs (the suite runner, examples, benchmarks,
 the launcher): finding mpiexec, a clean environment, running a job in its own process group
-with a hard timeout, and knowing whether we already are inside a job."""
+with a hard timeout, knowing whether we already are inside a job, and whether torch is
+installed."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -11,7 +13,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,13 +25,40 @@ from hvdlite.run import find_mpiexec
 REPO = Path(__file__).resolve().parent.parent
 
 # Variables that common launchers (MPICH/Hydra, Open MPI, PMIx) set in every rank.
-_LAUNCHER_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK",
-                  "PMIX_RANK")
+LAUNCHER_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+LAUNCHER_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
+_LAUNCHER_VARS = LAUNCHER_RANK_VARS + LAUNCHER_SIZE_VARS
 
 
 def under_mpi_launcher() -> bool:
     """True inside a rank of an MPI job (tests that start jobs must not nest them)."""
     return any(var in os.environ for var in _LAUNCHER_VARS)
+
+
+def _torch_installed() -> bool:
+    # ``tests/`` is on sys.path (pytest puts a conftest's folder there), so without torch
+    # ``import torch`` finds the folder ``tests/torch`` as a namespace package (a spec with no
+    # origin) instead of failing, and ``pytest.importorskip("torch")`` would not skip.
+    module = sys.modules.get("torch")
+    if module is not None:
+        return getattr(module, "__file__", None) is not None
+    spec = importlib.util.find_spec("torch")
+    return spec is not None and spec.origin is not None
+
+
+HAS_TORCH = _torch_installed()
+NO_TORCH_REASON = "torch is not installed (pip install -e '.[torch]')"
+needs_torch = pytest.mark.skipif(not HAS_TORCH, reason=NO_TORCH_REASON)
+
+
+def import_torch() -> Any:
+    """``torch``, or skip the calling test (or module) saying how to install it; unlike
+    ``pytest.importorskip("torch")`` not fooled by the folder ``tests/torch``."""
+    if not HAS_TORCH:
+        pytest.skip(NO_TORCH_REASON, allow_module_level=True)
+    import torch
+
+    return torch
 
 
 def mpiexec() -> str:
@@ -70,31 +102,51 @@ SUMMARY = re.compile(
 TAIL_CHARS = 12_000
 
 
+# Skips seen inside the jobs run_pytest_job ran: (job, reason, count on rank 0), listed by the
+# root conftest at the end of the terminal summary.
+INNER_SKIPS: list[tuple[str, str, int]] = []
+
+
 def run_pytest_job(size: int, tests: Path, report_dir: Path, timeout_s: float,
-                   **env: str) -> None:
+                   skips: Mapping[str, str] | None = None, **env: str) -> None:
     """Run ``tests`` as ``mpiexec -n size python -m mpi4py -m pytest`` and assert that it
-    finished in time, exited 0, and that every rank wrote a tally (the shared-fate conftest of
-    tests/mpi, ``HVDLITE_MPI_REPORT_DIR``) with passes and no failures or errors."""
+    finished in time, exited 0, and that every rank wrote a tally (``tests/conftest.py``,
+    ``HVDLITE_TEST_REPORT_DIR``) with passes and no failures or errors.
+
+    Every test skipped inside the job must be one that ``skips`` allows: it maps a regular
+    expression searched in the skip's reason to why that skip is expected in this job (e.g.
+    ``{"needs CUDA": "the GPU machine runs them"}``); any other skip fails the job. The skips
+    are counted per reason and listed at the end of the terminal summary."""
     cmd = [
         mpiexec(), "-n", str(size),
         sys.executable, "-m", "mpi4py", "-m", "pytest", str(tests),
         "-q", "-p", "no:cacheprovider", "-o", "faulthandler_timeout=120",
         f"--rootdir={REPO}", "-c", str(REPO / "pyproject.toml"),
     ]  # fmt: skip
-    job_env = clean_env(HVDLITE_MPI_REPORT_DIR=str(report_dir), PYTHONFAULTHANDLER="1", **env)
+    job_env = clean_env(HVDLITE_TEST_REPORT_DIR=str(report_dir), PYTHONFAULTHANDLER="1", **env)
     start = time.monotonic()
     rc, out = run_group(cmd, job_env, timeout_s)
     wall = time.monotonic() - start
-    print(f"mpiexec -n {size} {tests.relative_to(REPO)}: rc={rc} wall={wall:.1f}s")
+    job = f"mpiexec -n {size} {tests.relative_to(REPO)}"
+    print(f"{job}: rc={rc} wall={wall:.1f}s")
     tail = out if len(out) <= TAIL_CHARS else "...\n" + out[-TAIL_CHARS:]
     where = f"mpiexec -n {size} (rc={rc}, {wall:.0f}s); output tail:\n{tail}"
     assert rc is not None, f"job timed out after {timeout_s}s: {where}"
     assert rc == 0, f"job failed: {where}"
     tallies = [json.loads(p.read_text()) for p in sorted(report_dir.glob("rank*.json"))]
     assert sorted(t["rank"] for t in tallies) == list(range(size)), f"missing tallies: {where}"
+    allowed = dict(skips or {})
     for t in tallies:
-        assert t["size"] == size and t["exitstatus"] == 0, f"rank {t}: {where}"
-        assert t["passed"] > 0 and t["failed"] == 0 and t["errors"] == 0, f"rank {t}: {where}"
+        counts = {k: t[k] for k in ("passed", "failed", "errors", "skipped")}
+        assert t["size"] == size and t["exitstatus"] == 0, f"rank {t['rank']} {counts}: {where}"
+        assert t["passed"] > 0 and t["failed"] == 0 and t["errors"] == 0, \
+            f"rank {t['rank']} {counts}: {where}"
+        unexpected = {test: reason for test, reason in t["skips"].items()
+                      if not any(re.search(pattern, reason) for pattern in allowed)}
+        assert not unexpected, (f"rank {t['rank']} skipped tests this job should run "
+                                f"(allowed here: {allowed}): {unexpected}")
+    for reason, count in sorted(Counter(tallies[0]["skips"].values()).items()):
+        INNER_SKIPS.append((job, reason, count))
     summaries = SUMMARY.findall(out)
     assert summaries, f"no pytest summary line: {where}"
     assert not any(re.search(r"\d+ (failed|errors?)\b", s) for s in summaries), where

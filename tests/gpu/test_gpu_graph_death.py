@@ -12,9 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from jobs_util import under_mpi_launcher
+from jobs_util import HAS_TORCH, NO_TORCH_REASON, under_mpi_launcher
 
-torch = pytest.importorskip("torch")
+if not HAS_TORCH:
+    pytest.skip(NO_TORCH_REASON, allow_module_level=True)
+import torch  # noqa: E402 - after the skip
+
 if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
     pytest.skip("needs two GPUs (a captured step runs over NCCL)", allow_module_level=True)
 if under_mpi_launcher():

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from cluster import ALT_SSH_PORT, Cluster
-from jobs_util import REPO
+from jobs_util import REPO, needs_torch
 from mh_util import CLOCK_OFFSET_S, HERE, hosts_arg, hvdliterun, rank_env
 
 from timeline._trace import clock_refs, load
@@ -109,13 +109,17 @@ def test_every_collective_across_hosts(cluster: Cluster, tmp_path: Path) -> None
     ]
 
 
-def test_training_examples_identical_weights(cluster: Cluster) -> None:
+def test_numpy_training_example_identical_weights(cluster: Cluster) -> None:
     hostfile = cluster.shared / "hostfile"
     hostfile.write_text("".join(f"{h.name} slots=2\n" for h in cluster.hosts))
     ran = hvdliterun(cluster, "-np", "4", "--hostfile", str(hostfile), "--tcp", "--",
                      sys.executable, str(REPO / "examples" / "mlp_numpy.py"), "--steps", "60")
     _ok(ran)
     assert "OK: weights identical on all ranks" in ran.out, ran.out
+
+
+@needs_torch
+def test_torch_training_example_identical_parameters(cluster: Cluster) -> None:
     ran = hvdliterun(cluster, "-np", "4", "-H", hosts_arg(cluster), "--tcp", "--",
                      sys.executable, str(REPO / "examples" / "torch_mnist_like.py"),
                      "--epochs", "3", timeout=180)
