@@ -12,6 +12,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -150,3 +151,58 @@ def run_pytest_job(size: int, tests: Path, report_dir: Path, timeout_s: float,
     summaries = SUMMARY.findall(out)
     assert summaries, f"no pytest summary line: {where}"
     assert not any(re.search(r"\d+ (failed|errors?)\b", s) for s in summaries), where
+
+
+# How rank 1 goes in the death tests (a line of the job script), and the status hvdliterun's
+# verdict names for it: "hvdliterun: rank 1 (host H) failed first with <status>; ...".
+GONE = {
+    "SIGKILL": "os.kill(os.getpid(), signal.SIGKILL)",
+    "raise": "raise RuntimeError('user code failed on rank 1')",
+}
+GONE_STATUS = {"SIGKILL": "signal 9 (SIGKILL)", "raise": "exit code 1"}
+GONE_BOUND_S = 15.0
+_HVDLITE_FRAME = re.compile(r'File "[^"]*/hvdlite/')
+# A survivor's hvdlite error naming rank 1 as the cause ("hvdlite was shut down by rank 1 ...").
+_SURVIVOR_NAMES_RANK_1 = re.compile(r"^(hvdlite\.errors\.\w+: |\[hvdlite rank 0\] ).*\brank 1\b",
+                                    re.M)
+
+
+def rank_one_named(out: str, how: str) -> str:
+    """Which line of hvdlite's or hvdliterun's output names rank 1 as the rank that went
+    ``how`` (the job's own traceback, which says "rank 1" too, does not count); fails if none.
+
+    For a SIGKILL, hvdliterun's verdict must. For a raise, the verdict may name the survivor
+    instead (rank 1 runs its exit handlers, which end hvdlite on rank 0, before it exits), so
+    the survivor's hvdlite error naming rank 1 counts as well."""
+    verdict = re.compile(rf"^hvdliterun: rank 1 \(host [^)]+\) failed first with "
+                         rf"{re.escape(GONE_STATUS[how])}; .*$", re.M)
+    named = verdict.search(out)
+    if named is None and how == "raise":
+        named = _SURVIVOR_NAMES_RANK_1.search(out)
+    assert named is not None, f"nothing of hvdlite's names rank 1 ({how}):\n{out}"
+    return named.group(0)
+
+
+def rank_one_goes(tmp_path: Path, job: str, how: str, label: str) -> None:
+    """Run ``job`` (a script that writes the time rank 1 goes to its first argument, then
+    goes ``how``) as a 2-rank ``hvdliterun`` job: it must end with an error within
+    ``GONE_BOUND_S`` of rank 1 going, hvdlite naming rank 1 (:func:`rank_one_named`), with no
+    traceback through hvdlite's code for a SIGKILL (a raising rank prints its own, as Python
+    does)."""
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(job), encoding="utf-8")
+    stamp = tmp_path / "gone"
+    code, out = run_group([sys.executable, "-m", "hvdlite.run", "-np", "2", "--",
+                           sys.executable, str(script), str(stamp)], clean_env(), 90.0)
+    ended = time.time()
+    assert code is not None and code != 0, out
+    assert stamp.exists(), f"rank 1 never reached the failure point:\n{out}"
+    took = ended - float(stamp.read_text())
+    named = rank_one_named(out, how)
+    print(f"{how} ({label}): the job ended {took:.1f} s after rank 1 went; named by: {named}",
+          flush=True)
+    assert took < GONE_BOUND_S, f"the job took {took:.1f} s to end after rank 1 went:\n{out}"
+    if how == "SIGKILL":
+        assert not _HVDLITE_FRAME.search(out), f"a traceback through hvdlite's code:\n{out}"
+    else:
+        assert "user code failed on rank 1" in out, out

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from jobs_util import HAS_TORCH, NO_TORCH_REASON, under_mpi_launcher
+from jobs_util import GONE, HAS_TORCH, NO_TORCH_REASON, rank_one_goes, under_mpi_launcher
 
 if not HAS_TORCH:
     pytest.skip(NO_TORCH_REASON, allow_module_level=True)
@@ -25,7 +25,6 @@ if under_mpi_launcher():
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
 
-from gpu_util import GONE, rank_one_goes  # noqa: E402 - after the skips (it imports cupy)
 
 _JOB = """
 import os, signal, sys, time
