@@ -93,6 +93,63 @@ def run_group(cmd: list[str], env: dict[str, str], timeout_s: float) -> tuple[in
         return None, out
 
 
+# A job script's own rank under either launcher (MPICH: PMI_RANK; Open MPI: OMPI_COMM_WORLD_RANK).
+RANK_OF = "int(os.environ.get('PMI_RANK') or os.environ.get('OMPI_COMM_WORLD_RANK'))"
+HVDLITE_FRAME = re.compile(r'File "[^"]*/hvdlite/')  # a traceback line in hvdlite's code
+HVDLITERUN_TIMEOUT_S = 90.0
+
+
+def write_script(tmp_path: Path, name: str, body: str) -> str:
+    """Write ``body`` (dedented) to ``tmp_path/name``; returns its path."""
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body), encoding="utf-8")
+    return str(path)
+
+
+def hvdliterun(*args: str, env: dict[str, str] | None = None,
+               timeout: float = HVDLITERUN_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m hvdlite.run ARGS`` from the repository root (in :func:`clean_env`
+    unless ``env``) and capture its output."""
+    return subprocess.run([sys.executable, "-m", "hvdlite.run", *args],
+                          env=clean_env() if env is None else env, cwd=REPO,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+# What each rank of a job sees: its HVDLITE_/HOROVOD_ variables and the config it loads (and,
+# given a second argument, the config its own YAML would give), as rank-<R>.json in argv[1].
+ENV_PROBE = """
+import dataclasses, json, os, sys
+from hvdlite.config import load_config
+rank = RANK
+report = {
+    "rank": rank,
+    "env": {k: v for k, v in os.environ.items() if k.startswith("HVDLITE_")},
+    "horovod": {k: v for k, v in os.environ.items() if k.startswith("HOROVOD_")},
+    "config": dataclasses.asdict(load_config()),
+    # The rank's own YAML, as init(config=...) would read it (only below the environment).
+    "own": dataclasses.asdict(load_config(sys.argv[2])) if len(sys.argv) > 2 else None,
+}
+with open(os.path.join(sys.argv[1], f"rank-{rank}.json"), "w") as f:
+    json.dump(report, f)
+""".replace("RANK", RANK_OF)
+
+
+def probe(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
+          own: Path | None = None) -> list[dict[str, Any]]:
+    """Run :data:`ENV_PROBE` as ``hvdliterun -np 2 ARGS``; returns both ranks' reports."""
+    script = write_script(tmp_path, "probe.py", ENV_PROBE)
+    out = tmp_path / "out"
+    out.mkdir()
+    extra = [str(own)] if own is not None else []
+    result = hvdliterun("-np", "2", *args, "--", sys.executable, script, str(out), *extra,
+                        env=env)
+    assert result.returncode == 0, result.stderr
+    reports = [json.loads((out / f"rank-{r}.json").read_text()) for r in (0, 1)]
+    assert [r["rank"] for r in reports] == [0, 1]
+    return reports
+
+
 # A pytest -q summary, e.g. "12 passed, 1 skipped in 3.21s" (maybe framed by "="). Not anchored:
 # the ranks share mpiexec's stdout, so two ranks' summaries can run together on one line
 # ("... in 8.13s236 passed, ...").
@@ -161,7 +218,6 @@ GONE = {
 }
 GONE_STATUS = {"SIGKILL": "signal 9 (SIGKILL)", "raise": "exit code 1"}
 GONE_BOUND_S = 15.0
-_HVDLITE_FRAME = re.compile(r'File "[^"]*/hvdlite/')
 # A survivor's hvdlite error naming rank 1 as the cause ("hvdlite was shut down by rank 1 ...").
 _SURVIVOR_NAMES_RANK_1 = re.compile(r"^(hvdlite\.errors\.\w+: |\[hvdlite rank 0\] ).*\brank 1\b",
                                     re.M)
@@ -203,6 +259,6 @@ def rank_one_goes(tmp_path: Path, job: str, how: str, label: str) -> None:
           flush=True)
     assert took < GONE_BOUND_S, f"the job took {took:.1f} s to end after rank 1 went:\n{out}"
     if how == "SIGKILL":
-        assert not _HVDLITE_FRAME.search(out), f"a traceback through hvdlite's code:\n{out}"
+        assert not HVDLITE_FRAME.search(out), f"a traceback through hvdlite's code:\n{out}"
     else:
         assert "user code failed on rank 1" in out, out
