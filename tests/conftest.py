@@ -25,7 +25,8 @@ from typing import Any
 import pytest
 from jobs_util import INNER_SKIPS, LAUNCHER_RANK_VARS, LAUNCHER_SIZE_VARS, under_mpi_launcher
 
-collect_ignore = (["test_mpi_jobs.py", "test_torch_jobs.py", "test_example_and_bench.py",
+collect_ignore = (["test_mpi_jobs.py", "test_torch_jobs.py", "test_captured_step.py",
+                   "test_example_and_bench.py",
                    "test_memory_job.py", "launcher", "multihost"]
                   if under_mpi_launcher() else ["mpi", "torch"])
 

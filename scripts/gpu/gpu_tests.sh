@@ -3,9 +3,9 @@
 # tests/gpu and every GPU test of tests/torch (`-m gpu`) at NP ranks, a GPU per rank where
 # there are enough; tests/gpu again with every rank on one GPU (the CUDA IPC path and the
 # tests that need ranks sharing a GPU); tests/gpu at 1 rank (NCCL alone; the watchdog's
-# injected failure); the bounded-death jobs, which start their own 2-rank hvdliterun jobs
-# (a rank SIGKILLed or raising inside an NCCL collective and during a captured step's
-# replays). Each step under `timeout`, the whole run inside BUDGET_S seconds.
+# injected failure); the tests that start 2-rank hvdliterun jobs of their own (a rank
+# SIGKILLed or raising inside an NCCL collective and during a captured step's replays; the
+# captured-step example). Each step under `timeout`, the whole run inside BUDGET_S seconds.
 #
 #   NP=2 scripts/gpu/gpu_tests.sh [STEP|GROUP ...]        # NP=4 on a 4-GPU host
 #   python3 scripts/gpu/tally.py OUT [OUT ...]            # the tally again, over several runs
@@ -17,7 +17,8 @@
 #   torch-sync torch-async    `-m gpu tests/torch` at NP ranks (the captured step too)      }
 #   shared-sync shared-async  tests/gpu at NP ranks, CUDA_VISIBLE_DEVICES=0: IPC           } rest
 #   np1-sync np1-async        tests/gpu at 1 rank                                          }
-#   death                     tests/gpu/test_gpu_{ipc,graph}_death.py outside mpirun        }
+#   jobs                      tests/gpu/test_gpu_ipc_death.py tests/test_captured_step.py,  }
+#                             outside mpirun (they start their own jobs)                   }
 # On one GPU the shared steps are the gpu steps again and are left out.
 #
 # Kept under $OUT (default /tmp/hvdlite_gpu_tests): gpu_tests.log (everything), <step>.log
@@ -48,7 +49,7 @@ export HVDLITE_BENCH_COMMIT="${HVDLITE_BENCH_COMMIT:-}"
 export NP="${NP:-2}"
 PY="${PYTHON:-python3}"
 BUDGET_S="${BUDGET_S:-560}"
-ALL=(gpu-sync gpu-async torch-sync torch-async shared-sync shared-async np1-sync np1-async death)
+ALL=(gpu-sync gpu-async torch-sync torch-async shared-sync shared-async np1-sync np1-async jobs)
 
 STEPS=()
 (($#)) || set -- all
@@ -56,8 +57,8 @@ for a in "$@"; do
   case $a in
     all) STEPS+=("${ALL[@]}") ;;
     nccl) STEPS+=(gpu-sync gpu-async torch-sync torch-async) ;;
-    rest) STEPS+=(shared-sync shared-async np1-sync np1-async death) ;;
-    gpu-sync|gpu-async|torch-sync|torch-async|shared-sync|shared-async|np1-sync|np1-async|death)
+    rest) STEPS+=(shared-sync shared-async np1-sync np1-async jobs) ;;
+    gpu-sync|gpu-async|torch-sync|torch-async|shared-sync|shared-async|np1-sync|np1-async|jobs)
       STEPS+=("$a") ;;
     *) echo "unknown step or group '$a'; steps: ${ALL[*]}; groups: all nccl rest" >&2; exit 2 ;;
   esac
@@ -177,7 +178,7 @@ for s in "${STEPS[@]}"; do
     shared-async) shared shared-async 1 ;;
     np1-sync) step np1-sync 200 1 0 tests/gpu ;;
     np1-async) step np1-async 200 1 1 tests/gpu ;;
-    death) step death 200 - 0 tests/gpu/test_gpu_ipc_death.py tests/gpu/test_gpu_graph_death.py ;;
+    jobs) step jobs 300 - 0 tests/gpu/test_gpu_ipc_death.py tests/test_captured_step.py ;;
   esac
 done
 
