@@ -52,7 +52,7 @@ for s in "${STEPS[@]}"; do
     np4) step np4 200 bash -c 'mpi "$@"' _ 4 0 tests/gpu/test_gpu_ipc.py tests/gpu/test_gpu_collectives.py \
            -k "not timeline and not scale" ;;
     death) step death 140 "$PY" -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_ipc_death.py \
-             tests/gpu/test_gpu_graph_death.py ;;
+             tests/test_captured_step.py ;;
     np1) step np1 250 bash -c 'mpi "$@"' _ 1 0 tests/gpu ;;
     *) echo "unknown step $s" >&2; exit 2 ;;
   esac

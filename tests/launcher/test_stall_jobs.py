@@ -12,8 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from jobs_util import clean_env, mpiexec, run_group
-from test_run import _script, hvdliterun
+from jobs_util import clean_env, hvdliterun, mpiexec, run_group, write_script
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
@@ -47,7 +46,7 @@ print(f"rank {hvd.rank()} done", flush=True)
 
 @pytest.mark.parametrize("np_", [2, 4])
 def test_stall_shutdown_ends_every_rank(tmp_path: Path, np_: int) -> None:
-    script = _script(tmp_path, "stall.py", _DIVERGING)
+    script = write_script(tmp_path, "stall.py", _DIVERGING)
     start = time.monotonic()
     proc = hvdliterun("-np", str(np_), "--stall-check-time-s", "1",
                       "--stall-shutdown-time-s", "3", "--", sys.executable, script, timeout=90)
@@ -64,7 +63,7 @@ def test_stall_shutdown_ends_every_rank(tmp_path: Path, np_: int) -> None:
 
 
 def test_stall_warning_names_tensor_and_missing_rank(tmp_path: Path) -> None:
-    script = _script(tmp_path, "warn.py", """
+    script = write_script(tmp_path, "warn.py", """
         import time, numpy as np, hvdlite as hvd
         hvd.init()
         if hvd.rank() == 1:
@@ -82,7 +81,7 @@ def test_stall_warning_names_tensor_and_missing_rank(tmp_path: Path) -> None:
 
 
 def test_expect_stall_silences_the_inspector(tmp_path: Path) -> None:
-    script = _script(tmp_path, "expect.py", _EXPECTED)
+    script = write_script(tmp_path, "expect.py", _EXPECTED)
     proc = hvdliterun("-np", "2", "--stall-check-time-s", "1", "--stall-shutdown-time-s", "2",
                       "--", sys.executable, script)
     out = proc.stdout + proc.stderr
@@ -119,7 +118,7 @@ except hvd.StallError as exc:
 def test_stalled_job_ends_when_a_rank_is_busy_in_user_code(tmp_path: Path, launcher: str) -> None:
     """Issue 12: stall shutdown at 5 s, the job gone within 15 s on both launchers, the
     message naming the tensor and the missing rank, and a failing exit code."""
-    script = _script(tmp_path, "sleeper.py", _SLEEPER)
+    script = write_script(tmp_path, "sleeper.py", _SLEEPER)
     knobs = {"HVDLITE_STALL_CHECK_TIME_SECONDS": "1", "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS": "5"}
     start = time.monotonic()
     if launcher == "hvdliterun":
@@ -152,7 +151,7 @@ print("rank 0 exits with a collective in flight", flush=True)
 
 
 def test_exit_with_a_collective_in_flight_and_a_peer_absent_is_bounded(tmp_path: Path) -> None:
-    script = _script(tmp_path, "leaver.py", _LEAVER)
+    script = write_script(tmp_path, "leaver.py", _LEAVER)
     rc, out, elapsed = _mpiexec_job(script)
     assert "rank 0 exits with a collective in flight" in out, out
     assert "rank 1 woke up" not in out, out
@@ -184,7 +183,7 @@ except hvd.HvdliteError as exc:
 
 
 def test_a_failed_background_loop_ends_the_job_with_its_cause(tmp_path: Path) -> None:
-    script = _script(tmp_path, "broken.py", _BROKEN)
+    script = write_script(tmp_path, "broken.py", _BROKEN)
     rc, out, elapsed = _mpiexec_job(script)
     assert rc not in (0, None), out  # None: the job timed out
     assert elapsed < 15, f"job took {elapsed:.1f} s to end: {out}"
@@ -218,7 +217,7 @@ hvd.barrier()
 
 
 def test_an_interrupted_wait_leaves_the_engine_working(tmp_path: Path) -> None:
-    script = _script(tmp_path, "alarm.py", _ALARM)
+    script = write_script(tmp_path, "alarm.py", _ALARM)
     rc, out, _ = _mpiexec_job(script)
     assert rc == 0, out
     assert "rank 1: wait abandoned" in out, out
@@ -261,7 +260,7 @@ hvd.barrier()
 
 
 def test_an_alarm_inside_a_callers_cycle_leaves_the_engine_working(tmp_path: Path) -> None:
-    script = _script(tmp_path, "alarm_in_cycle.py", _ALARM_IN_CYCLE)
+    script = write_script(tmp_path, "alarm_in_cycle.py", _ALARM_IN_CYCLE)
     rc, out, _ = _mpiexec_job(script)
     assert rc == 0, out
     assert "rank 1: wait abandoned" in out, out
@@ -309,7 +308,7 @@ hvd.barrier()
 
 
 def test_an_alarm_inside_an_immediate_cycle_leaves_the_engine_working(tmp_path: Path) -> None:
-    script = _script(tmp_path, "alarm_in_immediate.py", _ALARM_IN_IMMEDIATE)
+    script = write_script(tmp_path, "alarm_in_immediate.py", _ALARM_IN_IMMEDIATE)
     rc, out, _ = _mpiexec_job(script)
     assert rc == 0, out
     assert "rank 1: alarm after the cycle of ['_cycle']" in out, out  # immediate.py's _cycle

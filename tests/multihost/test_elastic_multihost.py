@@ -17,7 +17,7 @@ import elastic_numpy
 import pytest
 from cluster import Cluster
 from elastic_util import RECOVERY_LIMIT_S, TRAIN, check_job, events
-from jobs_util import REPO
+from jobs_util import REPO, needs_torch
 from mh_util import rank_env
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
@@ -38,6 +38,7 @@ def _wait(what: str, ok: object, proc: subprocess.Popen[bytes], out: Path, err: 
         time.sleep(0.1)
 
 
+@needs_torch
 def test_host_killed_then_host_added(three_hosts: Cluster) -> None:
     c = three_hosts
     n1, n2, n3 = (h.name for h in c.hosts)

@@ -1,8 +1,10 @@
-"""The captured step (``hvd.make_graphed_step``) on CUDA: replays equal eager hvdlite steps bit
-for bit, keep their buckets on the agreed schedule, refuse inputs of another shape, and refuse
-a capture that differs between ranks. Marked ``gpu``; at one rank through the N-rank path
-(``optimizer_size1_shortcut`` off: an NCCL communicator of one rank), at two ranks with a GPU
-each; two ranks sharing a GPU (CUDA IPC) get the clear error instead.
+"""The captured step (``hvd.make_graphed_step``) on CUDA, inside an MPI job: replays equal eager
+hvdlite steps bit for bit, keep their buckets on the agreed schedule, refuse inputs of another
+shape, refuse a capture that differs between ranks, and refuse to replay after a re-init. Marked
+``gpu``; at one rank through the N-rank path (``optimizer_size1_shortcut`` off: an NCCL
+communicator of one rank), at two ranks with a GPU each; two ranks sharing a GPU (CUDA IPC) get
+the clear error instead. The captured step's other tests, which start jobs of their own (a
+peer gone during replays; the example's CPU fallback), are in ``tests/test_captured_step.py``.
 """
 
 from __future__ import annotations
@@ -146,6 +148,39 @@ def test_ranks_that_capture_different_steps_fail_before_any_replay(hvd: Any) -> 
                        match=r"capture: the ranks differ \(rank \d+: entry 0: launches 6, "
                              r"expected 3"):
         hvd.make_graphed_step(train_step, sx, sy, optimizer=opt)
+
+
+def test_a_step_captured_before_a_reinit_raises(hvd: Any) -> None:
+    """docs/captured-step.md: after ``shutdown(); init()`` (what an elastic reset does in the
+    process) a step captured before raises ``HvdliteError`` saying to capture again, instead of
+    replaying collectives on communicators that are gone; a new capture then trains."""
+    dev = _device(hvd)
+    model = _model(dev)
+    opt = _optimizer(hvd, model, "stale")
+    sx, sy = _batch(0, hvd.rank(), dev)
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> Any:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    if not _lane_expected(hvd):
+        pytest.skip("ranks sharing a GPU cannot capture (see the first test)")
+    graphed = hvd.make_graphed_step(train_step, sx, sy, optimizer=opt)
+    graphed()
+    torch.cuda.synchronize()
+    hvd.shutdown()
+    hvd.init()
+    _device(hvd)
+    with pytest.raises(hvd.HvdliteError, match="captured before hvdlite was initialised "
+                                               "again.*capture the step again"):
+        graphed()
+    with n_rank_path():  # the knob the engine had; the new engine reads the environment
+        again = hvd.make_graphed_step(train_step, sx, sy, optimizer=opt)
+    before = _flat(model)
+    again(*_batch(1, hvd.rank(), dev))
+    torch.cuda.synchronize()
+    assert not torch.equal(_flat(model), before), "the new capture's replay changed nothing"
 
 
 def test_the_lane_is_agreed_again_after_a_reinit(hvd: Any) -> None:
