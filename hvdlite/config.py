@@ -3,8 +3,9 @@
 The body of :class:`Config` is the table: each field is declared with :func:`_knob`, which
 records its parser, default, unit, environment variables and help line. Everything else is
 derived from that one declaration: :data:`KNOBS`, environment parsing, YAML parsing, the
-``hvdliterun`` flags, ``configs/default.yaml`` (:func:`default_yaml_text`) and
-:meth:`Config.to_env`.
+``hvdliterun`` flags and :meth:`Config.to_env`; the generated documentation
+(``configs/default.yaml``, the table in docs/config.md) is tooling, in
+:mod:`hvdlite.launcher.configdoc`.
 
 Where a value comes from, strongest first (:func:`load_config`)::
 
@@ -37,11 +38,9 @@ __all__ = [
     "KNOBS",
     "Config",
     "Knob",
-    "default_yaml_text",
     "format_value",
     "knob",
     "load_config",
-    "markdown_table",
     "parse_size",
     "resolve",
 ]
@@ -561,57 +560,3 @@ def load_config(
     expected and what was got.
     """
     return resolve(path, overrides, environ)[0]
-
-
-# ---------------------------------------------------------------------------------------------
-# Generated documentation
-# ---------------------------------------------------------------------------------------------
-
-
-def _yaml_scalar(k: Knob, value: Any) -> str:
-    if value is None:
-        return "null"
-    if k.kind == "bool":
-        return "true" if value else "false"
-    if k.kind == "size" and value:
-        for unit in ("GiB", "MiB", "KiB"):
-            if value % _SIZE_UNITS[unit.lower()] == 0:
-                return f"{value // _SIZE_UNITS[unit.lower()]}{unit}"
-    return str(value)
-
-
-def default_yaml_text() -> str:
-    """The text of ``configs/default.yaml``: every knob, documented, set to its default."""
-    lines = [
-        "# hvdlite configuration: every knob at its default value.",
-        "# Precedence: init() argument / hvdliterun flag > environment > this file > default.",
-        "# Generated from hvdlite/config.py: hvdliterun --print-default-config > default.yaml",
-    ]
-    for k in KNOBS:
-        unit = f" Unit: {k.unit}." if k.unit else ""
-        choices = f" Choices: {', '.join(k.choices)}." if k.choices else ""
-        env = ", ".join(k.aliases + tuple(f"{v} (inverted)" for v in k.inverted_aliases))
-        lines += [
-            "",
-            f"# {k.help}{unit}{choices}",
-            f"# env: {k.env}" + (f" (alias {env})" if env else "") + f"; flag: {k.flag}",
-            f"{k.yaml_key}: {_yaml_scalar(k, k.default)}",
-        ]
-    return "\n".join(lines) + "\n"
-
-
-def markdown_table() -> str:
-    """A Markdown table of every knob (used in ``docs/config.md``)."""
-    rows = [
-        "| key / flag | default | unit | env (Horovod alias) | meaning |",
-        "|---|---|---|---|---|",
-    ]
-    for k in KNOBS:
-        aliases = [*k.aliases, *(f"{v} (inverted)" for v in k.inverted_aliases)]
-        env = f"`{k.env}`" + "".join(f"<br>`{a}`" for a in aliases)
-        rows.append(
-            f"| `{k.name}`<br>`{'`<br>`'.join((k.flag, *k.flag_aliases))}` "
-            f"| `{_yaml_scalar(k, k.default)}` | {k.unit or '-'} "
-            f"| {env} | {k.help} |"
-        )
-    return "\n".join(rows) + "\n"

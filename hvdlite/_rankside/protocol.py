@@ -1,9 +1,10 @@
 """What ``hvdliterun`` and the processes it starts agree on: names, files and exit codes.
 
-The launcher plane (:mod:`hvdlite.launcher`) and the runtime (the engine, ``hvdlite._exit``,
-``hvdlite.elastic``) both import this module; neither imports the other through it. The rank
-wrapper (:mod:`hvdlite.launcher.rankwrap`) runs in isolated mode without hvdlite on the path and
-loads this file by path, so it uses the standard library only and has no side effects.
+The launcher plane (:mod:`hvdlite.launcher`) and the runtime (the engine,
+:mod:`hvdlite._rankside.ending`, ``hvdlite.elastic``) both import this module; neither imports
+the other through it. The rank wrapper (:mod:`hvdlite.launcher.rankwrap`) runs in isolated mode
+without hvdlite on the path and loads this file by path, so it uses the standard library only
+and has no side effects.
 
 - The report directory (``REPORT_DIR_ENV``): a rank that fails leaves ``rank-<N>.json``
   there (:func:`write_report`); ``live-<N>`` marks a rank program that still runs.

@@ -30,9 +30,9 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from hvdlite import _exit
+from hvdlite._rankside import ending
 from hvdlite._rankside.protocol import WATCHDOG_FD_ENV
 
 if TYPE_CHECKING:
@@ -131,13 +131,10 @@ def _watch(fd: int) -> None:
                     log.exception("hvdlite: a launcher message subscriber failed")
 
 
-def _end(reason: str, code: int) -> None:
-    _exit.announce(f"{reason}; this rank ends now (its timeline is written)")
+def _end(reason: str, code: int) -> NoReturn:
     timeline = None
     with contextlib.suppress(Exception):
         timeline = _timeline_of() if _timeline_of is not None else None
-    if timeline is not None:
-        with contextlib.suppress(Exception):
-            timeline.close(_exit.TIMELINE_CLOSE_S)
-    _exit._flush_stdio()
-    os._exit(code)
+    # No failure report: the launcher ordered this end, or its wrapper is gone.
+    ending.exit_now(f"{reason}; this rank ends now (its timeline is written)", code,
+                    timeline=timeline)

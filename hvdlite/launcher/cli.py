@@ -27,11 +27,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hvdlite._rankside.protocol import REPORT_DIR_ENV
-from hvdlite.config import CONFIG_ENV, KNOBS, Config, Knob, default_yaml_text, resolve
+from hvdlite.config import CONFIG_ENV, KNOBS, Config, Knob, resolve
 from hvdlite.errors import ConfigError
 from hvdlite.launcher import compat, elastic, rankwrap, supervise
 from hvdlite.launcher import hosts as launch_hosts
 from hvdlite.launcher.common import await_ranks, say
+from hvdlite.launcher.configdoc import default_yaml_text
 from hvdlite.launcher.job import JobSpec, build_command, find_mpiexec, mpi_flavor
 from hvdlite.launcher.monitor import Monitor
 from hvdlite.launcher.verdict import Verdict

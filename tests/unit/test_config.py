@@ -13,15 +13,15 @@ from hvdlite.config import (
     KNOBS,
     Config,
     Knob,
-    default_yaml_text,
     format_value,
     knob,
     load_config,
-    markdown_table,
     parse_size,
     resolve,
 )
 from hvdlite.errors import ConfigError
+from hvdlite.launcher import configdoc
+from hvdlite.launcher.configdoc import default_yaml_text, markdown_table
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
@@ -352,7 +352,20 @@ def test_every_config_file_is_tested() -> None:
 
 def test_docs_table_is_current() -> None:
     doc = (REPO / "docs" / "config.md").read_text(encoding="utf-8")
-    assert markdown_table() in doc
+    assert markdown_table() in doc, "regenerate: python -m hvdlite.launcher.configdoc --markdown"
+
+
+def test_configdoc_prints_either_generated_text(capsys: pytest.CaptureFixture[str]) -> None:
+    assert configdoc.main(["--markdown"]) == 0
+    assert capsys.readouterr().out == markdown_table()
+    assert configdoc.main([]) == 0
+    assert capsys.readouterr().out == default_yaml_text()
+
+
+def test_the_library_module_carries_no_doc_generators() -> None:
+    import hvdlite.config
+
+    assert not {"default_yaml_text", "markdown_table", "_yaml_scalar"} & set(vars(hvdlite.config))
 
 
 def _non_default_config() -> Config:
