@@ -51,6 +51,10 @@ log = logging.getLogger("hvdlite")
 
 _MAX_WARNED = 64  # stall warnings remembered (each logged once)
 _MAX_NAP_S = 1e-3  # longest pause of a host wait between looks at its launch
+# Transports of captured schedules closed by a shutdown, kept alive (bounded: one per capture
+# per re-init, the oldest let go first) so no graph replays kernels of a freed communicator.
+_RETIRED: list[Any] = []
+_MAX_RETIRED = 64
 
 
 class Owner(Protocol):
@@ -163,10 +167,18 @@ class AgreedSchedule:
             self.transport.abort()
 
     def close(self) -> None:
-        """Free the transport once its launches completed."""
+        """Free the transport once its launches completed; a schedule whose launches a CUDA
+        graph captured is only retired (see :data:`_RETIRED`)."""
         if self.error is None:
             self.error = HvdliteError(f"{self.name}: closed (hvdlite shut down); open it "
                                       "again after hvdlite.init()")
+        if self.captured:
+            # A graph that may outlive the engine holds kernels of this communicator: waiting
+            # for its stream or aborting it hung a shutdown at two GPUs (2026-11-27). Keep
+            # the transport alive, unused (every launch raises), until the process ends.
+            _RETIRED.append(self.transport)
+            del _RETIRED[:-_MAX_RETIRED]
+            return
         self.transport.close()
 
 
