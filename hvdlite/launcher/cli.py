@@ -313,8 +313,7 @@ def _main(argv: Sequence[str] | None) -> int:
             prefix="hvdliterun-", dir=report_base) as report_dir:
         flavor = mpi_flavor(mpiexec)
         try:
-            forward = launch_hosts.forwarded_env(dict(os.environ), ns.env,
-                                                 os.path.dirname(sys.executable))
+            forward = launch_hosts.forwarded_env(dict(os.environ), ns.env)
         except ValueError as exc:
             parser.error(str(exc))
         net_args, net_env = launch_hosts.transport(flavor, iface, ns.tcp)
@@ -327,6 +326,8 @@ def _main(argv: Sequence[str] | None) -> int:
         forward |= config.to_env(chosen) | monitor.env() | {REPORT_DIR_ENV: report_dir}
         if ns.output_filename:
             forward[rankwrap.OUTPUT_DIR_ENV] = os.path.abspath(ns.output_filename)
+        if "PATH" in forward:  # the wrapper gives it back to the rank, as it is here
+            forward[rankwrap.RANK_PATH_ENV] = forward["PATH"]
         slots = [(h.name, h.slots) for h in hosts] or [("localhost", ns.np)]
         forward[rankwrap.WORKERS_ENV] = json.dumps(launch_hosts.worker_table(slots, ns.np))
         env = {k: v for k, v in os.environ.items()

@@ -200,22 +200,19 @@ PRIVATE_NAMES = frozenset({"HVDLITE_CONFIG", "HVDLITE_RUN_REPORT_DIR", "HVDLITE_
                            "HVDLITE_MONITOR_ADDR", "HVDLITE_MONITOR_TOKEN",
                            "HVDLITE_MONITOR_BEAT_S", "HVDLITE_MONITOR_TIMEOUT_S",
                            "HVDLITE_WORKERS", "HVDLITE_OUTPUT_DIR", "HVDLITE_ELASTIC_DIR",
-                           "HVDLITE_ELASTIC_GENERATION"}
+                           "HVDLITE_ELASTIC_GENERATION", "HVDLITE_RANK_PATH"}
                           | {f"{prefix}_{name}" for prefix in ("HOROVOD", "HVDLITE")
                              for name in ("HOSTNAME", "RANK", "SIZE", "LOCAL_RANK",
                                           "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE")})
 
 
-def forwarded_env(environ: dict[str, str], named: list[str], python_dir: str) -> dict[str, str]:
+def forwarded_env(environ: dict[str, str], named: list[str]) -> dict[str, str]:
     """The variables every rank gets from here: ``FORWARD_NAMES``, every ``HVDLITE_*`` and
-    ``HOROVOD_*``, and ``named`` (``NAME`` from ``environ`` or ``NAME=VALUE``). ``PATH`` starts
-    with ``python_dir`` (the venv's bin), so ``python`` on another host is this one.
+    ``HOROVOD_*``, and ``named`` (``NAME`` from ``environ`` or ``NAME=VALUE``). ``PATH`` is
+    passed as it is: ``python3`` on a rank is what ``command -v python3`` finds here.
     ValueError for a named variable that is not set here."""
     out = {k: v for k, v in environ.items()
            if (k in FORWARD_NAMES or k.startswith(FORWARD_PREFIXES)) and k not in PRIVATE_NAMES}
-    path = out.get("PATH", "")
-    if python_dir not in path.split(os.pathsep):
-        out["PATH"] = os.pathsep.join(p for p in (python_dir, path) if p)
     for item in named:
         name, eq, value = item.partition("=")
         if not name or not (name[0].isalpha() or name[0] == "_"):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hvdlite.launcher import rankwrap
 
-__all__ = ["JobSpec", "build_command", "find_mpiexec", "mpi_flavor"]
+__all__ = ["JobSpec", "build_command", "find_mpiexec", "mpi_flavor", "openmpi_prefix_args"]
 
 
 def find_mpiexec(explicit: str | None = None) -> str | None:
@@ -43,6 +43,26 @@ def mpi_flavor(mpiexec: str) -> str:
     return "unknown"
 
 
+# Open MPI takes a launcher started by its absolute path as ``--prefix`` of the folder above
+# its own, and puts that prefix's ``bin`` and ``lib`` first in every rank's PATH and
+# LD_LIBRARY_PATH. For a system install (``/usr/bin/mpirun``) that helps no host find Open MPI
+# (those folders are searched anyway) but puts ``/usr/bin`` ahead of the user's virtual
+# environment: ``python3`` becomes the system's. There ``--noprefix`` starts it as ``mpirun``
+# typed by hand would be; an install elsewhere keeps the prefix, which lets other hosts find
+# its daemon and libraries (the rank wrapper gives the rank the user's PATH either way).
+SYSTEM_PREFIXES = frozenset({"/", "/usr", "/usr/local"})
+_PREFIX_FLAGS = ("-prefix", "--prefix", "-noprefix", "--noprefix")
+
+
+def openmpi_prefix_args(mpiexec: str, mpi_args: tuple[str, ...] = ()) -> list[str]:
+    """``["--noprefix"]`` when Open MPI's ``mpiexec`` lives in a system prefix (``/usr/bin``,
+    ``/usr/local/bin``, ``/bin``) and ``mpi_args`` choose no prefix themselves, else ``[]``."""
+    if any(a in _PREFIX_FLAGS or a.startswith(("--prefix=", "-prefix=")) for a in mpi_args):
+        return []
+    prefix = os.path.dirname(os.path.dirname(os.path.normpath(mpiexec)))
+    return ["--noprefix"] if os.path.isabs(mpiexec) and prefix in SYSTEM_PREFIXES else []
+
+
 @dataclass(frozen=True)
 class JobSpec:
     """Everything :func:`build_command` needs."""
@@ -65,6 +85,7 @@ def build_command(spec: JobSpec) -> list[str]:
         cmd = [spec.mpiexec, "-np", str(spec.np), "--oversubscribe", "--bind-to", "none"]
         if spec.is_root:
             cmd.append("--allow-run-as-root")
+        cmd += openmpi_prefix_args(spec.mpiexec, spec.mpi_args)
         cmd += ["-H", spec.hosts] if spec.hosts else []
         cmd += ["--hostfile", spec.hostfile] if spec.hostfile else []
         for name, _ in spec.forward_env:

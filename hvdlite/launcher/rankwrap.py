@@ -26,7 +26,10 @@ wait for it before it returns.
 It gives the rank its worker identity: Horovod's per-worker variables (``HOROVOD_RANK``,
 ``HOROVOD_SIZE``, ``HOROVOD_LOCAL_RANK``, ``HOROVOD_LOCAL_SIZE``, ``HOROVOD_CROSS_RANK``,
 ``HOROVOD_CROSS_SIZE``, ``HOROVOD_HOSTNAME``) and the same values as ``HVDLITE_*``, from the
-table the launcher passes in ``WORKERS_ENV`` (one entry per MPI rank of the world).
+table the launcher passes in ``WORKERS_ENV`` (one entry per MPI rank of the world). It gives
+the rank the launcher's caller's ``PATH`` (``RANK_PATH_ENV``), first entry first, whatever
+folders the MPI launcher put ahead of it: ``python3`` on a rank is what ``command -v python3``
+finds where ``hvdliterun`` was started.
 
 Under ``hvdliterun`` the wrapper also holds the rank's connection to the launcher's monitor
 (``hvdlite/launcher/monitor.py``, loaded by path): heartbeats both ways and the exit report,
@@ -88,6 +91,9 @@ WORKERS_ENV = "HVDLITE_WORKERS"
 IDENTITY_NAMES = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE")
 # horovodrun's --output-filename: each rank's stdout and stderr also go to DIR/rank.<N>/.
 OUTPUT_DIR_ENV = "HVDLITE_OUTPUT_DIR"
+# The PATH the launcher means the rank's program to have (its caller's): an MPI launcher may
+# have put folders of its own first (Open MPI's --prefix puts its bin there).
+RANK_PATH_ENV = "HVDLITE_RANK_PATH"
 FORWARDED_SIGNALS = (
     signal.SIGINT,
     signal.SIGTERM,
@@ -299,6 +305,16 @@ def _tee(source: Any, sink: Any, copy: Any) -> threading.Thread:
     return thread
 
 
+def program_env(environ: dict[str, str], rank: int | None) -> dict[str, str]:
+    """The rank program's environment: ``environ`` with the ``PATH`` the launcher meant
+    (``RANK_PATH_ENV``, where it is set) and the worker identity (:func:`worker_env`), less
+    the launcher's table and its ``RANK_PATH_ENV``."""
+    env = {k: v for k, v in environ.items() if k not in (WORKERS_ENV, RANK_PATH_ENV)}
+    if RANK_PATH_ENV in environ:
+        env["PATH"] = environ[RANK_PATH_ENV]
+    return env | worker_env(environ, rank)
+
+
 def worker_env(environ: dict[str, str], rank: int | None) -> dict[str, str]:
     """Horovod's per-worker variables and their ``HVDLITE_*`` twins for MPI rank ``rank``,
     from the launcher's table (``WORKERS_ENV``); empty without one."""
@@ -345,8 +361,7 @@ class _Supervision:
         self.agent = agent
 
     def child_env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k != WORKERS_ENV}
-        env |= worker_env(dict(os.environ), self.rank)
+        env = program_env(dict(os.environ), self.rank)
         if self.theirs is None:
             return env
         return env | {WATCHDOG_FD_ENV: str(self.theirs.fileno())}

@@ -192,7 +192,7 @@ def test_settings_reach_every_rank_with_precedence(tmp_path: Path) -> None:
         assert report["env"] == expected.to_env(set_here) | {
             k: v for k, v in report["env"].items() if k in launcher_own}
         unset_here = {"HVDLITE_RUN_REPORT_DIR", "HVDLITE_OUTPUT_DIR", "HVDLITE_ELASTIC_DIR",
-                      "HVDLITE_ELASTIC_GENERATION", "HVDLITE_WORKERS"}
+                      "HVDLITE_ELASTIC_GENERATION", "HVDLITE_WORKERS", "HVDLITE_RANK_PATH"}
         assert {n for n in launcher_own - unset_here if n.startswith("HVDLITE_")} \
             <= set(report["env"])
         # Horovod's per-worker variables, and the HVDLITE_ names beside them.

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -103,10 +104,12 @@ def test_every_collective_across_hosts(cluster: Cluster, tmp_path: Path) -> None
                                   (n2, 0, 2, 1, 2), (n2, 1, 2, 1, 2)]
     # global: 4 dtypes x (3 ops + product + 2 grouped + allgather + alltoall + reducescatter
     # + 4 broadcasts) + barrier; the two-rank sets 2 broadcasts; plus the 4 MiB allreduce
-    # What hvdliterun forwards reaches the other host too; "python" is this environment's.
+    # What hvdliterun forwards reaches the other host too; "python" is the one the caller's
+    # PATH finds.
+    python = shutil.which("python")
     for r in reports:
         assert r["env"] == {"MH_NAMED": "forwarded", "MH_SET": "from-env",
-                            "HOROVOD_MH_PREFIXED": "yes", "python": sys.executable}, r
+                            "HOROVOD_MH_PREFIXED": "yes", "python": python}, r
     _check_merged_trace([out / f"trace.{r}.json" for r in range(4)])
     per_set = {"global": 4 * 13 + 1, "pair": 4 * 11 + 1}
     big = 1
@@ -148,6 +151,11 @@ def test_doctor_names_every_host_and_the_links(cluster: Cluster) -> None:
     assert "MPICH ch4 netmod ofi, libfabric provider tcp on eth0" in ran.out, ran.out
     assert f"{n1} <-> {n2}: TCP" in ran.out and f"eth0 {a1} <-> eth0 {a2}" in ran.out, ran.out
     assert f"within {n1} (ranks 0, 1): no TCP between them (shared memory)" in ran.out
+    # Every rank, on either host, names the interpreter python3 runs: the one PATH finds here.
+    python3 = re.escape(str(shutil.which("python3")))
+    assert len(re.findall(rf"^  python3        (WARNING: .* runs )?{python3} \(Python ", ran.out,
+                          re.M)) == 4, ran.out
+    assert "is not the same interpreter on every rank" not in ran.out, ran.out
     assert "all checks passed on 4 rank(s)" in ran.out
 
 
