@@ -8,7 +8,8 @@ loads this file by path, so it uses the standard library only and has no side ef
 - The report directory (``REPORT_DIR_ENV``): a rank that fails leaves ``rank-<N>.json``
   there (:func:`write_report`); ``live-<N>`` marks a rank program that still runs.
 - The watchdog channel (``WATCHDOG_FD_ENV``): a socket from the rank wrapper into the rank
-  (:mod:`hvdlite._rankside.watchdog` is its rank end).
+  (:mod:`hvdlite._rankside.watchdog` is its rank end). Its message types in
+  ``RESERVED_TYPES`` belong to hvdlite: user code cannot send them.
 - Elastic jobs: the job directory and world number (``ELASTIC_DIR_ENV``, ``GENERATION_ENV``),
   the exit codes of a rank that leaves its world for a reset, and the driver's host-change
   notice (``HOSTS_UPDATED_MESSAGE`` on the channel, ``HOSTS_UPDATED_FILE`` on disk).
@@ -25,14 +26,19 @@ from collections.abc import Mapping
 
 __all__ = ["ELASTIC_DIR_ENV", "EXIT_HOSTS_UPDATED", "EXIT_INTERNAL_ERROR", "GENERATION_ENV",
            "HOSTS_UPDATED_FILE", "HOSTS_UPDATED_MESSAGE", "LIVE_PREFIX", "RANK_ENVS",
-           "REPORT_DIR_ENV", "RESET_EXIT_CODES", "UNREACHABLE_KEY", "WATCHDOG_FD_ENV",
-           "describe_status", "generation_dir", "rank_from_env", "write_report"]
+           "REPORT_DIR_ENV", "RESERVED_TYPES", "RESET_EXIT_CODES", "UNREACHABLE_KEY",
+           "WATCHDOG_FD_ENV", "describe_status", "generation_dir", "rank_from_env", "write_report"]
 
 REPORT_DIR_ENV = "HVDLITE_RUN_REPORT_DIR"
 UNREACHABLE_KEY = "launcher_unreachable"  # in a report: see write_report
 WATCHDOG_FD_ENV = "HVDLITE_WATCHDOG_FD"
 LIVE_PREFIX = "live-"
 RANK_ENVS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+# Message types of the launcher <-> rank channel that hvdlite itself sends: the monitor's own
+# (hvdlite/launcher/monitor.py's RESERVED_TYPES: hello, beat, exit, orphaned, abort) and
+# ``failing`` (hvdlite._exit, rank -> wrapper). The rank wrapper relays none of them from the
+# rank to the launcher but ``failing``, which it turns into the exit report.
+RESERVED_TYPES = frozenset({"hello", "beat", "exit", "orphaned", "abort", "failing"})
 
 ELASTIC_DIR_ENV = "HVDLITE_ELASTIC_DIR"
 GENERATION_ENV = "HVDLITE_ELASTIC_GENERATION"

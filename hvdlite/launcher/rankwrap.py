@@ -368,7 +368,8 @@ class _Supervision:
     def _relay(self) -> None:
         """Lines from the rank: ``failing`` (hvdlite's abort_job) becomes the exit report now,
         before the MPI launcher kills this wrapper (which would look like a lost host); any
-        other message goes to the launcher's monitor as it is."""
+        other message goes to the launcher's monitor as it is, but for the channel's own types
+        (``protocol.RESERVED_TYPES``), which only this wrapper and its guard send."""
         buf = b""
         while self._mine is not None:
             try:
@@ -379,13 +380,16 @@ class _Supervision:
                 return
             *lines, buf = (buf + data).split(b"\n")
             for raw in lines:
-                with contextlib.suppress(ValueError, KeyError, TypeError):
+                with contextlib.suppress(ValueError, KeyError, TypeError, RecursionError):
                     msg = json.loads(raw)
-                    if self.agent is None or not isinstance(msg.get("t"), str):
+                    kind = msg.get("t") if isinstance(msg, dict) else None
+                    if self.agent is None or not isinstance(kind, str):
                         continue
-                    if msg["t"] == "failing":
-                        self.agent.report_exit(int(msg["code"]))
-                    else:
+                    if kind == "failing":
+                        code = msg["code"]
+                        if isinstance(code, int) and not isinstance(code, bool):
+                            self.agent.report_exit(code)
+                    elif kind not in protocol.RESERVED_TYPES:
                         self.agent.send(msg)
 
     def _launcher_lost(self, reason: str) -> None:
