@@ -26,7 +26,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hvdlite._rankside.protocol import REPORT_DIR_ENV
+from hvdlite._rankside.protocol import REPORT_DIR_ENV, workers_plan
 from hvdlite.config import CONFIG_ENV, KNOBS, Config, Knob, default_yaml_text, resolve
 from hvdlite.errors import ConfigError
 from hvdlite.launcher import compat, elastic, rankwrap, supervise
@@ -327,7 +327,9 @@ def _main(argv: Sequence[str] | None) -> int:
         if ns.output_filename:
             forward[rankwrap.OUTPUT_DIR_ENV] = os.path.abspath(ns.output_filename)
         slots = [(h.name, h.slots) for h in hosts] or [("localhost", ns.np)]
-        forward[rankwrap.WORKERS_ENV] = json.dumps(launch_hosts.worker_table(slots, ns.np))
+        # A plan each rank computes its own row from: the table itself passes Linux's 128 KiB
+        # for one variable at about 2,900 ranks.
+        forward[rankwrap.WORKERS_ENV] = workers_plan([(slots, ns.np)], [(0, 0, ns.np)])
         env = {k: v for k, v in os.environ.items()
                if k not in launch_hosts.PRIVATE_NAMES and k != CONFIG_ENV}
         env |= forward | launcher_env

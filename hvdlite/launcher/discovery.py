@@ -19,8 +19,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from hvdlite._rankside.protocol import worker_rows, worker_table, workers_plan
 from hvdlite.launcher.common import say
-from hvdlite.launcher.hosts import worker_table
 
 __all__ = ["ADDED", "REMOVED", "Hosts", "Workers", "describe", "parse_hosts", "size"]
 
@@ -177,23 +177,43 @@ class Hosts:
 class Workers:
     """The job's workers, one per slot ``(host, local_rank)``: each keeps the identity
     (``[host, rank, size, local_rank, local_size, cross_rank, cross_size]``) of the world it
-    was started in until it leaves the job (its host failed, was removed or lost the slot)."""
+    was started in until it leaves the job (its host failed, was removed or lost the slot).
+    A worker's identity is a row of its first world's table: the plan (:meth:`plan`) names
+    those worlds and runs of their rows, so its size grows with the hosts, not the ranks."""
 
     def __init__(self) -> None:
-        self.identity: dict[tuple[str, int], list[object]] = {}
+        self.origin: dict[tuple[str, int], tuple[int, int]] = {}  # slot -> (world, row)
+        self.worlds: dict[int, tuple[tuple[tuple[str, int], ...], int]] = {}
+        self._next_world = 0
 
-    def table(self, assignment: Sequence[tuple[str, int]]) -> list[list[object]]:
-        """The identities of the ranks of a world on ``assignment``, in rank order: kept for
-        slots whose worker goes on, the new world's values for new workers."""
+    def plan(self, assignment: Sequence[tuple[str, int]]) -> str:
+        """The ``WORKERS_ENV`` text (:func:`~hvdlite._rankside.protocol.workers_plan`) of a
+        world on ``assignment``: kept identities for slots whose worker goes on, the new
+        world's rows for new workers."""
+        world = self._next_world
+        self._next_world += 1
         rows = worker_table(assignment, size(assignment))
         keep = {(str(r[0]), int(str(r[3]))) for r in rows}
-        self.identity = {slot: row for slot, row in self.identity.items() if slot in keep}
-        out = []
-        for row in rows:
-            slot = (str(row[0]), int(str(row[3])))
-            out.append(self.identity.setdefault(slot, row))
-        return out
+        self.origin = {slot: o for slot, o in self.origin.items() if slot in keep}
+        origins = [self.origin.setdefault((str(r[0]), int(str(r[3]))), (world, i))
+                   for i, r in enumerate(rows)]
+        self.worlds[world] = (tuple(assignment), size(assignment))
+        used = sorted({w for w, _ in origins})
+        self.worlds = {w: self.worlds[w] for w in used}
+        index = {w: i for i, w in enumerate(used)}
+        runs: list[list[int]] = []
+        for w, row in origins:
+            if runs and runs[-1][0] == index[w] and runs[-1][1] + runs[-1][2] == row:
+                runs[-1][2] += 1
+            else:
+                runs.append([index[w], row, 1])
+        return workers_plan([self.worlds[w] for w in used],
+                            [(w, first, count) for w, first, count in runs])
+
+    def table(self, assignment: Sequence[tuple[str, int]]) -> list[list[object]]:
+        """:meth:`plan` as the rows themselves, in rank order."""
+        return worker_rows(self.plan(assignment))
 
     def leave(self, host: str) -> None:
         """Every worker of ``host`` leaves the job (the host failed or is gone)."""
-        self.identity = {s: row for s, row in self.identity.items() if s[0] != host}
+        self.origin = {s: o for s, o in self.origin.items() if s[0] != host}

@@ -224,7 +224,7 @@ class _Driver:
         os.makedirs(protocol.generation_dir(self.job_dir, generation), exist_ok=True)
         extra = {protocol.REPORT_DIR_ENV: report_dir, protocol.ELASTIC_DIR_ENV: self.job_dir,
                  protocol.GENERATION_ENV: str(generation), "HOROVOD_ELASTIC": "1",
-                 rankwrap.WORKERS_ENV: json.dumps(self.workers.table(assignment))}
+                 rankwrap.WORKERS_ENV: self.workers.plan(assignment)}
         # A monitor of its own per world: rank numbers repeat from one world to the next.
         monitor = self.new_monitor() if self.new_monitor is not None else None
         if monitor is not None:

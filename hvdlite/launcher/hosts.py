@@ -16,6 +16,8 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hvdlite._rankside.protocol import worker_table
+
 __all__ = ["Host", "check_ssh", "choose_interface", "forwarded_env", "interface_address",
            "interface_for", "is_local", "parse_hostfile", "parse_hosts", "ssh_for_mpi",
            "ssh_options", "transport", "worker_table"]
@@ -249,28 +251,3 @@ def transport(flavor: str, iface: str | None, tcp: bool) -> tuple[list[str], dic
     if tcp:
         env |= {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
     return args, env
-
-
-def worker_table(slots: Sequence[tuple[str, int]], np: int) -> list[list[object]]:
-    """Horovod's slot assignment of ``np`` ranks on ``slots`` ((host, slots) in order; ranks
-    fill a host before the next, as ``mpiexec -hosts h:n,...`` places them, wrapping around
-    when ``np`` exceeds the slots): per rank ``[host, rank, size, local_rank, local_size,
-    cross_rank, cross_size]``, the values of ``HOROVOD_HOSTNAME``, ``HOROVOD_RANK``, ...
-    (a rank's cross rank is its host's index among the hosts that have its local rank)."""
-    if np < 1 or not slots or any(n < 1 for _, n in slots):
-        raise ValueError(f"worker_table needs np >= 1 and hosts with slots >= 1, got np={np} "
-                         f"and {list(slots)}")
-    placed: list[tuple[str, int]] = []  # (host, local_rank) per rank
-    count: dict[str, int] = {}
-    while len(placed) < np:
-        for host, n in slots:
-            take = min(n, np - len(placed))
-            placed += [(host, count.get(host, 0) + i) for i in range(take)]
-            count[host] = count.get(host, 0) + take
-    hosts_at: dict[int, list[str]] = {}
-    for host, local in placed:
-        hosts_at.setdefault(local, [])
-        if host not in hosts_at[local]:
-            hosts_at[local].append(host)
-    return [[host, rank, np, local, count[host], hosts_at[local].index(host),
-             len(hosts_at[local])] for rank, (host, local) in enumerate(placed)]

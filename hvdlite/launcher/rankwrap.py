@@ -26,7 +26,8 @@ wait for it before it returns.
 It gives the rank its worker identity: Horovod's per-worker variables (``HOROVOD_RANK``,
 ``HOROVOD_SIZE``, ``HOROVOD_LOCAL_RANK``, ``HOROVOD_LOCAL_SIZE``, ``HOROVOD_CROSS_RANK``,
 ``HOROVOD_CROSS_SIZE``, ``HOROVOD_HOSTNAME``) and the same values as ``HVDLITE_*``, from the
-table the launcher passes in ``WORKERS_ENV`` (one entry per MPI rank of the world).
+plan the launcher passes in ``WORKERS_ENV`` (its size grows with the hosts, not the ranks:
+each wrapper computes its own row).
 
 Under ``hvdliterun`` the wrapper also holds the rank's connection to the launcher's monitor
 (``hvdlite/launcher/monitor.py``, loaded by path): heartbeats both ways and the exit report,
@@ -83,8 +84,8 @@ WATCHDOG_FD_ENV = protocol.WATCHDOG_FD_ENV
 RANK_ENVS = protocol.RANK_ENVS
 rank_from_env = protocol.rank_from_env
 describe_status = protocol.describe_status
-# The launcher's table of worker identities, one per MPI rank of the world (JSON).
-WORKERS_ENV = "HVDLITE_WORKERS"
+# The launcher's plan of worker identities, one per MPI rank of the world (JSON).
+WORKERS_ENV = protocol.WORKERS_ENV
 IDENTITY_NAMES = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE")
 # horovodrun's --output-filename: each rank's stdout and stderr also go to DIR/rank.<N>/.
 OUTPUT_DIR_ENV = "HVDLITE_OUTPUT_DIR"
@@ -301,12 +302,12 @@ def _tee(source: Any, sink: Any, copy: Any) -> threading.Thread:
 
 def worker_env(environ: dict[str, str], rank: int | None) -> dict[str, str]:
     """Horovod's per-worker variables and their ``HVDLITE_*`` twins for MPI rank ``rank``,
-    from the launcher's table (``WORKERS_ENV``); empty without one."""
-    try:
-        table: list[list[Any]] = json.loads(environ.get(WORKERS_ENV, ""))
-        host, *numbers = table[rank if rank is not None else -1]
-    except (ValueError, IndexError, TypeError):
+    computed from the launcher's plan (``WORKERS_ENV``, :func:`protocol.worker_row`); empty
+    without one."""
+    row = protocol.worker_row(environ.get(WORKERS_ENV, ""), rank) if rank is not None else None
+    if row is None:
         return {}
+    host, *numbers = row
     out = {"HOROVOD_HOSTNAME": str(host), "HVDLITE_HOSTNAME": str(host)}
     for name, value in zip(IDENTITY_NAMES, numbers, strict=False):
         out[f"HOROVOD_{name}"] = out[f"HVDLITE_{name}"] = str(value)
