@@ -42,6 +42,7 @@ __all__ = [
     "knob",
     "load_config",
     "markdown_table",
+    "parse_bool",
     "parse_size",
     "resolve",
 ]
@@ -100,7 +101,10 @@ _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
 
-def _parse_bool(value: object) -> bool:
+def parse_bool(value: object) -> bool:
+    """A boolean: ``True``/``False``, 1/0, or (any case) ``true``/``false``, ``yes``/``no``,
+    ``on``/``off``, ``"1"``/``"0"``; ValueError for anything else (``None`` and ``"maybe"``
+    included)."""
     if isinstance(value, bool):
         return value
     if isinstance(value, int) and value in (0, 1):
@@ -298,7 +302,7 @@ class Config:
              "negotiation round. 0 keeps nothing (no cache).",
     )  # fmt: skip
     async_completion: bool = _knob(
-        kind="bool", parse=_parse_bool, default=False, unit="",
+        kind="bool", parse=parse_bool, default=False, unit="",
         env="HVDLITE_ENABLE_ASYNC_COMPLETION", aliases=("HOROVOD_ENABLE_ASYNC_COMPLETION",),
         help="GPU: complete handles with a CUDA event instead of a CPU wait.",
     )  # fmt: skip
@@ -308,7 +312,7 @@ class Config:
         help="Write a Chrome-trace timeline to this file; empty / null = off.",
     )  # fmt: skip
     timeline_mark_cycles: bool = _knob(
-        kind="bool", parse=_parse_bool, default=False, unit="",
+        kind="bool", parse=parse_bool, default=False, unit="",
         aliases=("HOROVOD_TIMELINE_MARK_CYCLES",),
         help="Mark each background-loop cycle in the timeline.",
     )  # fmt: skip
@@ -318,12 +322,12 @@ class Config:
              "(0 = no cap).",
     )  # fmt: skip
     timeline_device_events: bool = _knob(
-        kind="bool", parse=_parse_bool, default=False, unit="",
+        kind="bool", parse=parse_bool, default=False, unit="",
         help="GPU + timeline: time device phases with CUDA event pairs and keep stream waits "
              "and async completion, instead of the default CPU-sync fallback.",
     )  # fmt: skip
     stall_check: bool = _knob(
-        kind="bool", parse=_parse_bool, default=True, unit="",
+        kind="bool", parse=parse_bool, default=True, unit="",
         inverted_aliases=("HOROVOD_STALL_CHECK_DISABLE",),
         help="Warn about tensors that some ranks submitted and others did not.",
     )  # fmt: skip
@@ -359,13 +363,13 @@ class Config:
              "thread is busy in Python. 0 = leave it alone.",
     )  # fmt: skip
     optimizer_size1_shortcut: bool = _knob(
-        kind="bool", parse=_parse_bool, default=True, unit="",
+        kind="bool", parse=parse_bool, default=True, unit="",
         help="hvdlite.torch DistributedOptimizer at one rank registers no hooks and "
              "communicates nothing (Horovod's rule). Off: it runs the N-rank path (hooks, "
              "buckets, allreduces) at one rank; for benchmarks that measure that path.",
     )  # fmt: skip
     optimizer_schedule: bool = _knob(
-        kind="bool", parse=_parse_bool, default=True, unit="",
+        kind="bool", parse=parse_bool, default=True, unit="",
         help="hvdlite.torch DistributedOptimizer with CUDA buckets over NCCL: once every rank "
              "has shown it builds the same buckets (checked at the first step), each bucket is "
              "launched by the autograd thread itself, in the agreed order, on the schedule's "
@@ -385,7 +389,7 @@ class Config:
         help="hvdlite logging threshold.",
     )  # fmt: skip
     nvtx: bool = _knob(
-        kind="bool", parse=_parse_bool, default=False, unit="",
+        kind="bool", parse=parse_bool, default=False, unit="",
         help="Emit NVTX ranges around the pipeline phases (needs the nvtx package).",
     )  # fmt: skip
     start_timeout_s: float = _knob(
@@ -473,7 +477,7 @@ def _from_yaml(path: str | os.PathLike[str]) -> dict[str, tuple[Any, str]]:
             data = yaml.safe_load(handle)
     except OSError as exc:
         raise ConfigError(f"config file {name!r} cannot be read: {exc.strerror}") from exc
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {name!r} is not valid YAML: {exc}") from exc
     if data is None:
         return {}

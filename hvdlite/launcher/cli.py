@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shlex
 import signal
@@ -223,8 +224,10 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Nam
         parser.error("--check runs the doctor on every rank; drop the command after it")
     if not command and not ns.check:
         parser.error("no command to run: put it after '--', e.g. hvdliterun -np 2 -- python x.py")
-    if ns.timeout is not None and ns.timeout <= 0:
-        parser.error(f"--timeout must be > 0 seconds, got {ns.timeout:g}")
+    if ns.timeout is not None and not 0 < ns.timeout < math.inf:
+        parser.error(f"--timeout must be a finite number > 0 of seconds, got {ns.timeout:g}")
+    if ns.ssh_port is not None and not 0 < ns.ssh_port < 65536:
+        parser.error(f"--ssh-port must be between 1 and 65535, got {ns.ssh_port}")
     try:
         ns.mpi_args = shlex.split(ns.mpi_args)
     except ValueError as exc:
@@ -344,12 +347,24 @@ def _main(argv: Sequence[str] | None) -> int:
             mpi_args=tuple(net_args + ns.mpi_args),
             is_root=os.geteuid() == 0,
         )
-        cmd = build_command(spec)
+        try:
+            cmd = build_command(spec)
+        except ValueError as exc:
+            parser.error(str(exc))
         if ns.verbose:
             _print_verbose(cmd, config, sources)
         if elastic_args is not None:
+            def world_monitor(assignment: list[tuple[str, int]]) -> Monitor:
+                # Discovered hosts are known per world: the ranks of remote ones dial the
+                # interface toward them (OSError when there is none: the world cannot start).
+                if remote or ns.network_interface:
+                    return _monitor(config, monitor_address)
+                away = next((h for h, _ in assignment if not launch_hosts.is_local(h)), None)
+                return _monitor(config, launch_hosts.choose_interface(
+                    None, [away] if away else [])[1])
+
             return elastic.run_elastic(elastic_args, spec, env, report_dir, ns.timeout,
-                                       lambda: _monitor(config, monitor_address))
+                                       world_monitor)
         try:
             proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         except OSError as exc:

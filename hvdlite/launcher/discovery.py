@@ -13,7 +13,9 @@ Importing this module has no side effects.
 
 from __future__ import annotations
 
+import os
 import random
+import select
 import subprocess
 import time
 from collections.abc import Sequence
@@ -21,10 +23,14 @@ from dataclasses import dataclass, field
 
 from hvdlite._rankside.protocol import worker_rows, worker_table, workers_plan
 from hvdlite.launcher.common import say
+from hvdlite.launcher.hosts import check_host
 
-__all__ = ["ADDED", "REMOVED", "Hosts", "Workers", "describe", "parse_hosts", "size"]
+__all__ = ["ADDED", "MAX_DISCOVERY_BYTES", "REMOVED", "Hosts", "Workers", "describe",
+           "parse_hosts", "run_discovery", "size"]
 
 DISCOVERY_TIMEOUT_S = 30.0
+# About 200,000 hosts' lines: more is a script gone wrong, not read into memory.
+MAX_DISCOVERY_BYTES = 4 << 20
 COOLDOWN_MIN_S = 1  # Horovod's bounds on --blacklist-cooldown-range
 COOLDOWN_MAX_S = 3600
 ADDED = 1  # Horovod's HostUpdateResult bits
@@ -32,13 +38,16 @@ REMOVED = 2
 
 
 def parse_hosts(text: str, default_slots: int | None, what: str) -> list[tuple[str, int]]:
-    """``"a:2,b"`` or lines ``a:2`` -> ``[("a", 2), ("b", default_slots)]``; ValueError."""
-    hosts: list[tuple[str, int]] = []
+    """``"a:2,b"`` or lines ``a:2`` -> ``[("a", 2), ("b", default_slots)]``; ValueError for
+    a bad slot count, a name that is not a host (:func:`~hvdlite.launcher.hosts.check_host`)
+    or a host listed twice. Linear in the text."""
+    hosts: dict[str, int] = {}
     for item in text.replace(",", "\n").splitlines():
         item = item.strip()
         if not item or item.startswith("#"):
             continue
         name, sep, count = item.partition(":")
+        name = check_host(name.strip(), what)
         if sep:
             if not count.strip().isdigit() or int(count) < 1:
                 raise ValueError(f"{what}: bad slot count in {item!r}: expected host:N, N >= 1")
@@ -47,10 +56,46 @@ def parse_hosts(text: str, default_slots: int | None, what: str) -> list[tuple[s
             slots = default_slots
         else:
             raise ValueError(f"{what}: {item!r} has no ':slots' and --slots is not given")
-        if any(h == name for h, _ in hosts):
+        if name in hosts:
             raise ValueError(f"{what}: host {name!r} is listed twice")
-        hosts.append((name.strip(), slots))
-    return hosts
+        hosts[name] = slots
+    return list(hosts.items())
+
+
+def run_discovery(script: str) -> str:
+    """What ``script`` printed (no shell, stdin and stderr closed), at most
+    ``MAX_DISCOVERY_BYTES`` within ``DISCOVERY_TIMEOUT_S``; ValueError past the bound,
+    ``subprocess.SubprocessError`` for a timeout or a non-zero exit, OSError when it cannot
+    run."""
+    proc = subprocess.Popen([script], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    chunks: list[bytes] = []
+    total = 0
+    deadline = time.monotonic() + DISCOVERY_TIMEOUT_S
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise subprocess.TimeoutExpired([script], DISCOVERY_TIMEOUT_S)
+            if not select.select([proc.stdout], [], [], left)[0]:
+                continue
+            data = os.read(proc.stdout.fileno(), 65536)
+            if not data:
+                break
+            total += len(data)
+            if total > MAX_DISCOVERY_BYTES:
+                raise ValueError(f"it printed more than {MAX_DISCOVERY_BYTES} bytes")
+            chunks.append(data)
+        code = proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    if code != 0:
+        raise subprocess.CalledProcessError(code, [script])
+    return b"".join(chunks).decode()
 
 
 def size(assignment: Sequence[tuple[str, int]]) -> int:
@@ -101,8 +146,7 @@ class Hosts:
             self.known = dict(self.static)
         else:
             try:
-                out = subprocess.run([self.discovery], capture_output=True, text=True,
-                                     timeout=DISCOVERY_TIMEOUT_S, check=True).stdout
+                out = run_discovery(self.discovery)
                 self.known = dict(parse_hosts(out, self.slots, "host discovery script"))
             except (OSError, subprocess.SubprocessError, ValueError) as exc:
                 if first:

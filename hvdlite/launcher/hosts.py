@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import ipaddress
 import os
+import re
 import shlex
 import socket
 import struct
@@ -18,9 +20,9 @@ from dataclasses import dataclass
 
 from hvdlite._rankside.protocol import worker_table
 
-__all__ = ["Host", "check_ssh", "choose_interface", "forwarded_env", "interface_address",
-           "interface_for", "is_local", "parse_hostfile", "parse_hosts", "ssh_for_mpi",
-           "ssh_options", "transport", "worker_table"]
+__all__ = ["Host", "check_host", "check_ssh", "choose_interface", "forwarded_env",
+           "interface_address", "interface_for", "is_local", "parse_hostfile", "parse_hosts",
+           "ssh_for_mpi", "ssh_options", "transport", "worker_table"]
 
 SSH_CONNECT_TIMEOUT_S = 7  # a host that does not answer ssh in this long is unreachable
 SSH_CHECK_TIMEOUT_S = 9.5  # the whole check, all hosts at once (the promise: under 10 s)
@@ -35,9 +37,28 @@ class Host:
     slots: int
 
 
-def _host(name: str, slots_text: str, where: str) -> Host:
+_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def check_host(name: str, where: str) -> str:
+    """``name`` if it is a host name (RFC 1123: labels of letters, digits and inner ``-``,
+    253 characters at most) or an IP address; ValueError naming ``where`` otherwise. A host
+    reaches ssh and the MPI launcher's command lines: one that starts with ``-`` would be an
+    option there."""
     if not name:
         raise ValueError(f"{where}: empty host name")
+    with contextlib.suppress(ValueError):
+        ipaddress.ip_address(name)
+        return name
+    labels = (name[:-1] if name.endswith(".") else name).split(".")
+    if len(name) > 253 or not all(_LABEL.fullmatch(label) for label in labels):
+        raise ValueError(f"{where}: {name!r} is not a host name or an IP address (RFC 1123: "
+                         "letters, digits, '-' and '.', no part starting or ending with '-')")
+    return name
+
+
+def _host(name: str, slots_text: str, where: str) -> Host:
+    check_host(name, where)
     try:
         slots = int(slots_text)
     except ValueError:
@@ -161,7 +182,7 @@ def choose_interface(named: str | None, remote: list[str]) -> tuple[str | None, 
 def _ssh_one(host: str, python: str, ssh_args: list[str], out: dict[str, str]) -> None:
     remote = f"test -x {shlex.quote(python)} || {{ echo 'no {python} there'; exit 3; }}"
     cmd = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={SSH_CONNECT_TIMEOUT_S}",
-           *ssh_args, host, remote]
+           *ssh_args, "--", host, remote]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True,
                               timeout=SSH_CHECK_TIMEOUT_S, check=False)

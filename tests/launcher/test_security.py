@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 from jobs_util import REPO, clean_env
 
+from hvdlite.launcher.cli import main
 from hvdlite.run import find_mpiexec, mpi_flavor
 
 pytestmark = pytest.mark.timeout(120)
@@ -115,3 +116,31 @@ def test_ten_thousand_ranks_start(tmp_path: Path, elastic: bool) -> None:
         ["localhost", "0", "10000", "0", "5000", "0", "2"]
     assert json.loads((tmp_path / "id-9999").read_text()) == \
         ["127.0.0.1", "9999", "10000", "4999", "5000", "1", "2"]
+
+
+# -- findings 7 and 8: bad input is one line naming it, before anything starts ------------------
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["-H", "-oProxyCommand=touch {tmp}/ran:1"], "is not a host name or an IP address"),
+    (["-H", "localhost:1,a;b:1"], "'a;b' is not a host name"),
+    (["--timeout", "nan"], "--timeout must be a finite number > 0 of seconds, got nan"),
+    (["--timeout", "inf"], "--timeout must be a finite number > 0 of seconds, got inf"),
+    (["--ssh-port", "70000"], "--ssh-port must be between 1 and 65535, got 70000"),
+    (["--config-file", "{tmp}/null.yaml"], "params.cycle_time_ms: expected a number, got None"),
+    (["--config-file", "{tmp}/list.yaml"], "params.fusion_threshold_mb: expected a number"),
+    (["-x", "A-B=1"], "cannot forward the environment variable 'A-B'"),
+])
+def test_bad_input_is_one_line_and_nothing_starts(tmp_path: Path, args: list[str],
+                                                  message: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "null.yaml").write_text("params:\n  cycle_time_ms: null\n")
+    (tmp_path / "list.yaml").write_text("params:\n  fusion_threshold_mb: [1]\n")
+    args = [a.format(tmp=tmp_path) for a in args]
+    with pytest.raises(SystemExit) as ended:  # argparse's error: usage and one line, exit 2
+        main(["-np", "1", *args, "--", sys.executable, "-c",
+              f"open({str(tmp_path / 'ran')!r}, 'w')"])
+    err = capsys.readouterr().err
+    assert ended.value.code == 2, err
+    assert message in err.splitlines()[-1], err
+    assert not (tmp_path / "ran").exists()
