@@ -225,7 +225,7 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Nam
     if not command and not ns.check:
         parser.error("no command to run: put it after '--', e.g. hvdliterun -np 2 -- python x.py")
     if ns.timeout is not None and not 0 < ns.timeout < math.inf:
-        parser.error(f"--timeout must be a finite number > 0 of seconds, got {ns.timeout:g}")
+        parser.error(f"--timeout must be > 0 seconds (a finite number), got {ns.timeout:g}")
     if ns.ssh_port is not None and not 0 < ns.ssh_port < 65536:
         parser.error(f"--ssh-port must be between 1 and 65535, got {ns.ssh_port}")
     try:
@@ -355,13 +355,9 @@ def _main(argv: Sequence[str] | None) -> int:
             _print_verbose(cmd, config, sources)
         if elastic_args is not None:
             def world_monitor(assignment: list[tuple[str, int]]) -> Monitor:
-                # Discovered hosts are known per world: the ranks of remote ones dial the
-                # interface toward them (OSError when there is none: the world cannot start).
                 if remote or ns.network_interface:
                     return _monitor(config, monitor_address)
-                away = next((h for h, _ in assignment if not launch_hosts.is_local(h)), None)
-                return _monitor(config, launch_hosts.choose_interface(
-                    None, [away] if away else [])[1])
+                return _monitor(config, _toward([h for h, _ in assignment]))
 
             return elastic.run_elastic(elastic_args, spec, env, report_dir, ns.timeout,
                                        world_monitor)
@@ -388,6 +384,18 @@ def _hosts(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> list[laun
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
     return []
+
+
+def _toward(hosts: list[str]) -> str:
+    """The address the ranks on ``hosts`` dial the monitor at, for discovered hosts (known
+    per world): that of the interface toward the first remote one this host routes to, else
+    the loopback (a remote host that cannot be routed to cannot start its ranks either, and
+    the elastic driver leaves it out)."""
+    for host in hosts:
+        if not launch_hosts.is_local(host):
+            with contextlib.suppress(OSError, UnicodeError):
+                return launch_hosts.interface_for(host)[1]
+    return "127.0.0.1"
 
 
 def _monitor(config: Config, address: str) -> Monitor:

@@ -124,8 +124,8 @@ def test_ten_thousand_ranks_start(tmp_path: Path, elastic: bool) -> None:
 @pytest.mark.parametrize(("args", "message"), [
     (["-H", "-oProxyCommand=touch {tmp}/ran:1"], "is not a host name or an IP address"),
     (["-H", "localhost:1,a;b:1"], "'a;b' is not a host name"),
-    (["--timeout", "nan"], "--timeout must be a finite number > 0 of seconds, got nan"),
-    (["--timeout", "inf"], "--timeout must be a finite number > 0 of seconds, got inf"),
+    (["--timeout", "nan"], "--timeout must be > 0 seconds (a finite number), got nan"),
+    (["--timeout", "inf"], "--timeout must be > 0 seconds (a finite number), got inf"),
     (["--ssh-port", "70000"], "--ssh-port must be between 1 and 65535, got 70000"),
     (["--config-file", "{tmp}/null.yaml"], "params.cycle_time_ms: expected a number, got None"),
     (["--config-file", "{tmp}/list.yaml"], "params.fusion_threshold_mb: expected a number"),
