@@ -273,10 +273,17 @@ def _output_files(rank: int | None) -> tuple[Any, Any] | None:
     size = os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or "1"
     width = len(str(max(int(size) - 1, 0))) if size.isdigit() else 1
     folder = os.path.join(directory, f"rank.{rank:0{width}d}")
+    # 0600, and never through a symbolic link another user put there (docs/security.md).
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        os.makedirs(folder, exist_ok=True)
-        return (open(os.path.join(folder, "stdout"), "wb"),
-                open(os.path.join(folder, "stderr"), "wb"))
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        out = os.open(os.path.join(folder, "stdout"), flags, 0o600)
+        try:
+            err = os.open(os.path.join(folder, "stderr"), flags, 0o600)
+        except OSError:
+            os.close(out)
+            raise
+        return open(out, "wb"), open(err, "wb")
     except OSError as exc:
         print(f"hvdliterun: rank {rank}: --output-filename {directory}: {exc}", file=sys.stderr)
         return None

@@ -17,7 +17,7 @@ from hvdlite._rankside import protocol
 from hvdlite.config import ConfigError, load_config
 from hvdlite.elastic import _worker
 from hvdlite.errors import HvdliteError
-from hvdlite.launcher import compat, monitor
+from hvdlite.launcher import compat, monitor, rankwrap
 from hvdlite.launcher.discovery import MAX_DISCOVERY_BYTES, Hosts, Workers, parse_hosts
 from hvdlite.launcher.hosts import Host, check_host, check_ssh, parse_hostfile
 from hvdlite.launcher.hosts import parse_hosts as parse_h
@@ -253,3 +253,23 @@ def test_the_timeline_is_not_written_through_a_planted_link(tmp_path: Path) -> N
 def test_the_rank_side_reserves_every_type_of_the_monitors() -> None:
     assert monitor.RESERVED_TYPES <= protocol.RESERVED_TYPES
     assert {"failing"} == protocol.RESERVED_TYPES - monitor.RESERVED_TYPES
+
+
+def test_output_files_are_not_written_through_a_planted_link(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # horovodrun's --output-filename DIR: DIR/rank.0/stdout, in a directory others may share.
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (tmp_path / "out" / "rank.0").mkdir(parents=True)
+    (tmp_path / "out" / "rank.0" / "stdout").symlink_to(victim)
+    monkeypatch.setenv(rankwrap.OUTPUT_DIR_ENV, str(tmp_path / "out"))
+    monkeypatch.setenv("PMI_SIZE", "1")
+    assert rankwrap._output_files(0) is None
+    assert "--output-filename" in capsys.readouterr().err
+    assert victim.read_text() == "precious"
+    files = rankwrap._output_files(1)
+    assert files is not None
+    for handle in files:
+        handle.close()
+    assert stat.S_IMODE((tmp_path / "out" / "rank.1" / "stderr").stat().st_mode) == 0o600
