@@ -102,9 +102,7 @@ _FALSE = frozenset({"0", "false", "no", "off"})
 
 
 def parse_bool(value: object) -> bool:
-    """A boolean: ``True``/``False``, 1/0, or (any case) ``true``/``false``, ``yes``/``no``,
-    ``on``/``off``, ``"1"``/``"0"``; ValueError for anything else (``None`` and ``"maybe"``
-    included)."""
+    """A boolean: bool, 1/0, or 1/0, true/false, yes/no, on/off in any case; else ValueError."""
     if isinstance(value, bool):
         return value
     if isinstance(value, int) and value in (0, 1):
