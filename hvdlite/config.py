@@ -41,6 +41,7 @@ __all__ = [
     "format_value",
     "knob",
     "load_config",
+    "parse_bool",
     "parse_size",
     "resolve",
 ]
@@ -99,7 +100,8 @@ _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
 
-def _parse_bool(value: object) -> bool:
+def parse_bool(value: object) -> bool:
+    """A boolean: bool, 1/0, or 1/0, true/false, yes/no, on/off in any case; else ValueError."""
     if isinstance(value, bool):
         return value
     if isinstance(value, int) and value in (0, 1):
@@ -297,7 +299,7 @@ class Config:
              "negotiation round. 0 keeps nothing (no cache).",
     )  # fmt: skip
     async_completion: bool = _knob(
-        kind="bool", parse=_parse_bool, default=False, unit="",
+        kind="bool", parse=parse_bool, default=False, unit="",
         env="HVDLITE_ENABLE_ASYNC_COMPLETION", aliases=("HOROVOD_ENABLE_ASYNC_COMPLETION",),
         help="GPU: complete handles with a CUDA event instead of a CPU wait.",
     )  # fmt: skip
@@ -307,7 +309,7 @@ class Config:
         help="Write a Chrome-trace timeline to this file; empty / null = off.",
     )  # fmt: skip
     timeline_mark_cycles: bool = _knob(
-        kind="bool", parse=_parse_bool, default=False, unit="",
+        kind="bool", parse=parse_bool, default=False, unit="",
         aliases=("HOROVOD_TIMELINE_MARK_CYCLES",),
         help="Mark each background-loop cycle in the timeline.",
     )  # fmt: skip
@@ -317,12 +319,12 @@ class Config:
              "(0 = no cap).",
     )  # fmt: skip
     timeline_device_events: bool = _knob(
-        kind="bool", parse=_parse_bool, default=False, unit="",
+        kind="bool", parse=parse_bool, default=False, unit="",
         help="GPU + timeline: time device phases with CUDA event pairs and keep stream waits "
              "and async completion, instead of the default CPU-sync fallback.",
     )  # fmt: skip
     stall_check: bool = _knob(
-        kind="bool", parse=_parse_bool, default=True, unit="",
+        kind="bool", parse=parse_bool, default=True, unit="",
         inverted_aliases=("HOROVOD_STALL_CHECK_DISABLE",),
         help="Warn about tensors that some ranks submitted and others did not.",
     )  # fmt: skip
@@ -358,13 +360,13 @@ class Config:
              "thread is busy in Python. 0 = leave it alone.",
     )  # fmt: skip
     optimizer_size1_shortcut: bool = _knob(
-        kind="bool", parse=_parse_bool, default=True, unit="",
+        kind="bool", parse=parse_bool, default=True, unit="",
         help="hvdlite.torch DistributedOptimizer at one rank registers no hooks and "
              "communicates nothing (Horovod's rule). Off: it runs the N-rank path (hooks, "
              "buckets, allreduces) at one rank; for benchmarks that measure that path.",
     )  # fmt: skip
     optimizer_schedule: bool = _knob(
-        kind="bool", parse=_parse_bool, default=True, unit="",
+        kind="bool", parse=parse_bool, default=True, unit="",
         help="hvdlite.torch DistributedOptimizer with CUDA buckets over NCCL: once every rank "
              "has shown it builds the same buckets (checked at the first step), each bucket is "
              "launched by the autograd thread itself, in the agreed order, on the schedule's "
@@ -372,7 +374,7 @@ class Config:
              "bucket is negotiated by the background thread, as other collectives are.",
     )  # fmt: skip
     optimizer_host_schedule: bool = _knob(
-        kind="bool", parse=_parse_bool, default=False, unit="",
+        kind="bool", parse=parse_bool, default=False, unit="",
         help="hvdlite.torch DistributedOptimizer with host (CPU) buckets: put them on an "
              "agreed schedule too (each launched by the autograd thread as a nonblocking "
              "MPI allreduce on the schedule's own communicator). Off: they are negotiated "
@@ -391,7 +393,7 @@ class Config:
         help="hvdlite logging threshold.",
     )  # fmt: skip
     nvtx: bool = _knob(
-        kind="bool", parse=_parse_bool, default=False, unit="",
+        kind="bool", parse=parse_bool, default=False, unit="",
         help="Emit NVTX ranges around the pipeline phases (needs the nvtx package).",
     )  # fmt: skip
     start_timeout_s: float = _knob(
@@ -479,7 +481,7 @@ def _from_yaml(path: str | os.PathLike[str]) -> dict[str, tuple[Any, str]]:
             data = yaml.safe_load(handle)
     except OSError as exc:
         raise ConfigError(f"config file {name!r} cannot be read: {exc.strerror}") from exc
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {name!r} is not valid YAML: {exc}") from exc
     if data is None:
         return {}

@@ -35,7 +35,7 @@ def test_hydra_command() -> None:
     cmd = build_command(_spec("hydra", hosts="a:2,b:2", hostfile="hosts.txt", mpi_args=("-v",)))
     assert cmd == [
         "/opt/mpi/bin/mpirun", "-n", "4", "-hosts", "a:2,b:2", "-f", "hosts.txt",
-        "-genv", "HVDLITE_CYCLE_TIME_MS", "2.0", "-genv", "HVDLITE_TIMELINE", "",
+        "-genvlist", "HVDLITE_CYCLE_TIME_MS,HVDLITE_TIMELINE",
         "-v", *WRAPPER, "python", "train.py", "--lr", "0.1",
     ]  # fmt: skip
 
