@@ -16,6 +16,7 @@
 #   gpu-sync gpu-async        tests/gpu at NP ranks, HVDLITE_ENABLE_ASYNC_COMPLETION=0 / 1  } nccl
 #   torch-sync torch-async    `-m gpu tests/torch` at NP ranks (the captured step too)      }
 #   shared-sync shared-async  tests/gpu at NP ranks, CUDA_VISIBLE_DEVICES=0: IPC           } rest
+#   shared-torch-sync, -async `-m gpu tests/torch` likewise (a captured step refused clearly) }
 #   np1-sync np1-async        tests/gpu at 1 rank                                          }
 #   jobs                      tests/gpu/test_gpu_ipc_death.py tests/test_captured_step.py,  }
 #                             outside mpirun (they start their own jobs)                   }
@@ -49,7 +50,8 @@ export HVDLITE_BENCH_COMMIT="${HVDLITE_BENCH_COMMIT:-}"
 export NP="${NP:-2}"
 PY="${PYTHON:-python3}"
 BUDGET_S="${BUDGET_S:-560}"
-ALL=(gpu-sync gpu-async torch-sync torch-async shared-sync shared-async np1-sync np1-async jobs)
+ALL=(gpu-sync gpu-async torch-sync torch-async shared-sync shared-async shared-torch-sync
+     shared-torch-async np1-sync np1-async jobs)
 
 STEPS=()
 (($#)) || set -- all
@@ -57,8 +59,10 @@ for a in "$@"; do
   case $a in
     all) STEPS+=("${ALL[@]}") ;;
     nccl) STEPS+=(gpu-sync gpu-async torch-sync torch-async) ;;
-    rest) STEPS+=(shared-sync shared-async np1-sync np1-async jobs) ;;
-    gpu-sync|gpu-async|torch-sync|torch-async|shared-sync|shared-async|np1-sync|np1-async|jobs)
+    rest) STEPS+=(shared-sync shared-async shared-torch-sync shared-torch-async np1-sync np1-async
+                  jobs) ;;
+    gpu-sync|gpu-async|torch-sync|torch-async|shared-sync|shared-async|shared-torch-sync| \
+    shared-torch-async|np1-sync|np1-async|jobs)
       STEPS+=("$a") ;;
     *) echo "unknown step or group '$a'; steps: ${ALL[*]}; groups: all nccl rest" >&2; exit 2 ;;
   esac
@@ -160,12 +164,14 @@ step() {  # step NAME LIMIT_S NP|- ASYNC PYTEST_ARGS... : one pytest run, its ta
   return 0
 }
 
-shared() {  # shared NAME ASYNC : tests/gpu with every rank on GPU 0 (skipped on one GPU)
+shared() {  # shared NAME LIMIT_S ASYNC PYTEST_ARGS... : every rank on GPU 0 (n/a on one GPU)
+  local name=$1 limit=$2 async=$3
+  shift 3
   if ((GPUS < 2)); then
-    STATUS+=("n/a     $1: one GPU, so the $2 gpu step already ran the ranks on one GPU")
+    STATUS+=("n/a     $name: one GPU, so the steps above already ran the ranks on one GPU")
     return
   fi
-  CUDA_VISIBLE_DEVICES=0 step "$1" 280 "$NP" "$2" tests/gpu
+  CUDA_VISIBLE_DEVICES=0 step "$name" "$limit" "$NP" "$async" "$@"
 }
 
 for s in "${STEPS[@]}"; do
@@ -174,8 +180,10 @@ for s in "${STEPS[@]}"; do
     gpu-async) step gpu-async 280 "$NP" 1 tests/gpu ;;
     torch-sync) step torch-sync 150 "$NP" 0 -m gpu tests/torch ;;
     torch-async) step torch-async 150 "$NP" 1 -m gpu tests/torch ;;
-    shared-sync) shared shared-sync 0 ;;
-    shared-async) shared shared-async 1 ;;
+    shared-sync) shared shared-sync 280 0 tests/gpu ;;
+    shared-async) shared shared-async 280 1 tests/gpu ;;
+    shared-torch-sync) shared shared-torch-sync 150 0 -m gpu tests/torch ;;
+    shared-torch-async) shared shared-torch-async 150 1 -m gpu tests/torch ;;
     np1-sync) step np1-sync 200 1 0 tests/gpu ;;
     np1-async) step np1-async 200 1 1 tests/gpu ;;
     jobs) step jobs 300 - 0 tests/gpu/test_gpu_ipc_death.py tests/test_captured_step.py ;;
