@@ -69,11 +69,17 @@ for a in "$@"; do
 done
 
 GPUS=0
+DEVICE="no nvidia-smi"
 if command -v nvidia-smi >/dev/null; then
   GPUS=$(timeout 30 nvidia-smi -L | grep -c '^GPU')
+  DEVICE="$GPUS x $(timeout 30 nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 fi
+TREE="${HVDLITE_BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+[[ -z "$HVDLITE_BENCH_COMMIT" && -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]] \
+  && TREE="$TREE (dirty)"
 
-echo "=== gpu_tests.sh: NP=$NP, $GPUS GPU(s), steps: ${STEPS[*]}, budget $BUDGET_S s, OUT=$OUT"
+echo "=== gpu_tests.sh: NP=$NP, $DEVICE, tree $TREE, steps: ${STEPS[*]}, budget $BUDGET_S s," \
+     "OUT=$OUT"
 date -u
 git log -1 --format='git HEAD %h %s' 2>/dev/null
 echo "HVDLITE_BENCH_COMMIT=${HVDLITE_BENCH_COMMIT:-(unset: the tree is git HEAD above)}"
@@ -150,7 +156,8 @@ step() {  # step NAME LIMIT_S NP|- ASYNC PYTEST_ARGS... : one pytest run, its ta
   rc=${PIPESTATUS[0]}
   "$PY" -c 'import json, sys; print(json.dumps(dict(zip(sys.argv[1::2], sys.argv[2::2]))))' \
     step "$name" ranks "${np/-/1}" launcher "$([[ $np == - ]] && echo none || echo mpi)" \
-    async "$async" rc "$rc" seconds "$((SECONDS - t0))" limit "$limit" \
+    async "$async" rc "$rc" seconds "$((SECONDS - t0))" limit "$limit" tree "$TREE" \
+    device "$DEVICE" date_utc "$(date -u +%FT%TZ)" \
     cuda_visible_devices "${CUDA_VISIBLE_DEVICES:-all}" command "${cmd[*]}" > "$dir/meta.json"
   STEP_DIRS+=("$dir")
   if ((rc == 124 || rc == 137)); then

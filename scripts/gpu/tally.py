@@ -84,7 +84,7 @@ def tally(steps: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         first = s["ranks"][min(s["ranks"])]
         for test, result in first["tests"].items():
-            outcome[test][s["meta"]["step"]] = result
+            outcome[test][s["label"]] = result
         for test, reason in first["skips"].items():
             reasons[test].add(reason)
     failed = {t: o for t, o in outcome.items() if any(v in BAD for v in o.values())}
@@ -95,7 +95,7 @@ def tally(steps: list[dict[str, Any]]) -> dict[str, Any]:
                    if t not in ran and t not in failed}
     by_mode: dict[str, list[str]] = {}
     for m in ("sync", "async"):
-        names = {s["meta"]["step"] for s in steps if mode(s) == m}
+        names = {s["label"] for s in steps if mode(s) == m}
         by_mode[m] = sorted(t for t, o in outcome.items()
                             if any(k in names for k in o)
                             and not any(o.get(k) == "passed" for k in names)
@@ -107,15 +107,19 @@ def tally(steps: list[dict[str, Any]]) -> dict[str, Any]:
 
 def report(steps: list[dict[str, Any]], result: dict[str, Any]) -> str:
     """The tally as text."""
-    out = [f"{'step':<14}{'ranks':>6}  {'mode':<6}{'exit':>5}{'s':>6}  "
-           + "  ".join(f"{c:>7}" for c in COUNTS) + "  problems"]
+    runs = sorted({(s["meta"].get("tree", "?"), s["meta"].get("device", "?")) for s in steps})
+    dates = sorted(s["meta"]["date_utc"] for s in steps if "date_utc" in s["meta"])
+    out = [f"runs: {'; '.join(f'tree {t} on {d}' for t, d in runs)}"
+           + (f"; {dates[0]} to {dates[-1]}" if dates else ""), ""]
+    out.append(f"{'step':<14}{'ranks':>6}  {'mode':<6}{'exit':>5}{'s':>6}  "
+               + "  ".join(f"{c:>7}" for c in COUNTS) + "  problems")
     totals: Counter[str] = Counter()
     for s in steps:
         meta = s["meta"]
         first = s["ranks"][min(s["ranks"])] if s["ranks"] else {}
         counts = [int(first.get(c, 0)) for c in COUNTS]
         totals.update(dict(zip(COUNTS, counts, strict=True)))
-        out.append(f"{meta['step']:<14}{meta.get('ranks', '?'):>6}  {mode(s):<6}"
+        out.append(f"{s['label']:<14}{meta.get('ranks', '?'):>6}  {mode(s):<6}"
                    f"{meta.get('rc', '?'):>5}{meta.get('seconds', '?'):>6}  "
                    + "  ".join(f"{c:>7}" for c in counts) + "  " + "; ".join(s["problems"]))
     out.append(f"{'all steps':<33}  " + "  ".join(f"{totals[c]:>7}" for c in COUNTS)
@@ -125,7 +129,7 @@ def report(steps: list[dict[str, Any]], result: dict[str, Any]) -> str:
     for s in steps:
         first = s["ranks"][min(s["ranks"])] if s["ranks"] else {"skips": {}}
         for reason, n in sorted(Counter(first["skips"].values()).items()):
-            out.append(f"  {s['meta']['step']}: {n} x {reason}")
+            out.append(f"  {s['label']}: {n} x {reason}")
     lines = [line for s in steps for line in s["other_device"]]
     if lines:
         out.append("")
@@ -159,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no step folders (with meta.json or rank*.json) in {args.paths}", file=sys.stderr)
         return 2
     steps = [load_step(d) for d in dirs]
+    names = Counter(s["meta"]["step"] for s in steps)
+    for s in steps:  # a step name twice (several runs tallied together): name its folder too
+        name = s["meta"]["step"]
+        s["label"] = name if names[name] == 1 else f"{name} ({s['path']})"
     result = tally(steps)
     print(report(steps, result))
     if args.json:
