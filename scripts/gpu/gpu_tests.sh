@@ -75,8 +75,10 @@ if command -v nvidia-smi >/dev/null; then
   DEVICE="$GPUS x $(timeout 30 nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 fi
 TREE="${HVDLITE_BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
-[[ -z "$HVDLITE_BENCH_COMMIT" && -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]] \
-  && TREE="$TREE (dirty)"
+if [[ -z "$HVDLITE_BENCH_COMMIT" ]] \
+   && [[ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]]; then
+  TREE="$TREE (dirty)"
+fi
 
 echo "=== gpu_tests.sh: NP=$NP, $DEVICE, tree $TREE, steps: ${STEPS[*]}, budget $BUDGET_S s," \
      "OUT=$OUT"
@@ -198,12 +200,13 @@ for s in "${STEPS[@]}"; do
 done
 
 echo
-echo "=============================== gpu_tests.sh summary (${SECONDS} s) ==============================="
+echo "========================= gpu_tests.sh summary (${SECONDS} s) ========================="
 printf '%s\n' "${STATUS[@]}"
 TALLY=0
 if ((${#STEP_DIRS[@]})); then
   "$PY" scripts/gpu/tally.py --json "$OUT/tally.json" "${STEP_DIRS[@]}" | tee "$OUT/tally.txt"
   TALLY=${PIPESTATUS[0]}
 fi
-echo "failed or skipped steps: $FAILED; tally exit $TALLY; logs: $OUT/<step>.log, $OUT/gpu_tests.log"
+echo "failed or skipped steps: $FAILED; tally exit $TALLY; logs: $OUT/<step>.log," \
+     "$OUT/gpu_tests.log"
 exit $(( FAILED > 0 || TALLY != 0 ))
