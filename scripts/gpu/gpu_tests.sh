@@ -35,7 +35,9 @@
 # Environment: NP (2), OUT, BUDGET_S (560), PYTHON (python3), HVDLITE_BENCH_COMMIT (the commit
 # the tree is: the device copy's .git can lag behind it), LAUNCH (a launcher prefix replacing
 # the system Open MPI's mpirun, e.g. ".venv/bin/mpiexec"; -n NP is appended).
-# Exit status 0 only if every step ran, exited 0, and the tally found no failure.
+# Exit status 0 only if every step ran and exited 0, and the tally's verdict is OK: no test
+# failed and every test ran in some step (INCOMPLETE, tally.py's exit 3, names those that did
+# not; run the other group and tally both folders: `python3 scripts/gpu/tally.py OUT1 OUT2`).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2
 OUT="${OUT:-/tmp/hvdlite_gpu_tests}"

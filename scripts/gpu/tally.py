@@ -9,9 +9,10 @@ Prints per step the ranks, completion mode, exit status and pytest's counts (ran
 that disagrees or wrote no tally is named); the skips by reason; the lines the other-device
 test printed; then over all steps the tests that failed anywhere, the tests that ran in no
 step (skipped wherever collected) with their reasons, and per completion mode the tests that
-ran in neither of its steps. Exits 1 when a step failed, timed out, lost a rank's tally, or a
-test failed or errored anywhere; 0 otherwise (a test that ran nowhere is listed, not fatal:
-which skips are expected depends on the machine).
+ran in neither of its steps. The verdict, last: ``GPU tests: FAILED`` (exit 1) when a step
+failed, timed out or lost a rank's tally, or a test failed or errored anywhere; else
+``INCOMPLETE`` (exit 3) when some test ran in no step; else ``OK`` (exit 0): every test ran
+somewhere and none failed.
 """
 
 from __future__ import annotations
@@ -100,9 +101,12 @@ def tally(steps: list[dict[str, Any]]) -> dict[str, Any]:
                             if any(k in names for k in o)
                             and not any(o.get(k) == "passed" for k in names)
                             and t not in ran_nowhere)
-    ok = not failed and not any(s["problems"] for s in steps)
+    if failed or any(s["problems"] for s in steps):
+        verdict = "FAILED"
+    else:
+        verdict = "INCOMPLETE" if ran_nowhere else "OK"
     return {"tests": len(outcome), "failed": failed, "ran_nowhere": ran_nowhere,
-            "not_run_in_mode": by_mode, "ok": ok}
+            "not_run_in_mode": by_mode, "verdict": verdict}
 
 
 def report(steps: list[dict[str, Any]], result: dict[str, Any]) -> str:
@@ -148,12 +152,13 @@ def report(steps: list[dict[str, Any]], result: dict[str, Any]) -> str:
             out.append(f"passed in no {m}-completion step (run elsewhere): {len(tests)}")
             out.extend(f"  {t}" for t in tests)
     out.append("")
-    out.append("GPU tests: OK" if result["ok"] else "GPU tests: FAILED")
+    out.append(f"GPU tests: {result['verdict']}")
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print the tally of the step folders given; exit 1 if anything failed."""
+    """Print the tally of the step folders given; 0 if every test ran and passed, 1 if
+    anything failed, 3 if some test ran nowhere."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+", type=Path, help="step folders, or folders of them")
     parser.add_argument("--json", type=Path, help="also write the tally here as JSON")
@@ -174,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             {"meta": s["meta"], "problems": s["problems"], "other_device": s["other_device"],
              "counts": {r: {c: rec.get(c, 0) for c in COUNTS} for r, rec in s["ranks"].items()}}
             for s in steps], **result}, indent=1))
-    return 0 if result["ok"] else 1
+    return {"OK": 0, "FAILED": 1, "INCOMPLETE": 3}[result["verdict"]]
 
 
 if __name__ == "__main__":

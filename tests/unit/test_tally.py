@@ -30,7 +30,8 @@ def test_fails_where_told():
     assert os.environ.get("SAMPLE_FAIL") != "1"
 
 def test_skips():
-    pytest.skip("needs CUDA")
+    if os.environ.get("SAMPLE_GPU") != "1":
+        pytest.skip("needs CUDA")
 """
 _MODULE_SKIP = """
 import os
@@ -97,11 +98,14 @@ def test_a_module_skipped_in_one_step_ran_if_its_tests_ran_in_another(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     _run(tmp_path, "launched")
     _run(tmp_path, "outside", SAMPLE_MODULE="1")
-    assert tally.main([str(tmp_path / "out")]) == 0
+    assert tally.main([str(tmp_path / "out")]) == 3  # test_skips ran nowhere
     text = capsys.readouterr().out
     assert "test_module_skip.py:" not in text.split("ran in no step")[1], text
     assert "not run: test_sample.py::test_skips: needs CUDA" in text, text
-    assert text.rstrip().endswith("GPU tests: OK"), text
+    assert text.rstrip().endswith("GPU tests: INCOMPLETE"), text
+    _run(tmp_path, "gpu", SAMPLE_GPU="1")  # a run where test_skips runs: every test ran
+    assert tally.main([str(tmp_path / "out")]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("GPU tests: OK")
 
 
 def test_a_rank_without_a_tally_fails_the_step(tmp_path: Path,
