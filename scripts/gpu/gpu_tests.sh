@@ -16,6 +16,7 @@
 #   gpu-sync gpu-async        tests/gpu at NP ranks, HVDLITE_ENABLE_ASYNC_COMPLETION=0 / 1  } nccl
 #   torch-sync torch-async    `-m gpu tests/torch` at NP ranks (the captured step too)      }
 #   shared-sync shared-async  tests/gpu at NP ranks, CUDA_VISIBLE_DEVICES=0: IPC           } rest
+#   shared-torch-sync, -async `-m gpu tests/torch` likewise (a captured step refused clearly) }
 #   np1-sync np1-async        tests/gpu at 1 rank                                          }
 #   jobs                      tests/gpu/test_gpu_ipc_death.py tests/test_captured_step.py,  }
 #                             outside mpirun (they start their own jobs)                   }
@@ -34,7 +35,9 @@
 # Environment: NP (2), OUT, BUDGET_S (560), PYTHON (python3), HVDLITE_BENCH_COMMIT (the commit
 # the tree is: the device copy's .git can lag behind it), LAUNCH (a launcher prefix replacing
 # the system Open MPI's mpirun, e.g. ".venv/bin/mpiexec"; -n NP is appended).
-# Exit status 0 only if every step ran, exited 0, and the tally found no failure.
+# Exit status 0 only if every step ran and exited 0, and the tally's verdict is OK: no test
+# failed and every test ran in some step (INCOMPLETE, tally.py's exit 3, names those that did
+# not; run the other group and tally both folders: `python3 scripts/gpu/tally.py OUT1 OUT2`).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2
 OUT="${OUT:-/tmp/hvdlite_gpu_tests}"
@@ -49,7 +52,8 @@ export HVDLITE_BENCH_COMMIT="${HVDLITE_BENCH_COMMIT:-}"
 export NP="${NP:-2}"
 PY="${PYTHON:-python3}"
 BUDGET_S="${BUDGET_S:-560}"
-ALL=(gpu-sync gpu-async torch-sync torch-async shared-sync shared-async np1-sync np1-async jobs)
+ALL=(gpu-sync gpu-async torch-sync torch-async shared-sync shared-async shared-torch-sync
+     shared-torch-async np1-sync np1-async jobs)
 
 STEPS=()
 (($#)) || set -- all
@@ -57,19 +61,29 @@ for a in "$@"; do
   case $a in
     all) STEPS+=("${ALL[@]}") ;;
     nccl) STEPS+=(gpu-sync gpu-async torch-sync torch-async) ;;
-    rest) STEPS+=(shared-sync shared-async np1-sync np1-async jobs) ;;
-    gpu-sync|gpu-async|torch-sync|torch-async|shared-sync|shared-async|np1-sync|np1-async|jobs)
+    rest) STEPS+=(shared-sync shared-async shared-torch-sync shared-torch-async np1-sync np1-async
+                  jobs) ;;
+    gpu-sync|gpu-async|torch-sync|torch-async|shared-sync|shared-async|shared-torch-sync| \
+    shared-torch-async|np1-sync|np1-async|jobs)
       STEPS+=("$a") ;;
     *) echo "unknown step or group '$a'; steps: ${ALL[*]}; groups: all nccl rest" >&2; exit 2 ;;
   esac
 done
 
 GPUS=0
+DEVICE="no nvidia-smi"
 if command -v nvidia-smi >/dev/null; then
   GPUS=$(timeout 30 nvidia-smi -L | grep -c '^GPU')
+  DEVICE="$GPUS x $(timeout 30 nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+fi
+TREE="${HVDLITE_BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+if [[ -z "$HVDLITE_BENCH_COMMIT" ]] \
+   && [[ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]]; then
+  TREE="$TREE (dirty)"
 fi
 
-echo "=== gpu_tests.sh: NP=$NP, $GPUS GPU(s), steps: ${STEPS[*]}, budget $BUDGET_S s, OUT=$OUT"
+echo "=== gpu_tests.sh: NP=$NP, $DEVICE, tree $TREE, steps: ${STEPS[*]}, budget $BUDGET_S s," \
+     "OUT=$OUT"
 date -u
 git log -1 --format='git HEAD %h %s' 2>/dev/null
 echo "HVDLITE_BENCH_COMMIT=${HVDLITE_BENCH_COMMIT:-(unset: the tree is git HEAD above)}"
@@ -146,7 +160,8 @@ step() {  # step NAME LIMIT_S NP|- ASYNC PYTEST_ARGS... : one pytest run, its ta
   rc=${PIPESTATUS[0]}
   "$PY" -c 'import json, sys; print(json.dumps(dict(zip(sys.argv[1::2], sys.argv[2::2]))))' \
     step "$name" ranks "${np/-/1}" launcher "$([[ $np == - ]] && echo none || echo mpi)" \
-    async "$async" rc "$rc" seconds "$((SECONDS - t0))" limit "$limit" \
+    async "$async" rc "$rc" seconds "$((SECONDS - t0))" limit "$limit" tree "$TREE" \
+    device "$DEVICE" date_utc "$(date -u +%FT%TZ)" \
     cuda_visible_devices "${CUDA_VISIBLE_DEVICES:-all}" command "${cmd[*]}" > "$dir/meta.json"
   STEP_DIRS+=("$dir")
   if ((rc == 124 || rc == 137)); then
@@ -160,12 +175,14 @@ step() {  # step NAME LIMIT_S NP|- ASYNC PYTEST_ARGS... : one pytest run, its ta
   return 0
 }
 
-shared() {  # shared NAME ASYNC : tests/gpu with every rank on GPU 0 (skipped on one GPU)
+shared() {  # shared NAME LIMIT_S ASYNC PYTEST_ARGS... : every rank on GPU 0 (n/a on one GPU)
+  local name=$1 limit=$2 async=$3
+  shift 3
   if ((GPUS < 2)); then
-    STATUS+=("n/a     $1: one GPU, so the $2 gpu step already ran the ranks on one GPU")
+    STATUS+=("n/a     $name: one GPU, so the steps above already ran the ranks on one GPU")
     return
   fi
-  CUDA_VISIBLE_DEVICES=0 step "$1" 280 "$NP" "$2" tests/gpu
+  CUDA_VISIBLE_DEVICES=0 step "$name" "$limit" "$NP" "$async" "$@"
 }
 
 for s in "${STEPS[@]}"; do
@@ -174,8 +191,10 @@ for s in "${STEPS[@]}"; do
     gpu-async) step gpu-async 280 "$NP" 1 tests/gpu ;;
     torch-sync) step torch-sync 150 "$NP" 0 -m gpu tests/torch ;;
     torch-async) step torch-async 150 "$NP" 1 -m gpu tests/torch ;;
-    shared-sync) shared shared-sync 0 ;;
-    shared-async) shared shared-async 1 ;;
+    shared-sync) shared shared-sync 280 0 tests/gpu ;;
+    shared-async) shared shared-async 280 1 tests/gpu ;;
+    shared-torch-sync) shared shared-torch-sync 150 0 -m gpu tests/torch ;;
+    shared-torch-async) shared shared-torch-async 150 1 -m gpu tests/torch ;;
     np1-sync) step np1-sync 200 1 0 tests/gpu ;;
     np1-async) step np1-async 200 1 1 tests/gpu ;;
     jobs) step jobs 300 - 0 tests/gpu/test_gpu_ipc_death.py tests/test_captured_step.py ;;
@@ -183,12 +202,13 @@ for s in "${STEPS[@]}"; do
 done
 
 echo
-echo "=============================== gpu_tests.sh summary (${SECONDS} s) ==============================="
+echo "========================= gpu_tests.sh summary (${SECONDS} s) ========================="
 printf '%s\n' "${STATUS[@]}"
 TALLY=0
 if ((${#STEP_DIRS[@]})); then
   "$PY" scripts/gpu/tally.py --json "$OUT/tally.json" "${STEP_DIRS[@]}" | tee "$OUT/tally.txt"
   TALLY=${PIPESTATUS[0]}
 fi
-echo "failed or skipped steps: $FAILED; tally exit $TALLY; logs: $OUT/<step>.log, $OUT/gpu_tests.log"
+echo "failed or skipped steps: $FAILED; tally exit $TALLY; logs: $OUT/<step>.log," \
+     "$OUT/gpu_tests.log"
 exit $(( FAILED > 0 || TALLY != 0 ))

@@ -9,9 +9,10 @@ Prints per step the ranks, completion mode, exit status and pytest's counts (ran
 that disagrees or wrote no tally is named); the skips by reason; the lines the other-device
 test printed; then over all steps the tests that failed anywhere, the tests that ran in no
 step (skipped wherever collected) with their reasons, and per completion mode the tests that
-ran in neither of its steps. Exits 1 when a step failed, timed out, lost a rank's tally, or a
-test failed or errored anywhere; 0 otherwise (a test that ran nowhere is listed, not fatal:
-which skips are expected depends on the machine).
+ran in neither of its steps. The verdict, last: ``GPU tests: FAILED`` (exit 1) when a step
+failed, timed out or lost a rank's tally, or a test failed or errored anywhere; else
+``INCOMPLETE`` (exit 3) when some test ran in no step; else ``OK`` (exit 0): every test ran
+somewhere and none failed.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def tally(steps: list[dict[str, Any]]) -> dict[str, Any]:
             continue
         first = s["ranks"][min(s["ranks"])]
         for test, result in first["tests"].items():
-            outcome[test][s["meta"]["step"]] = result
+            outcome[test][s["label"]] = result
         for test, reason in first["skips"].items():
             reasons[test].add(reason)
     failed = {t: o for t, o in outcome.items() if any(v in BAD for v in o.values())}
@@ -95,27 +96,34 @@ def tally(steps: list[dict[str, Any]]) -> dict[str, Any]:
                    if t not in ran and t not in failed}
     by_mode: dict[str, list[str]] = {}
     for m in ("sync", "async"):
-        names = {s["meta"]["step"] for s in steps if mode(s) == m}
+        names = {s["label"] for s in steps if mode(s) == m}
         by_mode[m] = sorted(t for t, o in outcome.items()
                             if any(k in names for k in o)
                             and not any(o.get(k) == "passed" for k in names)
                             and t not in ran_nowhere)
-    ok = not failed and not any(s["problems"] for s in steps)
+    if failed or any(s["problems"] for s in steps):
+        verdict = "FAILED"
+    else:
+        verdict = "INCOMPLETE" if ran_nowhere else "OK"
     return {"tests": len(outcome), "failed": failed, "ran_nowhere": ran_nowhere,
-            "not_run_in_mode": by_mode, "ok": ok}
+            "not_run_in_mode": by_mode, "verdict": verdict}
 
 
 def report(steps: list[dict[str, Any]], result: dict[str, Any]) -> str:
     """The tally as text."""
-    out = [f"{'step':<14}{'ranks':>6}  {'mode':<6}{'exit':>5}{'s':>6}  "
-           + "  ".join(f"{c:>7}" for c in COUNTS) + "  problems"]
+    runs = sorted({(s["meta"].get("tree", "?"), s["meta"].get("device", "?")) for s in steps})
+    dates = sorted(s["meta"]["date_utc"] for s in steps if "date_utc" in s["meta"])
+    out = [f"runs: {'; '.join(f'tree {t} on {d}' for t, d in runs)}"
+           + (f"; {dates[0]} to {dates[-1]}" if dates else ""), ""]
+    out.append(f"{'step':<14}{'ranks':>6}  {'mode':<6}{'exit':>5}{'s':>6}  "
+               + "  ".join(f"{c:>7}" for c in COUNTS) + "  problems")
     totals: Counter[str] = Counter()
     for s in steps:
         meta = s["meta"]
         first = s["ranks"][min(s["ranks"])] if s["ranks"] else {}
         counts = [int(first.get(c, 0)) for c in COUNTS]
         totals.update(dict(zip(COUNTS, counts, strict=True)))
-        out.append(f"{meta['step']:<14}{meta.get('ranks', '?'):>6}  {mode(s):<6}"
+        out.append(f"{s['label']:<14}{meta.get('ranks', '?'):>6}  {mode(s):<6}"
                    f"{meta.get('rc', '?'):>5}{meta.get('seconds', '?'):>6}  "
                    + "  ".join(f"{c:>7}" for c in counts) + "  " + "; ".join(s["problems"]))
     out.append(f"{'all steps':<33}  " + "  ".join(f"{totals[c]:>7}" for c in COUNTS)
@@ -125,7 +133,7 @@ def report(steps: list[dict[str, Any]], result: dict[str, Any]) -> str:
     for s in steps:
         first = s["ranks"][min(s["ranks"])] if s["ranks"] else {"skips": {}}
         for reason, n in sorted(Counter(first["skips"].values()).items()):
-            out.append(f"  {s['meta']['step']}: {n} x {reason}")
+            out.append(f"  {s['label']}: {n} x {reason}")
     lines = [line for s in steps for line in s["other_device"]]
     if lines:
         out.append("")
@@ -144,12 +152,13 @@ def report(steps: list[dict[str, Any]], result: dict[str, Any]) -> str:
             out.append(f"passed in no {m}-completion step (run elsewhere): {len(tests)}")
             out.extend(f"  {t}" for t in tests)
     out.append("")
-    out.append("GPU tests: OK" if result["ok"] else "GPU tests: FAILED")
+    out.append(f"GPU tests: {result['verdict']}")
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print the tally of the step folders given; exit 1 if anything failed."""
+    """Print the tally of the step folders given; 0 if every test ran and passed, 1 if
+    anything failed, 3 if some test ran nowhere."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("paths", nargs="+", type=Path, help="step folders, or folders of them")
     parser.add_argument("--json", type=Path, help="also write the tally here as JSON")
@@ -159,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no step folders (with meta.json or rank*.json) in {args.paths}", file=sys.stderr)
         return 2
     steps = [load_step(d) for d in dirs]
+    names = Counter(s["meta"]["step"] for s in steps)
+    for s in steps:  # a step name twice (several runs tallied together): name its folder too
+        name = s["meta"]["step"]
+        s["label"] = name if names[name] == 1 else f"{name} ({s['path']})"
     result = tally(steps)
     print(report(steps, result))
     if args.json:
@@ -166,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             {"meta": s["meta"], "problems": s["problems"], "other_device": s["other_device"],
              "counts": {r: {c: rec.get(c, 0) for c in COUNTS} for r, rec in s["ranks"].items()}}
             for s in steps], **result}, indent=1))
-    return 0 if result["ok"] else 1
+    return {"OK": 0, "FAILED": 1, "INCOMPLETE": 3}[result["verdict"]]
 
 
 if __name__ == "__main__":
