@@ -74,7 +74,7 @@ def test_a_slot_out_of_turn_raises_before_anything_is_enqueued(hvd: Any) -> None
 
 def test_ranks_that_open_different_slots_raise_mismatch_on_every_rank(hvd: Any) -> None:
     if hvd.size() == 1:
-        pytest.skip("needs two ranks to differ")
+        pytest.skip("needs 2 ranks")
     slots = _slots()[:2]
     if hvd.rank() == 1:
         slots[1] = runtime.Slot("steps", 8, "int64", int(ReduceOp.SUM))
