@@ -30,6 +30,13 @@ collect_ignore = (["test_mpi_jobs.py", "test_torch_jobs.py", "test_captured_step
                    "test_memory_job.py", "launcher", "multihost"]
                   if under_mpi_launcher() else ["mpi", "torch"])
 
+# The suite runs as from its activated virtual environment (README's command need not activate
+# it): a job's bare `python` is this interpreter, since hvdliterun hands the ranks the caller's
+# PATH as it is (docs/config.md).
+_BIN = os.path.dirname(sys.executable)
+if os.environ.get("PATH", "").split(os.pathsep)[0] != _BIN:
+    os.environ["PATH"] = os.pathsep.join([_BIN, os.environ.get("PATH", "")])
+
 REPORT_DIR_VAR = "HVDLITE_TEST_REPORT_DIR"
 _COUNTS = ("passed", "failed", "errors", "skipped", "xfailed", "xpassed")
 _tally: dict[str, Any] = {"counts": dict.fromkeys(_COUNTS, 0), "tests": {}, "skips": {}}
