@@ -234,13 +234,13 @@ class Engine:
         engine's parts. ``fatal`` (a failure, not this rank's shutdown): device work may wait
         for a rank that is gone (the NCCL watchdog): fail it, abort the communicators so a
         thread blocked on it wakes and raises, and make sure the job ends."""
-        if fatal and self._gpu is not None and isinstance(reason, ShutdownError):
-            # A peer shut down (its script ended, or raised): collectives of the agreed
-            # schedules still waiting for it on this rank's device never complete.
-            self._gpu.abort_schedules(pending_only=True)
+        if fatal:
+            # A peer shut down (its script ended, or raised): launches of the agreed schedules
+            # still waiting for it never complete; a failure ends every schedule.
+            self.scheduler.schedules.abort(reason, pending_only=isinstance(reason,
+                                                                          ShutdownError))
         if fatal and self._gpu is not None and not isinstance(reason, ShutdownError):
             self._gpu.retirer.fail_pending(fail)
-            self._gpu.abort_schedules()
             for channel in list(self.channels.values()):
                 try:
                     channel.abort_device()
@@ -292,6 +292,7 @@ class Engine:
         if self._gpu is not None:
             self._gpu.synchronize()
             self._gpu.retirer.retire(wait=True)
+        sched.schedules.close()  # their launches finished (device: streams synchronised)
         for channel in self.channels.values():
             channel.close(free_comms=channel is not self.global_channel)
         if self._gpu is not None:

@@ -16,34 +16,33 @@ Two tools, for the engine (and the doctor) to call:
   prints the reason (unless it was printed already) and sends SIGTERM, then SIGKILL. The
   watchdog ends on its own as soon as this process ends or the guard is cancelled.
 
+What ending a rank without MPI takes (the reason said once, the launcher told, stdio flushed)
+is :mod:`hvdlite._rankside.ending`, which the launcher's own order to end a rank
+(:mod:`hvdlite._rankside.watchdog`) uses too; this module adds MPI's abort and the time bound,
+and nothing below the engine imports it.
+
 Importing this module has no side effects and does not import MPI.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import subprocess
 import sys
 import threading
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from hvdlite._rankside import protocol
+from hvdlite._rankside import ending
 
 if TYPE_CHECKING:
     from hvdlite._observe.timeline import Timeline
 
-__all__ = ["ExitGuard", "abort_job", "announce", "exit_guard"]
+__all__ = ["ExitGuard", "abort_job", "exit_guard"]
 
 ABORT_GRACE_S = 5.0  # comm.Abort that has not ended the process by then: os._exit
 BACKSTOP_S = 2.0  # the watchdog process acts this long after the guard's bound
-TIMELINE_CLOSE_S = 2.0  # longest wait for the timeline writer before aborting
 _TERM_GRACE_S = 1.0  # the watchdog's SIGTERM -> SIGKILL delay
-
-_lock = threading.Lock()
-_announced = False
-_guards: list[ExitGuard] = []
 
 # The watchdog process. argv: parent pid, seconds, the line to print, SIGTERM->SIGKILL grace.
 # Its stdin is a pipe from the parent: EOF = cancelled or the parent is gone; b"a" = the
@@ -79,74 +78,6 @@ if alive():
 """
 
 
-def _one_line(reason: str) -> str:
-    return " ".join(reason.split())
-
-
-def _rank_of(comm: Any) -> str:
-    """This process's rank in ``comm``; else in the MPI job (if MPI is up); else from the
-    launcher's environment; else ``?``."""
-    if comm is not None:
-        with contextlib.suppress(Exception):
-            return str(comm.Get_rank())
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None:
-        with contextlib.suppress(Exception):
-            if mpi.Is_initialized() and not mpi.Is_finalized():
-                return str(mpi.COMM_WORLD.Get_rank())
-    rank = protocol.rank_from_env()
-    return "?" if rank is None else str(rank)
-
-
-def _line(rank: str, reason: str) -> str:
-    return f"[hvdlite rank {rank}] {_one_line(reason)}"
-
-
-def _flush_stdio() -> None:
-    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-        with contextlib.suppress(Exception):
-            if stream is not None:
-                stream.flush()
-
-
-def announce(reason: str, comm: Any = None) -> bool:
-    """Print ``[hvdlite rank N] <reason>`` (one line) to stderr, once per process.
-
-    Returns True if this call printed it, False if a line was already printed (by any thread,
-    for any reason): a job that is ending says why once, not once per path that noticed.
-    """
-    global _announced
-    with _lock:
-        if _announced:
-            return False
-        _announced = True
-        guards = list(_guards)
-    line = _line(_rank_of(comm), reason)
-    try:
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-    except Exception:  # a closed or broken stderr: the file descriptor may still work
-        with contextlib.suppress(OSError):
-            os.write(2, (line + "\n").encode())
-    for guard in guards:
-        guard._tell_announced()
-    return True
-
-
-def _report_to_launcher(exitcode: int) -> None:
-    """Under ``hvdliterun``, leave the rank's failure report now: the MPI launcher may kill the
-    rank wrapper (which would write it) before it sees this process end."""
-    if os.environ.get(protocol.REPORT_DIR_ENV):
-        with contextlib.suppress(Exception):
-            protocol.write_report(protocol.rank_from_env(), exitcode, signalled=False)
-    # And through the rank wrapper to hvdliterun's monitor (any host): the MPI launcher may
-    # kill the wrapper before it sees this process end, which would look like a lost host.
-    fd = os.environ.get(protocol.WATCHDOG_FD_ENV, "")
-    if fd.isdigit():
-        with contextlib.suppress(OSError):
-            os.write(int(fd), json.dumps({"t": "failing", "code": exitcode}).encode() + b"\n")
-
-
 def _hard_exit_later(seconds: float, exitcode: int) -> None:
     timer = threading.Timer(seconds, os._exit, (exitcode,))
     timer.daemon = True
@@ -157,18 +88,19 @@ def abort_job(comm: Any, reason: str, exitcode: int = 1, *,
               timeline: Timeline | None = None) -> NoReturn:
     """End the whole MPI job now because of ``reason``; never returns.
 
-    Prints the reason once (:func:`announce`), closes ``timeline`` (waiting at most
-    ``TIMELINE_CLOSE_S`` for its writer), flushes stdio and calls ``comm.Abort(exitcode)``,
-    which makes the MPI launcher end every rank. If MPI is already finalized, or Abort fails
-    or does not end the process within ``ABORT_GRACE_S``, the process ends with
-    ``os._exit(exitcode)``. Safe from any thread; ``comm`` may be None (no MPI: just exit).
+    Prints the reason once (:func:`hvdlite._rankside.ending.announce`), closes ``timeline``
+    (waiting at most ``ending.TIMELINE_CLOSE_S`` for its writer), leaves the failure report
+    for ``hvdliterun``, flushes stdio and calls ``comm.Abort(exitcode)``, which makes the MPI
+    launcher end every rank. If MPI is already finalized, or Abort fails or does not end the
+    process within ``ABORT_GRACE_S``, the process ends with ``os._exit(exitcode)``. Safe from
+    any thread; ``comm`` may be None (no MPI: just exit).
     """
-    announce(reason, comm)
+    ending.announce(reason, comm)
     if timeline is not None:
         with contextlib.suppress(Exception):
-            timeline.close(TIMELINE_CLOSE_S)
-    _report_to_launcher(exitcode)
-    _flush_stdio()
+            timeline.close(ending.TIMELINE_CLOSE_S)
+    ending.report_to_launcher(exitcode)
+    ending.flush_stdio()
     _hard_exit_later(ABORT_GRACE_S, exitcode)
     if comm is not None:
         mpi = sys.modules.get("mpi4py.MPI")
@@ -199,6 +131,8 @@ class ExitGuard:
         self._watchdog: subprocess.Popen[bytes] | None = None
         if backstop_s is not None:
             self._watchdog = self._start_watchdog(seconds + backstop_s)
+            if self._watchdog is not None and self._watchdog.stdin is not None:
+                ending.tell_on_announce(self._watchdog.stdin)  # it then prints nothing
         self._timer.start()
 
     @property
@@ -207,8 +141,8 @@ class ExitGuard:
         return not self._cancelled.is_set()
 
     def _start_watchdog(self, after_s: float) -> subprocess.Popen[bytes] | None:
-        line = _line(_rank_of(self._comm), f"{self.reason} (process ended by hvdlite's exit "
-                                           f"guard after {after_s:g} s)")
+        line = ending.rank_line(f"{self.reason} (process ended by hvdlite's exit guard after "
+                                f"{after_s:g} s)", self._comm)
         try:
             return subprocess.Popen(
                 [sys.executable, "-I", "-S", "-c", _WATCHDOG, str(os.getpid()), repr(after_s),
@@ -217,37 +151,22 @@ class ExitGuard:
         except OSError:
             return None
 
-    def _tell_announced(self) -> None:
-        proc = self._watchdog
-        if proc is not None and proc.stdin is not None:
-            with contextlib.suppress(OSError, ValueError):
-                proc.stdin.write(b"a")
-                proc.stdin.flush()
-
     def _fire(self) -> None:
         if self._cancelled.is_set():
             return
         if self._comm is not None:
             abort_job(self._comm, self.reason, self._exitcode, timeline=self._timeline)
-        announce(self.reason)
-        if self._timeline is not None:
-            with contextlib.suppress(Exception):
-                self._timeline.close(TIMELINE_CLOSE_S)
-        _report_to_launcher(self._exitcode)
-        _flush_stdio()
-        os._exit(self._exitcode)
+        ending.exit_now(self.reason, self._exitcode, timeline=self._timeline, report=True)
 
     def cancel(self) -> None:
         """Disarm: the timer stops and the watchdog process ends. Idempotent."""
         self._cancelled.set()
         self._timer.cancel()
-        with _lock:
-            if self in _guards:
-                _guards.remove(self)
         proc, self._watchdog = self._watchdog, None
         if proc is not None:
-            with contextlib.suppress(OSError, ValueError):
-                if proc.stdin is not None:
+            if proc.stdin is not None:
+                ending.forget_pipe(proc.stdin)
+                with contextlib.suppress(OSError, ValueError):
                     proc.stdin.close()  # EOF: the watchdog exits
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=2.0)
@@ -269,10 +188,4 @@ def exit_guard(seconds: float, reason: str, *, comm: Any = None, exitcode: int =
     if seconds <= 0 or (backstop_s is not None and backstop_s < 0):
         raise ValueError(f"exit_guard needs seconds > 0 and backstop_s >= 0, got {seconds} "
                          f"and {backstop_s}")
-    guard = ExitGuard(seconds, reason, comm, exitcode, timeline, backstop_s)
-    with _lock:
-        _guards.append(guard)
-        announced = _announced
-    if announced:
-        guard._tell_announced()
-    return guard
+    return ExitGuard(seconds, reason, comm, exitcode, timeline, backstop_s)

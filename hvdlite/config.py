@@ -3,8 +3,9 @@
 The body of :class:`Config` is the table: each field is declared with :func:`_knob`, which
 records its parser, default, unit, environment variables and help line. Everything else is
 derived from that one declaration: :data:`KNOBS`, environment parsing, YAML parsing, the
-``hvdliterun`` flags, ``configs/default.yaml`` (:func:`default_yaml_text`) and
-:meth:`Config.to_env`.
+``hvdliterun`` flags and :meth:`Config.to_env`; the generated documentation
+(``configs/default.yaml``, the table in docs/config.md) is tooling, in
+:mod:`hvdlite.launcher.configdoc`.
 
 Where a value comes from, strongest first (:func:`load_config`)::
 
@@ -37,11 +38,10 @@ __all__ = [
     "KNOBS",
     "Config",
     "Knob",
-    "default_yaml_text",
     "format_value",
     "knob",
     "load_config",
-    "markdown_table",
+    "parse_bool",
     "parse_size",
     "resolve",
 ]
@@ -100,7 +100,8 @@ _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
 
-def _parse_bool(value: object) -> bool:
+def parse_bool(value: object) -> bool:
+    """A boolean: bool, 1/0, or 1/0, true/false, yes/no, on/off in any case; else ValueError."""
     if isinstance(value, bool):
         return value
     if isinstance(value, int) and value in (0, 1):
@@ -298,7 +299,7 @@ class Config:
              "negotiation round. 0 keeps nothing (no cache).",
     )  # fmt: skip
     async_completion: bool = _knob(
-        kind="bool", parse=_parse_bool, default=False, unit="",
+        kind="bool", parse=parse_bool, default=False, unit="",
         env="HVDLITE_ENABLE_ASYNC_COMPLETION", aliases=("HOROVOD_ENABLE_ASYNC_COMPLETION",),
         help="GPU: complete handles with a CUDA event instead of a CPU wait.",
     )  # fmt: skip
@@ -308,7 +309,7 @@ class Config:
         help="Write a Chrome-trace timeline to this file; empty / null = off.",
     )  # fmt: skip
     timeline_mark_cycles: bool = _knob(
-        kind="bool", parse=_parse_bool, default=False, unit="",
+        kind="bool", parse=parse_bool, default=False, unit="",
         aliases=("HOROVOD_TIMELINE_MARK_CYCLES",),
         help="Mark each background-loop cycle in the timeline.",
     )  # fmt: skip
@@ -318,12 +319,12 @@ class Config:
              "(0 = no cap).",
     )  # fmt: skip
     timeline_device_events: bool = _knob(
-        kind="bool", parse=_parse_bool, default=False, unit="",
+        kind="bool", parse=parse_bool, default=False, unit="",
         help="GPU + timeline: time device phases with CUDA event pairs and keep stream waits "
              "and async completion, instead of the default CPU-sync fallback.",
     )  # fmt: skip
     stall_check: bool = _knob(
-        kind="bool", parse=_parse_bool, default=True, unit="",
+        kind="bool", parse=parse_bool, default=True, unit="",
         inverted_aliases=("HOROVOD_STALL_CHECK_DISABLE",),
         help="Warn about tensors that some ranks submitted and others did not.",
     )  # fmt: skip
@@ -359,18 +360,25 @@ class Config:
              "thread is busy in Python. 0 = leave it alone.",
     )  # fmt: skip
     optimizer_size1_shortcut: bool = _knob(
-        kind="bool", parse=_parse_bool, default=True, unit="",
+        kind="bool", parse=parse_bool, default=True, unit="",
         help="hvdlite.torch DistributedOptimizer at one rank registers no hooks and "
              "communicates nothing (Horovod's rule). Off: it runs the N-rank path (hooks, "
              "buckets, allreduces) at one rank; for benchmarks that measure that path.",
     )  # fmt: skip
     optimizer_schedule: bool = _knob(
-        kind="bool", parse=_parse_bool, default=True, unit="",
+        kind="bool", parse=parse_bool, default=True, unit="",
         help="hvdlite.torch DistributedOptimizer with CUDA buckets over NCCL: once every rank "
              "has shown it builds the same buckets (checked at the first step), each bucket is "
              "launched by the autograd thread itself, in the agreed order, on the schedule's "
              "own NCCL communicator (no background-thread wake-up per bucket). Off: every "
              "bucket is negotiated by the background thread, as other collectives are.",
+    )  # fmt: skip
+    optimizer_host_schedule: bool = _knob(
+        kind="bool", parse=parse_bool, default=False, unit="",
+        help="hvdlite.torch DistributedOptimizer with host (CPU) buckets: put them on an "
+             "agreed schedule too (each launched by the autograd thread as a nonblocking "
+             "MPI allreduce on the schedule's own communicator). Off: they are negotiated "
+             "and run by the background thread, beside the rest of backward.",
     )  # fmt: skip
     optimizer_max_ctas: int = _knob(
         kind="int", parse=_parse_count, default=0, unit="CTAs",
@@ -385,7 +393,7 @@ class Config:
         help="hvdlite logging threshold.",
     )  # fmt: skip
     nvtx: bool = _knob(
-        kind="bool", parse=_parse_bool, default=False, unit="",
+        kind="bool", parse=parse_bool, default=False, unit="",
         help="Emit NVTX ranges around the pipeline phases (needs the nvtx package).",
     )  # fmt: skip
     start_timeout_s: float = _knob(
@@ -473,7 +481,7 @@ def _from_yaml(path: str | os.PathLike[str]) -> dict[str, tuple[Any, str]]:
             data = yaml.safe_load(handle)
     except OSError as exc:
         raise ConfigError(f"config file {name!r} cannot be read: {exc.strerror}") from exc
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
         raise ConfigError(f"config file {name!r} is not valid YAML: {exc}") from exc
     if data is None:
         return {}
@@ -554,57 +562,3 @@ def load_config(
     expected and what was got.
     """
     return resolve(path, overrides, environ)[0]
-
-
-# ---------------------------------------------------------------------------------------------
-# Generated documentation
-# ---------------------------------------------------------------------------------------------
-
-
-def _yaml_scalar(k: Knob, value: Any) -> str:
-    if value is None:
-        return "null"
-    if k.kind == "bool":
-        return "true" if value else "false"
-    if k.kind == "size" and value:
-        for unit in ("GiB", "MiB", "KiB"):
-            if value % _SIZE_UNITS[unit.lower()] == 0:
-                return f"{value // _SIZE_UNITS[unit.lower()]}{unit}"
-    return str(value)
-
-
-def default_yaml_text() -> str:
-    """The text of ``configs/default.yaml``: every knob, documented, set to its default."""
-    lines = [
-        "# hvdlite configuration: every knob at its default value.",
-        "# Precedence: init() argument / hvdliterun flag > environment > this file > default.",
-        "# Generated from hvdlite/config.py: hvdliterun --print-default-config > default.yaml",
-    ]
-    for k in KNOBS:
-        unit = f" Unit: {k.unit}." if k.unit else ""
-        choices = f" Choices: {', '.join(k.choices)}." if k.choices else ""
-        env = ", ".join(k.aliases + tuple(f"{v} (inverted)" for v in k.inverted_aliases))
-        lines += [
-            "",
-            f"# {k.help}{unit}{choices}",
-            f"# env: {k.env}" + (f" (alias {env})" if env else "") + f"; flag: {k.flag}",
-            f"{k.yaml_key}: {_yaml_scalar(k, k.default)}",
-        ]
-    return "\n".join(lines) + "\n"
-
-
-def markdown_table() -> str:
-    """A Markdown table of every knob (used in ``docs/config.md``)."""
-    rows = [
-        "| key / flag | default | unit | env (Horovod alias) | meaning |",
-        "|---|---|---|---|---|",
-    ]
-    for k in KNOBS:
-        aliases = [*k.aliases, *(f"{v} (inverted)" for v in k.inverted_aliases)]
-        env = f"`{k.env}`" + "".join(f"<br>`{a}`" for a in aliases)
-        rows.append(
-            f"| `{k.name}`<br>`{'`<br>`'.join((k.flag, *k.flag_aliases))}` "
-            f"| `{_yaml_scalar(k, k.default)}` | {k.unit or '-'} "
-            f"| {env} | {k.help} |"
-        )
-    return "\n".join(rows) + "\n"

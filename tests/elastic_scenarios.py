@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jobs_util import clean_env
+
 # Horovod mocks its discovery interval to 0.01 s; a shell script ten times a second is
 # enough here and spares a loaded 2-core box.
 DISCOVERY_INTERVAL_S = 0.1
@@ -206,8 +208,7 @@ EXTRA: list[Scenario] = [
 def env_for(extra_path: str | None = None) -> dict[str, str]:
     """The environment of a run: no stray HVDLITE_/HOROVOD_ variables, unbuffered output,
     ``extra_path`` (a shim) first on PYTHONPATH."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "HOROVOD_"))}
-    env["PYTHONUNBUFFERED"] = "1"
+    env = clean_env()
     if extra_path:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, env.get("PYTHONPATH"))
                                             if p)

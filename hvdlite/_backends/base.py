@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from hvdlite._vocab.entry import Entry
     from hvdlite._vocab.messages import Response
 
-__all__ = ["Backend"]
+__all__ = ["Backend", "ScheduleTransport"]
 
 
 class Backend(Protocol):
@@ -54,4 +54,39 @@ class Backend(Protocol):
 
     def shutdown(self) -> None:
         """Release the transport's resources (after the cycles stopped calling ``run``)."""
+        ...
+
+
+class ScheduleTransport(Protocol):
+    """The schedule contract: what a transport does for an agreed schedule (the runtime's
+    :class:`~hvdlite._control.agreed.AgreedSchedule` keeps the order, the capture state, the
+    watchdog and the errors; a transport only moves data).
+
+    Slot ``i`` is an in-place allreduce of a buffer fixed when the schedule was opened; the
+    transport has its own communicator (so its collectives' order is the schedule's alone)
+    and, on a device, its own stream. Launches come from one thread at a time, in slot order.
+    """
+
+    device_id: int  # the CUDA device of every buffer, or -1 for host memory
+
+    def launch(self, i: int, stream: Any) -> None:
+        """Enqueue slot ``i`` after the work on ``stream`` (a device transport: the producer's
+        CuPy stream; host: None), without waiting for it on the host."""
+        ...
+
+    def done(self, i: int) -> bool:
+        """Whether slot ``i``'s last launch completed (never blocks; any thread)."""
+        ...
+
+    def order(self, i: int, stream: Any) -> None:
+        """Make ``stream`` wait for slot ``i``'s last launch (device transports only)."""
+        ...
+
+    def abort(self) -> None:
+        """The job is ending with an error: unblock anything waiting on the transport."""
+        ...
+
+    def close(self) -> None:
+        """Release the communicator once the launches completed (local: ranks may close
+        their schedules in different orders)."""
         ...

@@ -32,9 +32,59 @@ from hvdlite._vocab.messages import Kind, Response, is_unit
 from hvdlite._vocab.plans import unit_groups
 from hvdlite.config import Config
 
-__all__ = ["NcclBackend"]
+__all__ = ["NcclBackend", "nccl_dtype", "nccl_op", "new_communicator"]
 
 _MAX_REDUCTIONS = 256  # (dtype, op, factors) kept: a step uses a few
+_NCCL_BFLOAT16 = 9  # ncclBfloat16 in nccl.h: CuPy's binding names it only in newer releases
+
+
+def nccl_dtype(nccl: Any, dtype: str) -> tuple[int, int]:
+    """(NCCL element type, elements per value) of ``dtype`` (a ``DTYPES`` key, or
+    ``"bfloat16"``, which has no NumPy type); KeyError if NCCL carries none."""
+    if dtype == "bfloat16":
+        return getattr(nccl, "NCCL_BFLOAT16", _NCCL_BFLOAT16), 1
+    name, per = nccl_wire(DTYPES[dtype])
+    return getattr(nccl, f"NCCL_{name.upper()}"), per
+
+
+def nccl_op(nccl: Any, kind: str, op: ReduceOp) -> int:
+    """The NCCL op that reduces values of ``kind`` (a DType kind) by ``op`` (Average: Sum;
+    the caller divides, or uses ncclAvg where :func:`averaged_by_nccl` says so)."""
+    if kind == "bool":  # or / and on 0-1 bytes
+        big = op in (ReduceOp.SUM, ReduceOp.MAX)
+        return nccl.NCCL_MAX if big else nccl.NCCL_MIN
+    return {ReduceOp.SUM: nccl.NCCL_SUM, ReduceOp.AVERAGE: nccl.NCCL_SUM,
+            ReduceOp.MIN: nccl.NCCL_MIN, ReduceOp.MAX: nccl.NCCL_MAX,
+            ReduceOp.PRODUCT: nccl.NCCL_PROD}[op]
+
+
+@contextlib.contextmanager
+def _max_ctas(n: int) -> Iterator[None]:
+    # NCCL reads NCCL_MAX_CTAS at each communicator's init (CuPy's binding has no
+    # ncclConfig_t): set it for this one only, the environment as it was afterwards.
+    import os
+
+    if n <= 0:
+        yield
+        return
+    old = os.environ.get("NCCL_MAX_CTAS")
+    os.environ["NCCL_MAX_CTAS"] = str(n)
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["NCCL_MAX_CTAS"]
+        else:
+            os.environ["NCCL_MAX_CTAS"] = old
+
+
+def new_communicator(cupy: Any, nccl: Any, device_id: int, size: int, uid: Any, rank: int,
+                     max_ctas: int = 0) -> Any:
+    """An NCCL communicator of ``size`` ranks on ``device_id`` from the unique id ``uid``
+    (collective: every rank calls it with the same id); ``max_ctas`` > 0 caps its thread
+    blocks (NCCL_MAX_CTAS)."""
+    with cupy.cuda.Device(device_id), _max_ctas(max_ctas):
+        return nccl.NcclCommunicator(size, uid, rank)
 
 
 class NcclBackend:
@@ -65,9 +115,6 @@ class NcclBackend:
         # ncclAvg divides inside the collective (no extra kernel) where NCCL has it.
         self._avg = getattr(nccl, "NCCL_AVG", None)
         self._directs: dict[tuple[str, int, bool], tuple[int, int, int] | None] = {}
-        self._ops = {ReduceOp.SUM: nccl.NCCL_SUM, ReduceOp.AVERAGE: nccl.NCCL_SUM,
-                     ReduceOp.MIN: nccl.NCCL_MIN, ReduceOp.MAX: nccl.NCCL_MAX,
-                     ReduceOp.PRODUCT: nccl.NCCL_PROD}
         self._run: dict[Kind, Callable[[DeviceContext, Any, list[Response], list[Entry | None]],
                                        list[Any]]] = {
             Kind.ALLREDUCE: self._allreduce, Kind.ALLGATHER: self._allgather,
@@ -106,8 +153,7 @@ class NcclBackend:
                                    self.config.ipc_buffer_bytes, self._wait)
         uid = self.nccl.get_unique_id() if self.rank == 0 else None
         uid = self.mpi.bcast(uid, root=0)
-        with self.cupy.cuda.Device(device_id):
-            return self.nccl.NcclCommunicator(self.size, uid, self.rank)
+        return new_communicator(self.cupy, self.nccl, device_id, self.size, uid, self.rank)
 
     def run(self, bucket: list[Response], entries: list[Entry | None]) -> None:
         """Enqueue one bucket on the device and hand its completion to the runtime."""
@@ -247,14 +293,10 @@ class NcclBackend:
         self._timed.append((names, phase, start, self.runtime.timing_event(ctx), args))
 
     def _wire(self, row: DType) -> tuple[int, int]:
-        name, per = nccl_wire(row)
-        return getattr(self.nccl, f"NCCL_{name.upper()}"), per
+        return nccl_dtype(self.nccl, row.name)
 
     def _op(self, row: DType, op: ReduceOp) -> int:
-        if row.kind == "bool":  # or / and on 0-1 bytes
-            big = op in (ReduceOp.SUM, ReduceOp.MAX)
-            return self.nccl.NCCL_MAX if big else self.nccl.NCCL_MIN
-        return self._ops[op]
+        return nccl_op(self.nccl, row.kind, op)
 
     def _identity(self, resp: Response, row: DType) -> Any:
         return self.cupy.full(resp.shape, row.identity(ReduceOp(resp.op)), dtype=row.np_dtype)

@@ -49,6 +49,9 @@ class Channel:
 
         self.id, self.ranks = set_id, ranks
         self.ctrl, self.data = ctrl, data
+        # Duplicated only by the agreed schedules' opens (collective, one at a time per rank):
+        # a host schedule's own communicator, made with no cycle's traffic beside it.
+        self.agreed_comm = ctrl.Dup()
         self.rank, self.size = ctrl.Get_rank(), ctrl.Get_size()
         self.config, self.tracer = config, tracer
         self.negotiator = Negotiator(ctrl, config, tracer, block, nap, self.forget)
@@ -204,6 +207,8 @@ class Channel:
         self.negotiator.failures.close()
         for backend in self.backends.values():
             backend.shutdown()
+        if self.agreed_comm != MPI.COMM_NULL:
+            self.agreed_comm.Free()
         if free_comms:
             for comm in (self.ctrl, self.data):
                 if comm != MPI.COMM_NULL:

@@ -20,10 +20,11 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from hvdlite._control.agreed import Schedules
 from hvdlite._control.held_signals import HeldSignals
 from hvdlite._vocab.entry import Entry
 from hvdlite._vocab.messages import Request, Response
-from hvdlite.errors import HvdliteError, ShutdownError, StallError
+from hvdlite.errors import HvdliteError, ShutdownError
 
 if TYPE_CHECKING:
     from hvdlite._backends.base import Backend
@@ -58,6 +59,8 @@ class Owner(Protocol):
     @property
     def gpu(self) -> Any: ...  # the device runtime once made, else None
 
+    def gpu_runtime(self) -> Any: ...  # the device runtime, made on first use
+
     def reclaim(self) -> None: ...
 
     def stopped(self, reason: HvdliteError, fatal: bool,
@@ -88,12 +91,13 @@ class Scheduler:
         self.napping = False  # the loop is in an idle nap (see idle_nap)
         self.last_cycle = 0.0  # when a waiting caller last started a cycle (see run)
         self.in_background = False  # the background thread holds the cycle lock
-        self.last_watch = 0.0  # when the schedules' watchdog last looked (see _watch)
         self.nap_s = 20e-6  # first pause between cycles a waiting caller runs without result
         # Wake-ups of the background loop: a C-level queue of tokens is about twice as quick
         # to hand over as threading.Event, whose wait and set run Python-level Condition code.
         self.wake: queue.SimpleQueue[object] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self.run, name="hvdlite-background", daemon=True)
+        # The agreed schedules: launched by callers with no cycle, watched by this loop.
+        self.schedules = Schedules(self)
 
     # -- submission and stopping (any thread) -----------------------------------------------
     def check_usable(self) -> None:
@@ -382,9 +386,8 @@ class Scheduler:
     def run(self) -> None:
         while True:
             woken = self._wait_for_work()
-            gpu = self.engine.gpu
-            if not woken and gpu is not None:
-                self._watch(gpu)
+            if self.schedules:
+                self.schedules.watch()  # at most once a second
             if woken and not self.stop_requested:
                 self._settle()
             elif (time.perf_counter() - self.last_cycle < self.engine.negotiator.cycle_s
@@ -413,22 +416,6 @@ class Scheduler:
                     self.in_background = False
             if self.stopped:
                 return
-
-    def _watch(self, gpu: Any) -> None:
-        """At most once a second: the device watchdog of the agreed bucket schedules, whose
-        launches no negotiation sees (a stall warning, then StallError past the shutdown
-        time, which aborts their communicators everywhere)."""
-        now = time.perf_counter()
-        if now - self.last_watch < 1.0 or not gpu.schedules:
-            return
-        self.last_watch = now
-        cfg = self.engine.config
-        if not cfg.stall_check:
-            return
-        late = gpu.watch_schedules(cfg.stall_check_time_s, cfg.stall_shutdown_time_s)
-        if late:
-            self.die(StallError(f"rank {self.engine.rank}: {late}; shut down after "
-                                        f"stall_shutdown_time_s={cfg.stall_shutdown_time_s}"))
 
     def cycle(self, caller: bool) -> None:
         """One cycle: drain the queue, then per process set (in set-id order, the same on

@@ -29,7 +29,6 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -231,36 +230,6 @@ class GpuRuntime:
         self._waiters: dict[tuple[str, int], Callable[[Any, Any], None]] = {}
         self._lock = threading.Lock()
         self.retirer = Retirer()
-        # Agreed bucket schedules (_gpu/schedule.py) launched by callers: the engine aborts
-        # their communicators when it fails and its background thread watches them for stalls.
-        self.schedules: weakref.WeakSet[Any] = weakref.WeakSet()
-        self._warned: set[str] = set()
-
-    def watch_schedules(self, warn_s: float, fail_s: float) -> str:
-        """Check the schedules' launches (non-blocking queries): log a warning once per bucket
-        left incomplete past ``warn_s``; return the description of one past ``fail_s`` (> 0)
-        for the engine to fail with, else ''."""
-        for schedule in list(self.schedules):
-            late = schedule.overdue(warn_s)
-            if not late:
-                continue
-            if fail_s > 0 and schedule.overdue(fail_s):
-                return late
-            if late not in self._warned and len(self._warned) < 64:
-                self._warned.add(late)
-                log.warning("hvdlite stall: %s", late)
-        return ""
-
-    def abort_schedules(self, pending_only: bool = False) -> None:
-        """Abort every schedule's communicator (the job is ending with an error), or with
-        ``pending_only`` those with a launch not yet complete (a peer shut down)."""
-        for schedule in list(self.schedules):
-            if pending_only and not schedule.pending():
-                continue
-            try:
-                schedule.abort()
-            except Exception:
-                log.exception("hvdlite: aborting a bucket schedule's communicator failed")
 
     # The timeline can start and stop at run time, so these follow it.
     @property
@@ -371,10 +340,4 @@ class GpuRuntime:
     def shutdown(self) -> None:
         self.synchronize()
         self.retirer.retire(wait=True)
-        for schedule in list(self.schedules):  # after their launches finished
-            try:
-                schedule.close()
-            except Exception:
-                log.exception("hvdlite: destroying a bucket schedule's communicator failed")
-        self.schedules.clear()
         self._contexts.clear()

@@ -12,15 +12,21 @@ item that crossed it), so an event is on disk within about 100 ms of being recor
 Signals: a writer made on the main thread hooks SIGTERM (and SIGINT) so that every queued
 event reaches the file first (``hvdlite/_observe/signals.py``).
 The layout, phases and args are specified in ``timeline/FORMAT.md``.
+
+The file is created 0600 and never through a symbolic link: one planted at the path (in a
+shared directory, by another user) would have the rank overwrite the file it points at; it is
+an OSError instead (docs/security.md).
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
+import errno
 import json
 import logging
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -489,7 +495,22 @@ class Timeline:
         ]
 
     def _open_file(self) -> None:
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        # O_NONBLOCK: a FIFO planted at the path fails at once instead of blocking the open.
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                         | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                raise
+            raise OSError(errno.ELOOP, f"timeline {self.path}: a symbolic link is there; "
+                          "hvdlite does not write through one (another user may have put it "
+                          "there, pointing at a file of yours): remove it or choose another "
+                          "path") from exc
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(errno.EINVAL, f"timeline {self.path}: not a regular file; choose "
+                          "another path")
+        self._fd = fd
         self._named = set()
         lines = self._header()
         if self._offset_us is not None:

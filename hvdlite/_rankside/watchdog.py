@@ -30,10 +30,10 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
-from hvdlite import _exit
-from hvdlite._rankside.protocol import WATCHDOG_FD_ENV
+from hvdlite._rankside import ending
+from hvdlite._rankside.protocol import RESERVED_TYPES, WATCHDOG_FD_ENV
 
 if TYPE_CHECKING:
     from hvdlite._observe.timeline import Timeline
@@ -88,9 +88,18 @@ def send(message: dict[str, Any]) -> bool:
     """Send ``message`` (a dict with a string ``"t"``, JSON-serialisable) to the launcher's
     monitor, through the rank wrapper; it arrives as an ``Event`` of kind ``message``. False
     when the process was not started by ``hvdliterun`` or the wrapper is gone. Any thread;
-    never blocks for long (one small write to a local socket)."""
+    never blocks for long (one small write to a local socket).
+
+    Raises ValueError for a type of the channel's own (``exit``, ``abort``, ``hello``,
+    ``beat``, ``orphaned``, ``failing``): those are hvdlite's, and the wrapper would drop them.
+    """
+    kind = message.get("t")
+    if isinstance(kind, str) and kind in RESERVED_TYPES:
+        raise ValueError(f"watchdog.send: message type {kind!r} is reserved for hvdlite's own "
+                         f"channel ({', '.join(sorted(RESERVED_TYPES))}); give the message "
+                         "another \"t\"")
     text = os.environ.get(FD_ENV, "")
-    if not text.isdigit() or not isinstance(message.get("t"), str):
+    if not text.isdigit() or not isinstance(kind, str):
         return False
     try:
         os.write(int(text), json.dumps(message).encode() + b"\n")
@@ -115,13 +124,14 @@ def _watch(fd: int) -> None:
         for raw in lines:
             try:
                 msg = json.loads(raw)
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue
             if not isinstance(msg, dict):
                 continue
             if msg.get("t") == "abort":
+                code = msg.get("code", 1)
                 _end(str(msg.get("reason", "the launcher ended the job")),
-                     int(msg.get("code", 1)))
+                     code if isinstance(code, int) and not isinstance(code, bool) else 1)
             with _lock:
                 callbacks = list(_subscribers)
             for callback in callbacks:
@@ -131,13 +141,10 @@ def _watch(fd: int) -> None:
                     log.exception("hvdlite: a launcher message subscriber failed")
 
 
-def _end(reason: str, code: int) -> None:
-    _exit.announce(f"{reason}; this rank ends now (its timeline is written)")
+def _end(reason: str, code: int) -> NoReturn:
     timeline = None
     with contextlib.suppress(Exception):
         timeline = _timeline_of() if _timeline_of is not None else None
-    if timeline is not None:
-        with contextlib.suppress(Exception):
-            timeline.close(_exit.TIMELINE_CLOSE_S)
-    _exit._flush_stdio()
-    os._exit(code)
+    # No failure report: the launcher ordered this end, or its wrapper is gone.
+    ending.exit_now(f"{reason}; this rank ends now (its timeline is written)", code,
+                    timeline=timeline)

@@ -6,16 +6,26 @@ Standard library and hvdlite's core only (no torch). The elastic ``hvdliterun``
 directory, the same path on every host) and ``GENERATION_ENV`` (0 for the first world, then
 1, 2, ... after each reset). Without them a rank is not elastic and nothing here touches the
 disk.
+
+Commits are pickles, so they are read only where no other user can have put them: the
+directories from the report directory down (``<report>/<job>/state/<host>``, and
+``<report>/<job>/gen-N`` for the driver's notice) are made 0700 where missing (a host without
+the launcher's file system makes them itself) and must otherwise be directories of this user
+that no other user can write, or :class:`~hvdlite.errors.HvdliteError` names the one that is
+not; the commit files are written 0600 and opened without following a symbolic link, and a
+file another user owns is never unpickled. See docs/security.md.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import pickle
 import re
 import socket
+import stat
 import sys
 import threading
 import weakref
@@ -36,6 +46,7 @@ from hvdlite._rankside.protocol import (
     RESET_EXIT_CODES,
     generation_dir,
 )
+from hvdlite.errors import HvdliteError
 
 
 class State(Protocol):
@@ -93,38 +104,137 @@ def context() -> Context | None:
     return Context(job_dir, generation)
 
 
-def newest_commit(state_dir: str) -> int:
-    """The number of the newest commit kept in ``state_dir`` (0: none)."""
+# <report>/<job>/state/<host>: the levels below the report directory's parent are private.
+_PRIVATE_LEVELS = 4
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _refuse(path: str, why: str) -> HvdliteError:
+    return HvdliteError(f"elastic job directory {path}: {why}; hvdlite keeps a job's commits "
+                        "(pickles) only where no other user can write, so it neither reads nor "
+                        "writes them there: remove it, or start the job again (a fresh "
+                        "directory)")
+
+
+def _private_dir(path: str, create: bool, levels: int = _PRIVATE_LEVELS) -> int | None:
+    """A descriptor of directory ``path``, whose last ``levels`` components are checked, one
+    by one without following a link: made 0700 where missing (with ``create``; else None),
+    otherwise directories of this user that no other user can write (HvdliteError)."""
+    parts = os.path.normpath(os.path.abspath(path)).split(os.sep)
+    levels = min(levels, len(parts) - 1)  # parts[0] is "" (the root)
+    top, private = os.sep.join(parts[:-levels]) or os.sep, parts[-levels:]
+    if create:
+        os.makedirs(top, exist_ok=True)
     try:
-        names = os.listdir(state_dir)
-    except OSError:
+        fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    where = top
+    try:
+        for part in private:
+            where = os.path.join(where, part)
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, 0o700, dir_fd=fd)
+            try:
+                child = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                return None
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise _refuse(where, "a symbolic link or not a directory") from exc
+                raise
+            os.close(fd)
+            fd = child
+            st = os.fstat(fd)
+            if st.st_uid != os.geteuid():
+                raise _refuse(where, f"owned by uid {st.st_uid}, not by this user "
+                                     f"({os.geteuid()})")
+            if st.st_mode & 0o022:
+                raise _refuse(where, f"other users can write in it (mode "
+                                     f"{stat.S_IMODE(st.st_mode):o})")
+        result, fd = fd, -1
+        return result
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _open_own(dir_fd: int, name: str, where: str) -> int:
+    """A descriptor of this user's regular file ``name`` in ``dir_fd``, read-only, not
+    followed if a link (FileNotFoundError when absent; HvdliteError when not this user's)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _refuse(os.path.join(where, name), "a symbolic link") from exc
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        os.close(fd)
+        raise _refuse(os.path.join(where, name), f"not a file of this user (uid {st.st_uid}, "
+                                                 f"mode {st.st_mode:o})")
+    return fd
+
+
+def _own_file(directory: str, name: str, levels: int = _PRIVATE_LEVELS) -> int:
+    """A read-only descriptor of this user's file ``name`` in the private ``directory``
+    (FileNotFoundError when either is absent)."""
+    fd = _private_dir(directory, create=False, levels=levels)
+    if fd is None:
+        raise FileNotFoundError(errno.ENOENT, "no such directory", directory)
+    try:
+        return _open_own(fd, name, directory)
+    finally:
+        os.close(fd)
+
+
+def newest_commit(state_dir: str) -> int:
+    """The number of the newest commit kept in ``state_dir`` (0: none); HvdliteError when
+    the directory is not private (see the module's note)."""
+    fd = _private_dir(state_dir, create=False)
+    if fd is None:
         return 0
+    try:
+        names = os.listdir(fd)
+    finally:
+        os.close(fd)
     found = [int(m.group(1)) for m in map(_COMMIT.match, names) if m]
     return max(found, default=0)
 
 
 def write_commit(state_dir: str, number: int, payload: Any) -> None:
     """Keep ``payload`` as commit ``number`` (atomically: a rank killed while writing leaves
-    the previous commit), then drop the older ones."""
-    os.makedirs(state_dir, exist_ok=True)
-    final = os.path.join(state_dir, f"commit-{number}.pkl")
-    partial = f"{final}.{os.getpid()}.tmp"
-    with open(partial, "wb") as handle:
-        pickle.dump({"commit": number, "state": payload}, handle, protocol=5)
-    os.replace(partial, final)
-    for name in os.listdir(state_dir):
-        m = _COMMIT.match(name)
-        if m and int(m.group(1)) < number:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(state_dir, name))
+    the previous commit; the file 0600), then drop the older ones."""
+    fd = _private_dir(state_dir, create=True)
+    assert fd is not None
+    try:
+        final = f"commit-{number}.pkl"
+        partial = f"{final}.{os.getpid()}.tmp"
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(partial, dir_fd=fd)  # a writer of an earlier life of this pid
+        out = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                      | os.O_CLOEXEC, 0o600, dir_fd=fd)
+        with open(out, "wb") as handle:
+            pickle.dump({"commit": number, "state": payload}, handle, protocol=5)
+        os.replace(partial, final, src_dir_fd=fd, dst_dir_fd=fd)
+        for name in os.listdir(fd):
+            m = _COMMIT.match(name)
+            if m and int(m.group(1)) < number:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(name, dir_fd=fd)
+    finally:
+        os.close(fd)
 
 
 def read_commit(state_dir: str, number: int) -> Any:
-    """The payload of commit ``number``."""
-    with open(os.path.join(state_dir, f"commit-{number}.pkl"), "rb") as handle:
+    """The payload of commit ``number``: unpickled only from this user's own file in a
+    private directory (HvdliteError otherwise, FileNotFoundError when there is none)."""
+    with open(_own_file(state_dir, f"commit-{number}.pkl"), "rb") as handle:
         record = pickle.load(handle)
-    if record.get("commit") != number:
-        raise ValueError(f"{state_dir}: commit-{number}.pkl holds commit {record.get('commit')}")
+    if not isinstance(record, dict) or record.get("commit") != number:
+        raise ValueError(f"{state_dir}: commit-{number}.pkl does not hold commit {number}")
     return record["state"]
 
 
@@ -196,16 +306,19 @@ def listen(state: State) -> None:
 def _told(ctx: Context) -> bool:
     """The driver said the hosts changed: through the launcher's control channel, or in the
     job directory where this host shares the launcher's file system (then the notice is
-    handed to the states as well)."""
+    handed to the states as well; read only from a private directory, as commits are)."""
     if _told_generation >= ctx.generation:
         return True
+    gen_dir = generation_dir(ctx.job_dir, ctx.generation)
     try:
-        with open(ctx.updates_file, encoding="utf-8") as handle:
+        with open(_own_file(gen_dir, HOSTS_UPDATED_FILE, _PRIVATE_LEVELS - 1),
+                  encoding="utf-8") as handle:
             notice = json.load(handle)
-    except (OSError, ValueError):
+    except (OSError, ValueError, HvdliteError):  # no notice there (or none to trust)
         return False
     if isinstance(notice, dict) and isinstance(notice.get("timestamp"), int):
-        _deliver(notice["timestamp"], int(notice.get("res", 1)))
+        res = notice.get("res", 1)
+        _deliver(notice["timestamp"], res if isinstance(res, int) else 1)
     return True
 
 

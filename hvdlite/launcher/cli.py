@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shlex
 import signal
@@ -26,12 +27,13 @@ import tempfile
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hvdlite._rankside.protocol import REPORT_DIR_ENV
-from hvdlite.config import CONFIG_ENV, KNOBS, Config, Knob, default_yaml_text, resolve
+from hvdlite._rankside.protocol import REPORT_DIR_ENV, workers_plan
+from hvdlite.config import CONFIG_ENV, KNOBS, Config, Knob, resolve
 from hvdlite.errors import ConfigError
 from hvdlite.launcher import compat, elastic, rankwrap, supervise
 from hvdlite.launcher import hosts as launch_hosts
 from hvdlite.launcher.common import await_ranks, say
+from hvdlite.launcher.configdoc import default_yaml_text
 from hvdlite.launcher.job import JobSpec, build_command, find_mpiexec, mpi_flavor
 from hvdlite.launcher.monitor import Monitor
 from hvdlite.launcher.verdict import Verdict
@@ -223,8 +225,10 @@ def _parse(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Nam
         parser.error("--check runs the doctor on every rank; drop the command after it")
     if not command and not ns.check:
         parser.error("no command to run: put it after '--', e.g. hvdliterun -np 2 -- python x.py")
-    if ns.timeout is not None and ns.timeout <= 0:
-        parser.error(f"--timeout must be > 0 seconds, got {ns.timeout:g}")
+    if ns.timeout is not None and not 0 < ns.timeout < math.inf:
+        parser.error(f"--timeout must be > 0 seconds (a finite number), got {ns.timeout:g}")
+    if ns.ssh_port is not None and not 0 < ns.ssh_port < 65536:
+        parser.error(f"--ssh-port must be between 1 and 65535, got {ns.ssh_port}")
     try:
         ns.mpi_args = shlex.split(ns.mpi_args)
     except ValueError as exc:
@@ -312,8 +316,7 @@ def _main(argv: Sequence[str] | None) -> int:
             prefix="hvdliterun-", dir=report_base) as report_dir:
         flavor = mpi_flavor(mpiexec)
         try:
-            forward = launch_hosts.forwarded_env(dict(os.environ), ns.env,
-                                                 os.path.dirname(sys.executable))
+            forward = launch_hosts.forwarded_env(dict(os.environ), ns.env)
         except ValueError as exc:
             parser.error(str(exc))
         net_args, net_env = launch_hosts.transport(flavor, iface, ns.tcp)
@@ -326,8 +329,12 @@ def _main(argv: Sequence[str] | None) -> int:
         forward |= config.to_env(chosen) | monitor.env() | {REPORT_DIR_ENV: report_dir}
         if ns.output_filename:
             forward[rankwrap.OUTPUT_DIR_ENV] = os.path.abspath(ns.output_filename)
+        if "PATH" in forward:  # the wrapper gives it back to the rank, as it is here
+            forward[rankwrap.RANK_PATH_ENV] = forward["PATH"]
         slots = [(h.name, h.slots) for h in hosts] or [("localhost", ns.np)]
-        forward[rankwrap.WORKERS_ENV] = json.dumps(launch_hosts.worker_table(slots, ns.np))
+        # A plan each rank computes its own row from: the table itself passes Linux's 128 KiB
+        # for one variable at about 2,900 ranks.
+        forward[rankwrap.WORKERS_ENV] = workers_plan([(slots, ns.np)], [(0, 0, ns.np)])
         env = {k: v for k, v in os.environ.items()
                if k not in launch_hosts.PRIVATE_NAMES and k != CONFIG_ENV}
         env |= forward | launcher_env
@@ -342,12 +349,20 @@ def _main(argv: Sequence[str] | None) -> int:
             mpi_args=tuple(net_args + ns.mpi_args),
             is_root=os.geteuid() == 0,
         )
-        cmd = build_command(spec)
+        try:
+            cmd = build_command(spec)
+        except ValueError as exc:
+            parser.error(str(exc))
         if ns.verbose:
             _print_verbose(cmd, config, sources)
         if elastic_args is not None:
+            def world_monitor(assignment: list[tuple[str, int]]) -> Monitor:
+                if remote or ns.network_interface:
+                    return _monitor(config, monitor_address)
+                return _monitor(config, _toward([h for h, _ in assignment]))
+
             return elastic.run_elastic(elastic_args, spec, env, report_dir, ns.timeout,
-                                       lambda: _monitor(config, monitor_address))
+                                       world_monitor)
         try:
             proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         except OSError as exc:
@@ -371,6 +386,18 @@ def _hosts(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> list[laun
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
     return []
+
+
+def _toward(hosts: list[str]) -> str:
+    """The address the ranks on ``hosts`` dial the monitor at, for discovered hosts (known
+    per world): that of the interface toward the first remote one this host routes to, else
+    the loopback (a remote host that cannot be routed to cannot start its ranks either, and
+    the elastic driver leaves it out)."""
+    for host in hosts:
+        if not launch_hosts.is_local(host):
+            with contextlib.suppress(OSError, UnicodeError):
+                return launch_hosts.interface_for(host)[1]
+    return "127.0.0.1"
 
 
 def _monitor(config: Config, address: str) -> Monitor:

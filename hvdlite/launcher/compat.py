@@ -12,11 +12,16 @@ the reason and what to use instead. Importing this module has no side effects.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import importlib.util
+import math
+from collections.abc import Callable
 from typing import Any
 
 import yaml
+
+from hvdlite.config import knob, parse_bool
 
 __all__ = ["UNSUPPORTED", "add_flags", "check_build_text", "config_file_overrides"]
 
@@ -46,17 +51,40 @@ UNSUPPORTED: dict[str, str] = {
     "--prefix-output-with-timestamp": "hvdliterun does not rewrite the ranks' output",
 }
 
-# Horovod's --config-file sections and keys -> hvdlite knob and a conversion.
-_CONFIG_KEYS: dict[tuple[str, str], tuple[str, Any]] = {
-    ("params", "fusion_threshold_mb"): ("fusion_threshold", lambda v: int(float(v) * _MIB)),
-    ("params", "cycle_time_ms"): ("cycle_time_ms", float),
-    ("params", "cache_capacity"): ("cache_capacity", int),
-    ("timeline", "filename"): ("timeline", str),
-    ("timeline", "mark_cycles"): ("timeline_mark_cycles", bool),
-    ("stall_check", "enabled"): ("stall_check", bool),
-    ("stall_check", "warning_time_seconds"): ("stall_check_time_s", float),
-    ("stall_check", "shutdown_time_seconds"): ("stall_shutdown_time_s", float),
-    ("logging", "level"): ("log_level", lambda v: str(v).lower()),
+def _mib(value: object) -> int:
+    """Horovod's ``fusion_threshold_mb`` (a number of MiB, whole or not) in bytes."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise ValueError(f"expected a number of MiB >= 0, got {value!r}")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError(f"expected a number of MiB >= 0, got {value!r}") from None
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(f"expected a finite number of MiB >= 0, got {value!r}")
+    return int(number * _MIB)
+
+
+def _level(value: object) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"expected a log level name, got {value!r}")
+    return str(knob("log_level").parse(value.lower()))
+
+
+# Horovod's --config-file sections and keys -> hvdlite knob and the parser of the value (the
+# knob's own, as strict as for hvdlite's --config: null, .inf, a list or "false" for a number
+# is an error naming the key, never a traceback).
+_CONFIG_KEYS: dict[tuple[str, str], tuple[str, Callable[[Any], Any]]] = {
+    ("params", "fusion_threshold_mb"): ("fusion_threshold", _mib),
+    ("params", "cycle_time_ms"): ("cycle_time_ms", knob("cycle_time_ms").parse),
+    ("params", "cache_capacity"): ("cache_capacity", knob("cache_capacity").parse),
+    ("timeline", "filename"): ("timeline", knob("timeline").parse),
+    ("timeline", "mark_cycles"): ("timeline_mark_cycles", parse_bool),
+    ("stall_check", "enabled"): ("stall_check", parse_bool),
+    ("stall_check", "warning_time_seconds"): ("stall_check_time_s",
+                                              knob("stall_check_time_s").parse),
+    ("stall_check", "shutdown_time_seconds"): ("stall_shutdown_time_s",
+                                               knob("stall_shutdown_time_s").parse),
+    ("logging", "level"): ("log_level", _level),
 }
 # Keys hvdlite accepts only when they ask for what it does anyway (false / off / mpi).
 _NEUTRAL = {("params", "hierarchical_allreduce"), ("params", "hierarchical_allgather"),
@@ -118,22 +146,28 @@ def config_file_overrides(path: str) -> dict[str, object]:
     out: dict[str, object] = {}
     for section, body in data.items():
         if section == "controller":
-            if str(body).lower() != "mpi":
+            if not isinstance(body, str) or body.lower() != "mpi":
                 raise ValueError(f"--config-file {path}: controller {body!r}: hvdlite runs on "
                                  "MPI only")
             continue
         if not isinstance(body, dict):
-            raise ValueError(f"--config-file {path}: section {section!r} must be a mapping")
+            raise ValueError(f"--config-file {path}: section {section!r} must be a mapping, "
+                             f"got {body!r}")
         for key, value in body.items():
             if (section, key) in _CONFIG_KEYS:
-                name, convert = _CONFIG_KEYS[(section, key)]
-                out[name] = convert(value)
-            elif (section, key) in _NEUTRAL and not value:
+                name, parse = _CONFIG_KEYS[(section, key)]
+                try:
+                    out[name] = parse(value)
+                except ValueError as exc:
+                    raise ValueError(f"--config-file {path}: {section}.{key}: {exc}") from None
                 continue
-            else:
-                raise ValueError(f"--config-file {path}: {section}.{key} = {value!r} has no "
-                                 "hvdlite counterpart (see docs/horovod.md, 'hvdliterun and "
-                                 "horovodrun')")
+            if (section, key) in _NEUTRAL:
+                with contextlib.suppress(ValueError):
+                    if not parse_bool(value):
+                        continue
+            raise ValueError(f"--config-file {path}: {section}.{key} = {value!r} has no "
+                             "hvdlite counterpart (see docs/horovod.md, 'hvdliterun and "
+                             "horovodrun')")
     return out
 
 

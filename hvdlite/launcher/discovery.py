@@ -13,18 +13,24 @@ Importing this module has no side effects.
 
 from __future__ import annotations
 
+import os
 import random
+import select
 import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from hvdlite._rankside.protocol import worker_rows, worker_table, workers_plan
 from hvdlite.launcher.common import say
-from hvdlite.launcher.hosts import worker_table
+from hvdlite.launcher.hosts import check_host
 
-__all__ = ["ADDED", "REMOVED", "Hosts", "Workers", "describe", "parse_hosts", "size"]
+__all__ = ["ADDED", "MAX_DISCOVERY_BYTES", "REMOVED", "Hosts", "Workers", "describe",
+           "parse_hosts", "run_discovery", "size"]
 
 DISCOVERY_TIMEOUT_S = 30.0
+# About 200,000 hosts' lines: more is a script gone wrong, not read into memory.
+MAX_DISCOVERY_BYTES = 4 << 20
 COOLDOWN_MIN_S = 1  # Horovod's bounds on --blacklist-cooldown-range
 COOLDOWN_MAX_S = 3600
 ADDED = 1  # Horovod's HostUpdateResult bits
@@ -32,13 +38,16 @@ REMOVED = 2
 
 
 def parse_hosts(text: str, default_slots: int | None, what: str) -> list[tuple[str, int]]:
-    """``"a:2,b"`` or lines ``a:2`` -> ``[("a", 2), ("b", default_slots)]``; ValueError."""
-    hosts: list[tuple[str, int]] = []
+    """``"a:2,b"`` or lines ``a:2`` -> ``[("a", 2), ("b", default_slots)]``; ValueError for
+    a bad slot count, a name that is not a host (:func:`~hvdlite.launcher.hosts.check_host`)
+    or a host listed twice. Linear in the text."""
+    hosts: dict[str, int] = {}
     for item in text.replace(",", "\n").splitlines():
         item = item.strip()
         if not item or item.startswith("#"):
             continue
         name, sep, count = item.partition(":")
+        name = check_host(name.strip(), what)
         if sep:
             if not count.strip().isdigit() or int(count) < 1:
                 raise ValueError(f"{what}: bad slot count in {item!r}: expected host:N, N >= 1")
@@ -47,10 +56,46 @@ def parse_hosts(text: str, default_slots: int | None, what: str) -> list[tuple[s
             slots = default_slots
         else:
             raise ValueError(f"{what}: {item!r} has no ':slots' and --slots is not given")
-        if any(h == name for h, _ in hosts):
+        if name in hosts:
             raise ValueError(f"{what}: host {name!r} is listed twice")
-        hosts.append((name.strip(), slots))
-    return hosts
+        hosts[name] = slots
+    return list(hosts.items())
+
+
+def run_discovery(script: str) -> str:
+    """What ``script`` printed (no shell, stdin and stderr closed), at most
+    ``MAX_DISCOVERY_BYTES`` within ``DISCOVERY_TIMEOUT_S``; ValueError past the bound,
+    ``subprocess.SubprocessError`` for a timeout or a non-zero exit, OSError when it cannot
+    run."""
+    proc = subprocess.Popen([script], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    chunks: list[bytes] = []
+    total = 0
+    deadline = time.monotonic() + DISCOVERY_TIMEOUT_S
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise subprocess.TimeoutExpired([script], DISCOVERY_TIMEOUT_S)
+            if not select.select([proc.stdout], [], [], left)[0]:
+                continue
+            data = os.read(proc.stdout.fileno(), 65536)
+            if not data:
+                break
+            total += len(data)
+            if total > MAX_DISCOVERY_BYTES:
+                raise ValueError(f"it printed more than {MAX_DISCOVERY_BYTES} bytes")
+            chunks.append(data)
+        code = proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    if code != 0:
+        raise subprocess.CalledProcessError(code, [script])
+    return b"".join(chunks).decode()
 
 
 def size(assignment: Sequence[tuple[str, int]]) -> int:
@@ -101,8 +146,7 @@ class Hosts:
             self.known = dict(self.static)
         else:
             try:
-                out = subprocess.run([self.discovery], capture_output=True, text=True,
-                                     timeout=DISCOVERY_TIMEOUT_S, check=True).stdout
+                out = run_discovery(self.discovery)
                 self.known = dict(parse_hosts(out, self.slots, "host discovery script"))
             except (OSError, subprocess.SubprocessError, ValueError) as exc:
                 if first:
@@ -177,23 +221,43 @@ class Hosts:
 class Workers:
     """The job's workers, one per slot ``(host, local_rank)``: each keeps the identity
     (``[host, rank, size, local_rank, local_size, cross_rank, cross_size]``) of the world it
-    was started in until it leaves the job (its host failed, was removed or lost the slot)."""
+    was started in until it leaves the job (its host failed, was removed or lost the slot).
+    A worker's identity is a row of its first world's table: the plan (:meth:`plan`) names
+    those worlds and runs of their rows, so its size grows with the hosts, not the ranks."""
 
     def __init__(self) -> None:
-        self.identity: dict[tuple[str, int], list[object]] = {}
+        self.origin: dict[tuple[str, int], tuple[int, int]] = {}  # slot -> (world, row)
+        self.worlds: dict[int, tuple[tuple[tuple[str, int], ...], int]] = {}
+        self._next_world = 0
 
-    def table(self, assignment: Sequence[tuple[str, int]]) -> list[list[object]]:
-        """The identities of the ranks of a world on ``assignment``, in rank order: kept for
-        slots whose worker goes on, the new world's values for new workers."""
+    def plan(self, assignment: Sequence[tuple[str, int]]) -> str:
+        """The ``WORKERS_ENV`` text (:func:`~hvdlite._rankside.protocol.workers_plan`) of a
+        world on ``assignment``: kept identities for slots whose worker goes on, the new
+        world's rows for new workers."""
+        world = self._next_world
+        self._next_world += 1
         rows = worker_table(assignment, size(assignment))
         keep = {(str(r[0]), int(str(r[3]))) for r in rows}
-        self.identity = {slot: row for slot, row in self.identity.items() if slot in keep}
-        out = []
-        for row in rows:
-            slot = (str(row[0]), int(str(row[3])))
-            out.append(self.identity.setdefault(slot, row))
-        return out
+        self.origin = {slot: o for slot, o in self.origin.items() if slot in keep}
+        origins = [self.origin.setdefault((str(r[0]), int(str(r[3]))), (world, i))
+                   for i, r in enumerate(rows)]
+        self.worlds[world] = (tuple(assignment), size(assignment))
+        used = sorted({w for w, _ in origins})
+        self.worlds = {w: self.worlds[w] for w in used}
+        index = {w: i for i, w in enumerate(used)}
+        runs: list[list[int]] = []
+        for w, row in origins:
+            if runs and runs[-1][0] == index[w] and runs[-1][1] + runs[-1][2] == row:
+                runs[-1][2] += 1
+            else:
+                runs.append([index[w], row, 1])
+        return workers_plan([self.worlds[w] for w in used],
+                            [(w, first, count) for w, first, count in runs])
+
+    def table(self, assignment: Sequence[tuple[str, int]]) -> list[list[object]]:
+        """:meth:`plan` as the rows themselves, in rank order."""
+        return worker_rows(self.plan(assignment))
 
     def leave(self, host: str) -> None:
         """Every worker of ``host`` leaves the job (the host failed or is gone)."""
-        self.identity = {s: row for s, row in self.identity.items() if s[0] != host}
+        self.origin = {s: o for s, o in self.origin.items() if s[0] != host}

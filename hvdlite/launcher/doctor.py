@@ -9,6 +9,11 @@ about ``--seconds`` (1 s) of allreduces through the public API (``hvdlite.init``
 ``allreduce_async``, ``shutdown``) on host memory, and on device memory when CuPy and a GPU are
 there, each result compared exactly with a NumPy reference built from every rank's inputs.
 
+Each rank says which interpreter a command that starts with ``python3`` or ``python`` would run
+there (the first on the rank's ``PATH``: its path, version and environment), with a warning
+where it is not the launcher's interpreter (the one ``hvdliterun`` and this doctor run in); rank
+0 warns when the ranks would run different ones.
+
 Each rank also records its host's interfaces, the MPI transport asked for, and the TCP
 connections it holds after the self-test (:mod:`hvdlite.launcher.links`); across hosts
 (``hvdliterun -H ... --check``), rank 0 prints which links carried the data between each pair
@@ -29,7 +34,9 @@ import importlib.util
 import json
 import os
 import platform
+import shutil
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -46,6 +53,9 @@ from hvdlite.launcher import links
 __all__ = ["Report", "main", "self_test"]
 
 WAIT_S = 10.0  # one collective of the self-test may take this long before it counts as hung
+INTERPRETER_NAMES = ("python3", "python")  # the commands whose interpreter each rank reports
+PROBE_TIMEOUT_S = 15.0  # an interpreter that does not print its version in this long is broken
+_PROBE = "import platform, sys; print(platform.python_version()); print(sys.prefix)"
 _THREAD_LEVELS = ("SINGLE", "FUNNELED", "SERIALIZED", "MULTIPLE")
 _CASES = (  # (dtype, op name, elements): integer-valued data, so every result is exact
     ("float32", "Sum", 1), ("float64", "Sum", 1000), ("int32", "Sum", 4096),
@@ -64,6 +74,7 @@ class Report:
     host: str = ""
     addresses: dict[str, str] = field(default_factory=dict)  # {interface: IPv4}
     peers: list[tuple[str, str]] = field(default_factory=list)  # TCP (local, remote) after tests
+    pythons: dict[str, str] = field(default_factory=dict)  # {"python3": what it runs here}
 
     def info(self, label: str, text: str) -> None:
         """An information line."""
@@ -205,6 +216,70 @@ def _configuration(report: Report, launcher_sources: dict[str, str]) -> bool:
         report.info("config" if k is KNOBS[0] else "",
                     f"{k.name} = {getattr(config, k.name)!r}  [{source}]")
     return True
+
+
+def probe_interpreter(path: str) -> tuple[str, str]:
+    """(version, environment) of the Python at ``path``: ``platform.python_version()`` and
+    ``sys.prefix`` (a virtual environment's folder, or the installation's), as that
+    interpreter reports them. OSError (with the reason) when it cannot be run."""
+    try:
+        proc = subprocess.run([path, "-c", _PROBE], capture_output=True, text=True,
+                              timeout=PROBE_TIMEOUT_S, check=False, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise OSError(f"it did not answer within {PROBE_TIMEOUT_S:g} s") from None
+    lines = proc.stdout.splitlines()
+    if proc.returncode != 0 or len(lines) != 2:
+        why = " ".join((proc.stderr or proc.stdout).split())[-200:]
+        raise OSError(f"exit code {proc.returncode}" + (f": {why}" if why else ""))
+    return lines[0], lines[1]
+
+
+def _interpreters(report: Report, under_hvdliterun: bool) -> None:
+    """Which interpreter ``python3`` and ``python`` run on this rank's PATH, and whether it
+    is this doctor's (under ``hvdliterun --check``, hvdliterun's: it starts the doctor in its
+    own interpreter, by its full path)."""
+    own = (platform.python_version(), sys.prefix)
+    whose = "hvdliterun's interpreter" if under_hvdliterun else "this doctor's interpreter"
+    reference = f"{whose} {sys.executable} (Python {own[0]}, environment {own[1]})"
+    for name in INTERPRETER_NAMES:
+        found = shutil.which(name)
+        if found is None:
+            report.pythons[name] = "not on PATH"
+            report.info(name, "not on PATH")
+            continue
+        try:
+            version, prefix = probe_interpreter(found)
+        except OSError as exc:
+            report.pythons[name] = f"{found} (does not run)"
+            report.warn(name, f"{found} (first on PATH) does not run: {exc}",
+                        "repair or remove it, or start the command with another interpreter")
+            continue
+        text = f"{found} (Python {version}, environment {prefix})"
+        report.pythons[name] = text
+        if (version, prefix) == own:
+            report.info(name, f"{text}: the same as {whose}")
+        else:
+            report.warn(name, f"a command that starts with {name} runs {text}, not {reference}",
+                        f"put {os.path.dirname(sys.executable)} first on PATH where the job is "
+                        f"started (a venv: source its bin/activate), or start the command with "
+                        f"{sys.executable} in full")
+
+
+def _interpreter_warnings(reports: Sequence[dict[str, Any]]) -> list[str]:
+    """One line per interpreter name that the ranks would not all run alike."""
+    lines = []
+    for name in INTERPRETER_NAMES:
+        ranks_of: dict[str, list[int]] = {}
+        for r in reports:
+            ranks_of.setdefault(r["pythons"].get(name, "not checked"), []).append(r["rank"])
+        if len(ranks_of) > 1:
+            each = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} "
+                             f"{', '.join(map(str, ranks))}: {text}"
+                             for text, ranks in ranks_of.items())
+            lines.append(f"WARNING: {name} is not the same interpreter on every rank ({each}); "
+                         f"fix: install the same environment at the same path on every host, "
+                         f"or start the command with the interpreter's full path")
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------
@@ -353,6 +428,8 @@ def _print_all(reports: Sequence[dict[str, Any]]) -> int:
         print("== links (TCP connections the ranks held after the self-test) ==")
         for line in links.describe_links(reports):
             print(f"  {line}")
+    for line in _interpreter_warnings(reports):
+        print(f"hvdlite doctor: {line}")
     n = len(reports)
     if failures:
         print(f"hvdlite doctor: {len(failures)} problem(s) on {n} rank(s):")
@@ -371,7 +448,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="length of each allreduce self-test (default 1)")
     ap.add_argument("--timeout", type=float, default=60.0,
                     help="end the job if the doctor has not finished by then (default 60 s)")
-    ap.add_argument("--launcher-sources", default="{}", help=argparse.SUPPRESS)
+    # Given by hvdliterun --check only (its settings' sources, JSON).
+    ap.add_argument("--launcher-sources", default=None, help=argparse.SUPPRESS)
     return ap
 
 
@@ -390,6 +468,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         + (", ".join(f"{k} {v}" for k, v in report.addresses.items())
                            or "no IPv4 interface but loopback"))
     report.info("MPI transport", links.mpi_transport())
+    _interpreters(report, args.launcher_sources is not None)
     cupy = _import_cupy(report)
     nccl_missing = _versions(report, cupy, MPI)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -398,7 +477,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "launch with hvdliterun, or give mpirun --bind-to none")
     else:
         report.info("CPU cores", str(cores))
-    config_ok = _configuration(report, json.loads(args.launcher_sources))
+    config_ok = _configuration(report, json.loads(args.launcher_sources or "{}"))
     import hvdlite as hvd
 
     try:

@@ -182,7 +182,8 @@ class _Ended:
 
 class _Driver:
     def __init__(self, args: ElasticArgs, spec: JobSpec, env: dict[str, str], report_dir: str,
-                 timeout: float | None, new_monitor: Callable[[], Any] | None) -> None:
+                 timeout: float | None,
+                 new_monitor: Callable[[list[tuple[str, int]]], Any] | None) -> None:
         self.args = args
         self.new_monitor = new_monitor
         self.spec = spec
@@ -224,9 +225,9 @@ class _Driver:
         os.makedirs(protocol.generation_dir(self.job_dir, generation), exist_ok=True)
         extra = {protocol.REPORT_DIR_ENV: report_dir, protocol.ELASTIC_DIR_ENV: self.job_dir,
                  protocol.GENERATION_ENV: str(generation), "HOROVOD_ELASTIC": "1",
-                 rankwrap.WORKERS_ENV: json.dumps(self.workers.table(assignment))}
+                 rankwrap.WORKERS_ENV: self.workers.plan(assignment)}
         # A monitor of its own per world: rank numbers repeat from one world to the next.
-        monitor = self.new_monitor() if self.new_monitor is not None else None
+        monitor = self.new_monitor(assignment) if self.new_monitor is not None else None
         if monitor is not None:
             extra |= monitor.env()
         forward = dict(self.spec.forward_env) | extra
@@ -366,7 +367,8 @@ class _Driver:
             try:
                 world = self.start(generation, assignment)
             except OSError as exc:
-                say(f"cannot start {self.spec.mpiexec!r}: {exc}", "elastic")
+                say(f"cannot start world {generation} ({self.spec.mpiexec!r} and the ranks' "
+                    f"monitor): {exc}", "elastic")
                 return 127
             ended: _Ended | None = None
             try:
@@ -479,9 +481,11 @@ class _Driver:
 
 
 def run_elastic(args: ElasticArgs, spec: JobSpec, env: dict[str, str], report_dir: str,
-                timeout: float | None, new_monitor: Callable[[], Any] | None = None) -> int:
+                timeout: float | None,
+                new_monitor: Callable[[list[tuple[str, int]]], Any] | None = None) -> int:
     """Run the job elastically; the exit code of ``hvdliterun``. ``spec``: the job as
     ``hvdliterun`` would start it (each world changes its size, hosts and environment);
-    ``new_monitor``: a started ranks' monitor (:mod:`hvdlite.launcher.monitor`) for each
-    world, whose lost hosts leave the job."""
+    ``new_monitor(assignment)``: a started ranks' monitor (:mod:`hvdlite.launcher.monitor`)
+    for the world on ``assignment`` ((host, slots) pairs), whose lost hosts leave the job;
+    OSError when it cannot be made."""
     return _Driver(args, spec, env, report_dir, timeout, new_monitor).run()

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import ipaddress
 import os
+import re
 import shlex
 import socket
 import struct
@@ -16,9 +18,11 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Host", "check_ssh", "choose_interface", "forwarded_env", "interface_address",
-           "interface_for", "is_local", "parse_hostfile", "parse_hosts", "ssh_for_mpi",
-           "ssh_options", "transport", "worker_table"]
+from hvdlite._rankside.protocol import worker_table
+
+__all__ = ["Host", "check_host", "check_ssh", "choose_interface", "forwarded_env",
+           "interface_address", "interface_for", "is_local", "parse_hostfile", "parse_hosts",
+           "ssh_for_mpi", "ssh_options", "transport", "worker_table"]
 
 SSH_CONNECT_TIMEOUT_S = 7  # a host that does not answer ssh in this long is unreachable
 SSH_CHECK_TIMEOUT_S = 9.5  # the whole check, all hosts at once (the promise: under 10 s)
@@ -33,9 +37,28 @@ class Host:
     slots: int
 
 
-def _host(name: str, slots_text: str, where: str) -> Host:
+_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def check_host(name: str, where: str) -> str:
+    """``name`` if it is a host name (RFC 1123: labels of letters, digits and inner ``-``,
+    253 characters at most) or an IP address; ValueError naming ``where`` otherwise. A host
+    reaches ssh and the MPI launcher's command lines: one that starts with ``-`` would be an
+    option there."""
     if not name:
         raise ValueError(f"{where}: empty host name")
+    with contextlib.suppress(ValueError):
+        ipaddress.ip_address(name)
+        return name
+    labels = (name[:-1] if name.endswith(".") else name).split(".")
+    if len(name) > 253 or not all(_LABEL.fullmatch(label) for label in labels):
+        raise ValueError(f"{where}: {name!r} is not a host name or an IP address (RFC 1123: "
+                         "letters, digits, '-' and '.', no part starting or ending with '-')")
+    return name
+
+
+def _host(name: str, slots_text: str, where: str) -> Host:
+    check_host(name, where)
     try:
         slots = int(slots_text)
     except ValueError:
@@ -159,7 +182,7 @@ def choose_interface(named: str | None, remote: list[str]) -> tuple[str | None, 
 def _ssh_one(host: str, python: str, ssh_args: list[str], out: dict[str, str]) -> None:
     remote = f"test -x {shlex.quote(python)} || {{ echo 'no {python} there'; exit 3; }}"
     cmd = ["ssh", "-o", "BatchMode=yes", "-o", f"ConnectTimeout={SSH_CONNECT_TIMEOUT_S}",
-           *ssh_args, host, remote]
+           *ssh_args, "--", host, remote]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True,
                               timeout=SSH_CHECK_TIMEOUT_S, check=False)
@@ -200,22 +223,19 @@ PRIVATE_NAMES = frozenset({"HVDLITE_CONFIG", "HVDLITE_RUN_REPORT_DIR", "HVDLITE_
                            "HVDLITE_MONITOR_ADDR", "HVDLITE_MONITOR_TOKEN",
                            "HVDLITE_MONITOR_BEAT_S", "HVDLITE_MONITOR_TIMEOUT_S",
                            "HVDLITE_WORKERS", "HVDLITE_OUTPUT_DIR", "HVDLITE_ELASTIC_DIR",
-                           "HVDLITE_ELASTIC_GENERATION"}
+                           "HVDLITE_ELASTIC_GENERATION", "HVDLITE_RANK_PATH"}
                           | {f"{prefix}_{name}" for prefix in ("HOROVOD", "HVDLITE")
                              for name in ("HOSTNAME", "RANK", "SIZE", "LOCAL_RANK",
                                           "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE")})
 
 
-def forwarded_env(environ: dict[str, str], named: list[str], python_dir: str) -> dict[str, str]:
+def forwarded_env(environ: dict[str, str], named: list[str]) -> dict[str, str]:
     """The variables every rank gets from here: ``FORWARD_NAMES``, every ``HVDLITE_*`` and
-    ``HOROVOD_*``, and ``named`` (``NAME`` from ``environ`` or ``NAME=VALUE``). ``PATH`` starts
-    with ``python_dir`` (the venv's bin), so ``python`` on another host is this one.
+    ``HOROVOD_*``, and ``named`` (``NAME`` from ``environ`` or ``NAME=VALUE``). ``PATH`` is
+    passed as it is: ``python3`` on a rank is what ``command -v python3`` finds here.
     ValueError for a named variable that is not set here."""
     out = {k: v for k, v in environ.items()
            if (k in FORWARD_NAMES or k.startswith(FORWARD_PREFIXES)) and k not in PRIVATE_NAMES}
-    path = out.get("PATH", "")
-    if python_dir not in path.split(os.pathsep):
-        out["PATH"] = os.pathsep.join(p for p in (python_dir, path) if p)
     for item in named:
         name, eq, value = item.partition("=")
         if not name or not (name[0].isalpha() or name[0] == "_"):
@@ -249,28 +269,3 @@ def transport(flavor: str, iface: str | None, tcp: bool) -> tuple[list[str], dic
     if tcp:
         env |= {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
     return args, env
-
-
-def worker_table(slots: Sequence[tuple[str, int]], np: int) -> list[list[object]]:
-    """Horovod's slot assignment of ``np`` ranks on ``slots`` ((host, slots) in order; ranks
-    fill a host before the next, as ``mpiexec -hosts h:n,...`` places them, wrapping around
-    when ``np`` exceeds the slots): per rank ``[host, rank, size, local_rank, local_size,
-    cross_rank, cross_size]``, the values of ``HOROVOD_HOSTNAME``, ``HOROVOD_RANK``, ...
-    (a rank's cross rank is its host's index among the hosts that have its local rank)."""
-    if np < 1 or not slots or any(n < 1 for _, n in slots):
-        raise ValueError(f"worker_table needs np >= 1 and hosts with slots >= 1, got np={np} "
-                         f"and {list(slots)}")
-    placed: list[tuple[str, int]] = []  # (host, local_rank) per rank
-    count: dict[str, int] = {}
-    while len(placed) < np:
-        for host, n in slots:
-            take = min(n, np - len(placed))
-            placed += [(host, count.get(host, 0) + i) for i in range(take)]
-            count[host] = count.get(host, 0) + take
-    hosts_at: dict[int, list[str]] = {}
-    for host, local in placed:
-        hosts_at.setdefault(local, [])
-        if host not in hosts_at[local]:
-            hosts_at[local].append(host)
-    return [[host, rank, np, local, count[host], hosts_at[local].index(host),
-             len(hosts_at[local])] for rank, (host, local) in enumerate(placed)]

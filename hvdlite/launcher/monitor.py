@@ -15,19 +15,27 @@ every ``beat_s``; both sides give up on the other after ``timeout_s`` of silence
   connection, sends ``orphaned``, and the monitor reports the rank ``lost`` with
   ``Event.alive`` set: its host still answers, so it is not the host that was lost.
 
-Messages are JSON objects, one per line, each with a type ``"t"``. Reserved types: ``hello``
-(agent -> monitor, first message: token, rank, host, pid), ``beat`` (both ways), ``exit``
-(agent -> monitor), ``orphaned`` (the rank's guard -> monitor, see above), ``abort``
-(monitor -> agent: ``reason``, ``code``). Any other type is a
-user message, delivered as it is: :meth:`Monitor.send` / :meth:`Monitor.broadcast` to agents
-(``on_message``), :meth:`Agent.send` to the monitor (an :class:`Event` of kind ``message``).
+Messages are JSON objects, one per line, each with a type ``"t"``. Reserved types
+(:data:`RESERVED_TYPES`): ``hello`` (agent -> monitor, first message: token, rank, host, pid),
+``beat`` (both ways), ``exit`` (agent -> monitor: ``code``, ``signalled``), ``orphaned`` (the
+rank's guard -> monitor, see above), ``abort`` (monitor -> agent: ``reason``, ``code``). Any
+other type is a user message, delivered as it is: :meth:`Monitor.send` /
+:meth:`Monitor.broadcast` to agents (``on_message``), :meth:`Agent.send` to the monitor (an
+:class:`Event` of kind ``message``).
 That is the hook for more launcher-side control (elastic training's re-rendezvous, say). Under
 ``hvdliterun`` the agent lives in the rank wrapper, which relays user messages to and from the
 rank process itself (``hvdlite._rankside.watchdog.send`` / ``subscribe``).
 
 The monitor's address and a random token travel to the ranks in the environment
-(:meth:`Monitor.env`; :meth:`Agent.from_env` reads them back). A connection whose first line
-does not carry the token is dropped.
+(:meth:`Monitor.env`; :meth:`Agent.from_env` reads them back), never on a command line. The
+monitor's port is open to whoever can reach it (on a multi-host job, the hosts' network), so
+it trusts nothing before the token: a first line longer than :data:`MAX_HELLO` bytes, a hello
+later than ``hello_timeout_s``, a wrong token (compared in constant time), a malformed hello
+or a second hello for a rank that already joined each drop that connection and nothing else;
+at most :data:`MAX_PENDING` connections wait for their hello (a new one beyond that pushes out
+the oldest). After the hello, a malformed message (not JSON, no string ``"t"``, an ``exit``
+without an integer ``code``) drops that rank's connection, which reports the rank ``lost``.
+No bytes from anyone end the monitor's thread. See docs/security.md.
 
 Standard library only, and no hvdlite import: the rank wrapper runs in isolated mode and
 loads this file by path. Thread-safety: every public method of both classes may be called
@@ -37,6 +45,7 @@ from any thread; callbacks and events come from each object's own thread.
 from __future__ import annotations
 
 import contextlib
+import hmac
 import json
 import os
 import queue
@@ -50,8 +59,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ENV_ADDR", "ENV_BEAT", "ENV_TIMEOUT", "ENV_TOKEN", "ORPHANED_LINE", "Agent", "Event",
-           "Monitor", "RankState", "group_by_host"]
+__all__ = ["ENV_ADDR", "ENV_BEAT", "ENV_TIMEOUT", "ENV_TOKEN", "MAX_HELLO", "MAX_PENDING",
+           "ORPHANED_LINE", "RESERVED_TYPES", "Agent", "Event", "Monitor", "RankState",
+           "group_by_host"]
 
 ENV_ADDR = "HVDLITE_MONITOR_ADDR"  # host:port of the monitor
 ENV_TOKEN = "HVDLITE_MONITOR_TOKEN"
@@ -62,6 +72,18 @@ DEFAULT_BEAT_S = 1.0
 DEFAULT_TIMEOUT_S = 30.0
 SEND_TIMEOUT_S = 2.0  # a send that cannot go out in this long means the peer is gone
 MAX_LINE = 1 << 20  # a longer line is a protocol error: the connection is dropped
+# Before the token: a hello is about 150 bytes (a 253-byte host name at most), so a longer
+# first line is not one; connections that have not said hello, at most this many, for at most
+# hello_timeout_s. Together they bound what an outsider holds of the launcher (about 64 x 4 KiB
+# and 64 descriptors).
+MAX_HELLO = 4096
+MAX_PENDING = 64
+HELLO_TIMEOUT_S = 10.0
+MAX_HOST = 255
+_INT_LIMIT = 1 << 31  # ranks, pids and exit codes are C ints
+# The channel's own message types: never a user message (hvdlite._rankside.protocol keeps the
+# rank side's list, a superset; the rank wrapper and watchdog.send refuse them from user code).
+RESERVED_TYPES = frozenset({"hello", "beat", "exit", "orphaned", "abort"})
 # The line a rank's guard sends on the agent's connection when the agent's process was killed
 # while the rank still ran (its host is alive). A newline first ends any line cut short.
 ORPHANED_LINE = b'\n{"t":"orphaned"}\n'
@@ -85,24 +107,38 @@ def _send(sock: socket.socket, lock: threading.Lock, message: Mapping[str, Any])
 
 
 class _Lines:
-    """Splits a byte stream into JSON objects (one per line)."""
+    """Splits a byte stream into lines; a line still open past ``limit`` bytes is an error."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = MAX_LINE) -> None:
         self._buf = b""
+        self.limit = limit
 
-    def feed(self, data: bytes) -> list[dict[str, Any]]:
+    def feed(self, data: bytes) -> list[bytes]:
+        """The complete, non-blank lines ``data`` ends (without their newline); ValueError
+        when the line still open is longer than ``limit``."""
         self._buf += data
-        if len(self._buf) > MAX_LINE and b"\n" not in self._buf:
-            raise ValueError("line too long")
         *lines, self._buf = self._buf.split(b"\n")
-        out = []
-        for raw in lines:
-            if raw.strip():
-                msg = json.loads(raw)
-                if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
-                    raise ValueError(f"not a message: {raw[:80]!r}")
-                out.append(msg)
-        return out
+        if len(self._buf) > self.limit:
+            raise ValueError(f"a line longer than {self.limit} bytes")
+        return [raw for raw in lines if raw.strip()]
+
+
+def _message(raw: bytes) -> dict[str, Any]:
+    """One line as a message (a JSON object with a string ``"t"``); ValueError otherwise."""
+    try:
+        msg = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # RecursionError: "[[[[..." nested deep
+        raise ValueError(f"not JSON: {raw[:80]!r}") from exc
+    if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
+        raise ValueError(f"not a message: {raw[:80]!r}")
+    return msg
+
+
+def _int(value: object) -> int | None:
+    """``value`` if it is an int (not a bool) of a C int's range, else None."""
+    if isinstance(value, int) and not isinstance(value, bool) and -_INT_LIMIT <= value < _INT_LIMIT:
+        return value
+    return None
 
 
 @dataclass
@@ -146,13 +182,15 @@ def group_by_host(states: Mapping[int, RankState] | list[RankState]) -> dict[str
     return hosts
 
 
-@dataclass
+@dataclass(eq=False)
 class _Conn:
     sock: socket.socket
+    fd: int
     lock: threading.Lock
     lines: _Lines
     opened: float
     rank: int | None = None
+    closed: bool = False
 
 
 class Monitor:
@@ -162,14 +200,20 @@ class Monitor:
     the ranks dial (default: ``bind``, or this host's name when ``bind`` is empty). Call
     :meth:`start`, hand :meth:`env` to the ranks, read :meth:`events`, :meth:`close` at the
     end (idempotent). Never blocks the caller except :meth:`events` with a timeout.
+    ``hello_timeout_s``: how long a connection may take to say hello.
     """
 
     def __init__(self, bind: str = "", advertise: str | None = None, port: int = 0, *,
-                 beat_s: float = DEFAULT_BEAT_S, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        if beat_s <= 0 or timeout_s <= beat_s:
-            raise ValueError(f"Monitor needs 0 < beat_s < timeout_s, got beat_s={beat_s} and "
-                             f"timeout_s={timeout_s}")
+                 beat_s: float = DEFAULT_BEAT_S, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 hello_timeout_s: float = HELLO_TIMEOUT_S) -> None:
+        if not 0 < beat_s < timeout_s < float("inf"):
+            raise ValueError(f"Monitor needs 0 < beat_s < timeout_s (finite), got beat_s="
+                             f"{beat_s} and timeout_s={timeout_s}")
+        if not 0 < hello_timeout_s < float("inf"):
+            raise ValueError(f"Monitor needs hello_timeout_s > 0 (finite), got "
+                             f"{hello_timeout_s}")
         self.beat_s, self.timeout_s = beat_s, timeout_s
+        self.hello_timeout_s = hello_timeout_s
         self.token = secrets.token_hex(16)
         self._server = socket.create_server((bind, port), backlog=256)
         self._server.setblocking(False)
@@ -179,6 +223,7 @@ class Monitor:
         self._sel.register(self._server, selectors.EVENT_READ, None)
         self._lock = threading.Lock()
         self._conns: dict[int, _Conn] = {}  # by socket fd
+        self._pending: dict[int, _Conn] = {}  # not said hello yet, oldest first (by fd)
         self._by_rank: dict[int, _Conn] = {}
         self._states: dict[int, RankState] = {}
         self._events: queue.Queue[Event] = queue.Queue()
@@ -249,6 +294,7 @@ class Monitor:
         with self._lock:
             conns = list(self._conns.values())
             self._conns.clear()
+            self._pending.clear()
             self._by_rank.clear()
         for conn in conns:
             with contextlib.suppress(OSError):
@@ -273,51 +319,90 @@ class Monitor:
                 self._beat_and_expire(now)
 
     def _accept(self) -> None:
-        with contextlib.suppress(BlockingIOError, OSError):
+        try:
             sock, _ = self._server.accept()
-            sock.settimeout(SEND_TIMEOUT_S)
-            conn = _Conn(sock, threading.Lock(), _Lines(), time.monotonic())
-            with self._lock:
-                self._conns[sock.fileno()] = conn
+        except OSError:  # BlockingIOError: another accept took it; EMFILE: the next select
+            return
+        sock.settimeout(SEND_TIMEOUT_S)
+        conn = _Conn(sock, sock.fileno(), threading.Lock(), _Lines(MAX_HELLO), time.monotonic())
+        with self._lock:
+            oldest = next(iter(self._pending.values())) if len(self._pending) >= MAX_PENDING \
+                else None
+        if oldest is not None:
+            self._drop(oldest, None)
+        with self._lock:
+            self._conns[conn.fd] = conn
+            self._pending[conn.fd] = conn
+        try:
             self._sel.register(sock, selectors.EVENT_READ, conn)
+        except (OSError, ValueError):
+            self._drop(conn, None)
 
     def _read(self, conn: _Conn) -> None:
         try:
             data = conn.sock.recv(65536)
-            messages = conn.lines.feed(data) if data else None
-        except (OSError, ValueError):
-            data, messages = b"", None
-        if messages is None:
+        except OSError:
+            data = b""
+        if not data:
             self._drop(conn, CLOSED_REASON)
             return
-        for msg in messages:
-            self._handle(conn, msg)
+        try:
+            for raw in conn.lines.feed(data):
+                if conn.rank is None:
+                    if len(raw) > MAX_HELLO or not self._hello(conn, _message(raw)):
+                        self._drop(conn, None)
+                        return
+                    conn.lines.limit = MAX_LINE
+                elif len(raw) > MAX_LINE:
+                    raise ValueError(f"a line longer than {MAX_LINE} bytes")
+                else:
+                    self._handle(conn, _message(raw))
+                if conn.closed:
+                    return
+        except Exception as exc:  # noqa: BLE001 -- any bytes from anyone: only this one goes
+            self._drop(conn, f"its connection to hvdliterun sent a malformed message ({exc})"
+                       if conn.rank is not None else None)
+
+    def _hello(self, conn: _Conn, msg: dict[str, Any]) -> bool:
+        """Admit ``conn`` as the rank its hello names; False for anything but a well-formed
+        hello with the token, of a rank not seen before."""
+        token, host = msg.get("token"), msg.get("host")
+        rank, pid = _int(msg.get("rank")), _int(msg.get("pid", 0))
+        if msg["t"] != "hello" or not isinstance(token, str) or not hmac.compare_digest(
+                token.encode("utf-8", "replace"), self.token.encode()):
+            return False
+        if rank is None or rank < 0 or pid is None or not isinstance(host, str) \
+                or not 0 < len(host) <= MAX_HOST:
+            return False
+        now = time.monotonic()
+        with self._lock:
+            if rank in self._states or conn.closed:  # a rank says hello once
+                return False
+            self._pending.pop(conn.fd, None)
+            conn.rank = rank
+            self._by_rank[rank] = conn
+            self._states[rank] = RankState(rank, host, pid, now, now)
+        self._events.put(Event("joined", rank, host))
+        return True
 
     def _handle(self, conn: _Conn, msg: dict[str, Any]) -> None:
         now = time.monotonic()
         kind = msg["t"]
-        if conn.rank is None:
-            if kind != "hello" or msg.get("token") != self.token:
-                self._drop(conn, None)
-                return
-            rank, host = int(msg["rank"]), str(msg["host"])
-            with self._lock:
-                conn.rank = rank
-                self._by_rank[rank] = conn
-                self._states[rank] = RankState(rank, host, int(msg.get("pid", 0)), now, now)
-            self._events.put(Event("joined", rank, host))
-            return
+        code = _int(msg.get("code")) if kind == "exit" else None
+        if kind == "exit" and (code is None or not isinstance(msg.get("signalled", False), bool)):
+            raise ValueError(f"an exit report needs an integer code, got {msg!r:.120}")
         with self._lock:
-            st = self._states[conn.rank]
+            st = self._states[conn.rank] if conn.rank is not None else None
+            if st is None:
+                return
             st.last_seen = now
             if kind == "exit":
-                st.exit_code, st.signalled = int(msg["code"]), bool(msg.get("signalled"))
+                st.exit_code, st.signalled = code, bool(msg.get("signalled"))
         if kind == "exit":
-            self._events.put(Event("exited", st.rank, st.host, code=st.exit_code,
-                                   payload=msg))
+            self._events.put(Event("exited", st.rank, st.host, code=code, payload=msg))
         elif kind == "orphaned":
             self._mark_lost(st, ORPHANED_REASON, alive=True)
-        elif kind != "beat":
+        elif kind not in RESERVED_TYPES:
             self._events.put(Event("message", st.rank, st.host, payload=msg))
 
     def _mark_lost(self, st: RankState, reason: str, silent_s: float = 0.0,
@@ -335,7 +420,11 @@ class Monitor:
         with contextlib.suppress(KeyError, ValueError, OSError):
             self._sel.unregister(conn.sock)
         with self._lock:
-            self._conns = {fd: c for fd, c in self._conns.items() if c is not conn}
+            conn.closed = True
+            if self._conns.get(conn.fd) is conn:
+                del self._conns[conn.fd]
+            if self._pending.get(conn.fd) is conn:
+                del self._pending[conn.fd]
             st = self._states.get(conn.rank) if conn.rank is not None else None
             if conn.rank is not None and self._by_rank.get(conn.rank) is conn:
                 del self._by_rank[conn.rank]
@@ -346,14 +435,18 @@ class Monitor:
 
     def _beat_and_expire(self, now: float) -> None:
         with self._lock:
-            conns = list(self._conns.values())
+            conns = [c for c in self._conns.values() if c.rank is not None]
+            pending = list(self._pending.values())
             states = dict(self._states)
+        for conn in pending:  # oldest first
+            if now - conn.opened <= self.hello_timeout_s:
+                break
+            self._drop(conn, None)  # never said hello
         for conn in conns:
-            if conn.rank is None:
-                if now - conn.opened > self.timeout_s:
-                    self._drop(conn, None)  # never said hello
+            st = states.get(conn.rank) if conn.rank is not None else None
+            if st is None:
                 continue
-            silent = now - states[conn.rank].last_seen
+            silent = now - st.last_seen
             if silent > self.timeout_s:
                 self._drop(conn, f"no heartbeat for {silent:.1f} s (network cut, host down or "
                                  "hung)", silent)
@@ -471,15 +564,16 @@ class Agent:
                                   "connection (the launcher ended)")
             last_heard = time.monotonic()
             try:
-                messages = lines.feed(data)
+                messages = [_message(raw) for raw in lines.feed(data)]
             except ValueError:
                 return self._lost(f"garbled message from hvdliterun at {self.address}")
             for msg in messages:
                 if msg["t"] == "abort":
                     self._done = True
+                    code = _int(msg.get("code", 1))
                     if self._on_abort is not None:
-                        self._on_abort(str(msg.get("reason", "")), int(msg.get("code", 1)))
-                elif msg["t"] != "beat" and self._on_message is not None:
+                        self._on_abort(str(msg.get("reason", "")), 1 if code is None else code)
+                elif msg["t"] not in RESERVED_TYPES and self._on_message is not None:
                     self._on_message(msg)
 
     def _lost(self, reason: str) -> None:

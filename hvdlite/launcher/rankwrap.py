@@ -26,7 +26,10 @@ wait for it before it returns.
 It gives the rank its worker identity: Horovod's per-worker variables (``HOROVOD_RANK``,
 ``HOROVOD_SIZE``, ``HOROVOD_LOCAL_RANK``, ``HOROVOD_LOCAL_SIZE``, ``HOROVOD_CROSS_RANK``,
 ``HOROVOD_CROSS_SIZE``, ``HOROVOD_HOSTNAME``) and the same values as ``HVDLITE_*``, from the
-table the launcher passes in ``WORKERS_ENV`` (one entry per MPI rank of the world).
+plan the launcher passes in ``WORKERS_ENV`` (its size grows with the hosts, not the ranks:
+each wrapper computes its own row). It gives the rank the launcher's caller's ``PATH``
+(``RANK_PATH_ENV``), first entry first, whatever folders the MPI launcher put ahead of it:
+``python3`` on a rank is what ``command -v python3`` finds where ``hvdliterun`` was started.
 
 Under ``hvdliterun`` the wrapper also holds the rank's connection to the launcher's monitor
 (``hvdlite/launcher/monitor.py``, loaded by path): heartbeats both ways and the exit report,
@@ -83,11 +86,14 @@ WATCHDOG_FD_ENV = protocol.WATCHDOG_FD_ENV
 RANK_ENVS = protocol.RANK_ENVS
 rank_from_env = protocol.rank_from_env
 describe_status = protocol.describe_status
-# The launcher's table of worker identities, one per MPI rank of the world (JSON).
-WORKERS_ENV = "HVDLITE_WORKERS"
+# The launcher's plan of worker identities, one per MPI rank of the world (JSON).
+WORKERS_ENV = protocol.WORKERS_ENV
 IDENTITY_NAMES = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE")
 # horovodrun's --output-filename: each rank's stdout and stderr also go to DIR/rank.<N>/.
 OUTPUT_DIR_ENV = "HVDLITE_OUTPUT_DIR"
+# The PATH the launcher means the rank's program to have (its caller's): an MPI launcher may
+# have put folders of its own first (Open MPI's --prefix puts its bin there).
+RANK_PATH_ENV = "HVDLITE_RANK_PATH"
 FORWARDED_SIGNALS = (
     signal.SIGINT,
     signal.SIGTERM,
@@ -272,10 +278,17 @@ def _output_files(rank: int | None) -> tuple[Any, Any] | None:
     size = os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or "1"
     width = len(str(max(int(size) - 1, 0))) if size.isdigit() else 1
     folder = os.path.join(directory, f"rank.{rank:0{width}d}")
+    # 0600, and never through a symbolic link another user put there (docs/security.md).
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        os.makedirs(folder, exist_ok=True)
-        return (open(os.path.join(folder, "stdout"), "wb"),
-                open(os.path.join(folder, "stderr"), "wb"))
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        out = os.open(os.path.join(folder, "stdout"), flags, 0o600)
+        try:
+            err = os.open(os.path.join(folder, "stderr"), flags, 0o600)
+        except OSError:
+            os.close(out)
+            raise
+        return open(out, "wb"), open(err, "wb")
     except OSError as exc:
         print(f"hvdliterun: rank {rank}: --output-filename {directory}: {exc}", file=sys.stderr)
         return None
@@ -299,14 +312,24 @@ def _tee(source: Any, sink: Any, copy: Any) -> threading.Thread:
     return thread
 
 
+def program_env(environ: dict[str, str], rank: int | None) -> dict[str, str]:
+    """The rank program's environment: ``environ`` with the ``PATH`` the launcher meant
+    (``RANK_PATH_ENV``, where it is set) and the worker identity (:func:`worker_env`), less
+    the launcher's table and its ``RANK_PATH_ENV``."""
+    env = {k: v for k, v in environ.items() if k not in (WORKERS_ENV, RANK_PATH_ENV)}
+    if RANK_PATH_ENV in environ:
+        env["PATH"] = environ[RANK_PATH_ENV]
+    return env | worker_env(environ, rank)
+
+
 def worker_env(environ: dict[str, str], rank: int | None) -> dict[str, str]:
     """Horovod's per-worker variables and their ``HVDLITE_*`` twins for MPI rank ``rank``,
-    from the launcher's table (``WORKERS_ENV``); empty without one."""
-    try:
-        table: list[list[Any]] = json.loads(environ.get(WORKERS_ENV, ""))
-        host, *numbers = table[rank if rank is not None else -1]
-    except (ValueError, IndexError, TypeError):
+    computed from the launcher's plan (``WORKERS_ENV``, :func:`protocol.worker_row`); empty
+    without one."""
+    row = protocol.worker_row(environ.get(WORKERS_ENV, ""), rank) if rank is not None else None
+    if row is None:
         return {}
+    host, *numbers = row
     out = {"HOROVOD_HOSTNAME": str(host), "HVDLITE_HOSTNAME": str(host)}
     for name, value in zip(IDENTITY_NAMES, numbers, strict=False):
         out[f"HOROVOD_{name}"] = out[f"HVDLITE_{name}"] = str(value)
@@ -345,8 +368,7 @@ class _Supervision:
         self.agent = agent
 
     def child_env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k != WORKERS_ENV}
-        env |= worker_env(dict(os.environ), self.rank)
+        env = program_env(dict(os.environ), self.rank)
         if self.theirs is None:
             return env
         return env | {WATCHDOG_FD_ENV: str(self.theirs.fileno())}
@@ -368,7 +390,8 @@ class _Supervision:
     def _relay(self) -> None:
         """Lines from the rank: ``failing`` (hvdlite's abort_job) becomes the exit report now,
         before the MPI launcher kills this wrapper (which would look like a lost host); any
-        other message goes to the launcher's monitor as it is."""
+        other message goes to the launcher's monitor as it is, but for the channel's own types
+        (``protocol.RESERVED_TYPES``), which only this wrapper and its guard send."""
         buf = b""
         while self._mine is not None:
             try:
@@ -379,13 +402,16 @@ class _Supervision:
                 return
             *lines, buf = (buf + data).split(b"\n")
             for raw in lines:
-                with contextlib.suppress(ValueError, KeyError, TypeError):
+                with contextlib.suppress(ValueError, KeyError, TypeError, RecursionError):
                     msg = json.loads(raw)
-                    if self.agent is None or not isinstance(msg.get("t"), str):
+                    kind = msg.get("t") if isinstance(msg, dict) else None
+                    if self.agent is None or not isinstance(kind, str):
                         continue
-                    if msg["t"] == "failing":
-                        self.agent.report_exit(int(msg["code"]))
-                    else:
+                    if kind == "failing":
+                        code = msg["code"]
+                        if isinstance(code, int) and not isinstance(code, bool):
+                            self.agent.report_exit(code)
+                    elif kind not in protocol.RESERVED_TYPES:
                         self.agent.send(msg)
 
     def _launcher_lost(self, reason: str) -> None:

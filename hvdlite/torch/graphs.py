@@ -2,9 +2,10 @@
 buckets' allreduces, the optimizer) captured once as one CUDA graph and replayed.
 
 A replay runs no Python, takes no lock, wakes no thread and makes no MPI call: what makes it
-possible is ``DistributedOptimizer``'s agreed schedule (``hvdlite/torch/_lane.py``). After the
+possible is the runtime's agreed schedule (``hvdlite/_control/agreed.py``), which a
+``DistributedOptimizer`` launches its buckets on (``hvdlite/torch/_scheduled.py``). After the
 warm-up steps every rank launches its buckets itself, in the agreed order, on the schedule's own
-NCCL communicator and stream, so capturing a step captures those launches too: the READY event
+communicator and stream, so capturing a step captures those launches too: the READY event
 of each bucket forks the schedule's stream off the captured stream and the step's waits join it
 back, so the buckets keep overlapping backward inside the graph. Before the first replay every
 member of the set shows what it captured (the buckets and how many launches of each), and a
@@ -26,17 +27,13 @@ they change. What it returns is the same tensors every replay, overwritten by ea
 
 from __future__ import annotations
 
-import json
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from hvdlite._engine import default_engine
-from hvdlite.errors import HvdliteError, MismatchError
-from hvdlite.torch.functions import allgather_object
-from hvdlite.torch.process_sets import global_process_set
+from hvdlite import _runtime_api as runtime
+from hvdlite.errors import HvdliteError
 
 __all__ = ["GraphedStep", "make_graphed_step"]
 
@@ -46,7 +43,7 @@ def _optimizers(optimizer: Any) -> list[Any]:
         return []
     items = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     for o in items:
-        if not hasattr(o, "_lane") or not hasattr(o, "_buckets"):
+        if not hasattr(o, "agreed_schedule") or not hasattr(o, "bucket_names"):
             raise TypeError(f"make_graphed_step: optimizer must be a hvdlite.torch."
                             f"DistributedOptimizer (or a list of them), got {type(o).__name__}")
     return items
@@ -77,36 +74,29 @@ class GraphedStep:
     """
 
     def __init__(self, graph: torch.cuda.CUDAGraph, inputs: list[torch.Tensor], outputs: Any,
-                 engine: Any, name: str) -> None:
+                 world: object, name: str) -> None:
         self.graph = graph
         self.inputs = inputs
         self.outputs = outputs
         self.name = name
         self.replays = 0
-        self._engine = engine
+        self._world = world
         self._facts = [(t.shape, t.dtype) for t in inputs]
 
     def __call__(self, *inputs: Any) -> Any:
         """Copy ``inputs`` (tensors of the captured shapes and dtypes; none to replay on what
         the static inputs hold) into the static inputs and replay; returns the captured
         outputs, overwritten by this replay."""
-        engine = self._engine
-        if default_engine() is not engine:
+        if runtime.running() is not self._world:
             raise HvdliteError(f"{self.name}: captured before hvdlite was initialised again "
                                "(an elastic reset or a re-init): its communicators are gone; "
                                "capture the step again with make_graphed_step")
-        engine.scheduler.check_usable()
+        runtime.check_usable()
         if inputs:
             self._copy_in(inputs)
-        tracer = engine.tracer
-        if tracer.on:
-            with tracer.phase([self.name], "GRAPH_REPLAY", {"replay": self.replays},
-                              sync=torch.cuda.current_stream().synchronize):
-                self.graph.replay()
-        else:
-            self.graph.replay()
+        runtime.replay(self.graph.replay, self.name, self.replays,
+                       torch.cuda.current_stream().synchronize)
         self.replays += 1
-        tracer.stats.record_replay()
         return self.outputs
 
     def _copy_in(self, inputs: Sequence[Any]) -> None:
@@ -156,56 +146,37 @@ def make_graphed_step(step_fn: Callable[..., Any], *static_inputs: torch.Tensor,
                          f"{warmup_steps!r}")
     opts = _optimizers(optimizer)
     inputs = _check_inputs(static_inputs)
-    engine = default_engine()
+    world = runtime.running()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(warmup_steps):
             step_fn(*inputs)
     torch.cuda.current_stream().wait_stream(side)
+    schedules = []
     for opt in opts:
-        if opt._buckets and opt._lane is None:
+        schedule = opt.agreed_schedule
+        if opt.bucket_names and schedule is None:
             raise HvdliteError(f"make_graphed_step: {type(opt).__name__}'s buckets are not on "
-                               f"an agreed schedule: {opt._no_lane}; "
+                               f"an agreed schedule: {opt.unscheduled_reason}; "
                                "run this step eagerly (a captured step needs CUDA buckets "
                                "over NCCL, a GPU per rank)")
-    before = [opt._lane.schedule.launches if opt._lane is not None else 0 for opt in opts]
+        if schedule is not None:
+            schedules.append(schedule)
+    before = [s.launches for s in schedules]
     graph = torch.cuda.CUDAGraph()
-    schedules = [opt._lane.schedule for opt in opts if opt._lane is not None]
-    for s in schedules:
-        s.capturing = s.captured = True
-    engine.scheduler.capture_thread = threading.get_ident()
-    try:
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            outputs = step_fn(*inputs)
-    finally:
-        engine.scheduler.capture_thread = None
-        for s in schedules:
-            s.capturing = False
-    _agree_capture(opts, before, name)
-    engine.tracer.stats.record_capture()
-    return GraphedStep(graph, inputs, outputs, engine, name)
-
-
-def _agree_capture(opts: list[Any], before: list[int], name: str) -> None:
-    """Every rank shows what it captured: per optimizer, its buckets and how many launches the
-    capture took; MismatchError on every rank if they differ (before any replay)."""
-    mine = []
-    for opt, n in zip(opts, before, strict=True):
-        lane = opt._lane
-        launches = (lane.schedule.launches - n) if lane is not None else 0
-        mine.append({"buckets": [b.name for b in opt._buckets], "launches": launches})
-    payload = json.dumps(mine).encode()
-    if opts:
-        got = allgather_object(payload, f"{name}.capture", opts[0].process_set)
-        ranks = opts[0]._set()[1]
-    else:
-        got = allgather_object(payload, f"{name}.capture", global_process_set)
-        ranks = list(range(len(got)))
-    bad = [f"rank {r}: {json.loads(g)}" for r, g in zip(ranks, got, strict=True)
-           if g != got[0]]
-    if bad:
-        raise MismatchError(f"{name}: the ranks captured different steps (rank {ranks[0]}: "
-                            f"{json.loads(got[0])}; {'; '.join(bad)}); every rank must run the "
-                            "same step (the same backward passes and optimizer steps) when "
-                            "it is captured")
+    with runtime.capture(schedules), \
+            torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        outputs = step_fn(*inputs)
+    # Every rank shows what it captured (per optimizer: its buckets and how many launches the
+    # capture took): MismatchError on every rank if they differ, before any replay.
+    launches = iter([s.launches - n for s, n in zip(schedules, before, strict=True)])
+    mine = [{"buckets": opt.bucket_names,
+             "launches": next(launches) if opt.agreed_schedule is not None else 0}
+            for opt in opts]
+    runtime.check_agreed(f"{name}.capture", mine,
+                         "every rank must run the same step (the same backward passes and "
+                         "optimizer steps) when it is captured",
+                         opts[0].process_set_id if opts else 0)
+    runtime.record_capture()
+    return GraphedStep(graph, inputs, outputs, world, name)

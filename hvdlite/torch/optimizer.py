@@ -19,15 +19,15 @@ from typing import Any
 import torch
 
 import hvdlite
+from hvdlite import _runtime_api as runtime
 from hvdlite import _sets
-from hvdlite._engine import default_engine
 from hvdlite._torchref import stream_of
 from hvdlite.torch import mpi_ops
 from hvdlite.torch._buckets import Bucket, auto_buckets, param_names, split
-from hvdlite.torch._lane import Lane, check, open_lane, specs
+from hvdlite.torch._scheduled import ScheduledBuckets, open_scheduled, slots
 from hvdlite.torch.basics import Adasum, Average, InvalidArgumentError, resolve_op, size
 from hvdlite.torch.compression import Compression, Compressor, _CastCompressor
-from hvdlite.torch.functions import allgather_object, broadcast_object
+from hvdlite.torch.functions import broadcast_object
 from hvdlite.torch.process_sets import global_process_set, resolve
 
 __all__ = ["DistributedOptimizer"]
@@ -90,19 +90,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._buckets: list[Bucket] = []
         self._bucket_of: dict[torch.Tensor, Bucket] = {}
         self._unbucketed: list[torch.Tensor] = list(all_params)
-        # The agreed schedule the autograd thread launches buckets on (see _lane.py), opened
-        # at the end of the first step; None before, or where the ranks cannot use one.
-        self._lane: Lane | None = None
-        self._lane_tried = False
-        self._no_lane = "the first step has not run yet"  # why there is no lane (see graphs.py)
-        self._specs: list[Any] | None = None  # the buckets as every rank agreed them
+        # The buckets on an agreed schedule, launched by the autograd thread (_scheduled.py),
+        # opened at the end of the first step; None before, or where the ranks cannot.
+        self._scheduled: ScheduledBuckets | None = None
+        self._schedule_tried = False
+        self._unscheduled = "the first step has not run yet"  # why there is no schedule
+        self._slots: list[Any] | None = None  # the buckets as every rank agreed them
         self._index: dict[Bucket, int] = {}
         # As Horovod: on a rank outside process_set nothing is communicated (no hooks, and
         # synchronize() is a no-op), so step() applies this rank's own gradients; and at
         # one rank neither, unless the optimizer_size1_shortcut knob is off (benchmarks).
         self._member = process_set is global_process_set or bool(process_set.included())
         if self._member and (hvdlite.size() > 1
-                             or not default_engine().config.optimizer_size1_shortcut):
+                             or not runtime.config().optimizer_size1_shortcut):
             self._form_buckets(int(bucket_cap_mb * 1024 * 1024))
             self._register_hooks()
 
@@ -194,13 +194,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _start(self, bucket: Bucket) -> _Flight:
         """Start reducing ``bucket`` (its members' gradients in place)."""
         bucket.ready = 0
-        lane = self._lane
-        if lane is not None:  # the steady state: launched here, in the agreed order
-            if lane.engine is default_engine():
-                lane.ready(self._index[bucket])
-                return _LANED
-            self._forget_lane()  # hvdlite was initialised again (an elastic reset)
-        if self._specs is None:
+        scheduled = self._scheduled
+        if scheduled is not None:  # the steady state: launched here, in the agreed order
+            if scheduled.world is runtime.running():
+                scheduled.ready(self._index[bucket])
+                return _SCHEDULED
+            self._forget_schedule()  # hvdlite was initialised again (an elastic reset)
+        if self._slots is None:
             self._check_buckets()
         pre, post = self._factors()
         if bucket.viewed is None:  # first start, views wanted: dense gradients only
@@ -323,13 +323,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._synchronized = True
             return
         handles = self._handles
-        lane = self._lane
-        if lane is not None and lane.engine is not default_engine():
-            self._forget_lane()
-            lane = None
+        scheduled = self._scheduled
+        if scheduled is not None and scheduled.world is not runtime.running():
+            self._forget_schedule()
+            scheduled = None
         try:
-            if lane is not None:
-                lane.finish(self._stream_ordered())
+            if scheduled is not None:
+                scheduled.finish(self._stream_ordered())
             else:
                 for bucket in self._buckets:
                     if bucket not in handles:
@@ -345,26 +345,45 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 bucket.left[:] = bucket.full
                 bucket.ready = 0
         self._synchronized = True
-        if not self._lane_tried:
-            self._lane_tried = True
-            self._lane, self._no_lane = self._open_lane()
+        if not self._schedule_tried:
+            self._schedule_tried = True
+            self._scheduled, self._unscheduled = open_scheduled(
+                self._buckets, self._slots or [], self.process_set_id, self._what())
 
-    def _forget_lane(self) -> None:
-        """Agree again from the next bucket on: the lane's communicator belonged to an engine
-        that is gone (its world ended in an elastic reset, or hvdlite was shut down and
-        initialised again), and the new world may have other ranks."""
-        self._lane, self._lane_tried, self._specs = None, False, None
-        self._no_lane = "the step after hvdlite was initialised again has not run yet"
+    def _forget_schedule(self) -> None:
+        """Agree again from the next bucket on: the schedule belonged to an engine that is
+        gone (its world ended in an elastic reset, or hvdlite was shut down and initialised
+        again), and the new world may have other ranks."""
+        self._scheduled, self._schedule_tried, self._slots = None, False, None
+        self._unscheduled = "the step after hvdlite was initialised again has not run yet"
 
-    def _set(self) -> tuple[int, list[int]]:
+    def _what(self) -> str:
+        # Named after the first bucket, so two optimizers' agreements never share a name.
+        return f"DistributedOptimizer[{self._buckets[0].name}]"
+
+    # -- what make_graphed_step (and a user) may ask ----------------------------------------
+    @property
+    def process_set_id(self) -> int:
+        """The id of the process set the gradients are reduced over (0: every rank)."""
         ps = resolve(self.process_set, "DistributedOptimizer")
-        if ps.core is None:
-            return 0, list(range(size()))
-        return ps.core.process_set_id, list(ps.core.ranks)
+        return 0 if ps.core is None else ps.core.process_set_id
 
-    def _exchange(self, payload: bytes) -> list[bytes]:
-        # A fixed name: an optimizer's agreement is blocking, so two never overlap.
-        return allgather_object(payload, "DistributedOptimizer.agree", self.process_set)
+    @property
+    def bucket_names(self) -> list[str]:
+        """The names of the gradient buckets, in launch order (empty where this rank
+        communicates nothing: one rank, or outside ``process_set``)."""
+        return [b.name for b in self._buckets]
+
+    @property
+    def agreed_schedule(self) -> Any:
+        """The runtime's agreed schedule the buckets are launched on (from the second step),
+        or None (before it, or where the ranks cannot: see :attr:`unscheduled_reason`)."""
+        return self._scheduled.schedule if self._scheduled is not None else None
+
+    @property
+    def unscheduled_reason(self) -> str:
+        """Why the buckets are not on an agreed schedule ('' when they are)."""
+        return "" if self._scheduled is not None else self._unscheduled
 
     def _check_buckets(self) -> None:
         """Before the first bucket's reduction: every member of the set built the same
@@ -375,18 +394,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             wire = self._wire_type(b)
             wires.append(wire if isinstance(wire, torch.dtype) else b.params[0].dtype)
         pre, post = self._factors()
-        found = specs(self._buckets, wires, self.op, pre, post)
-        check(found, self._exchange, self._set()[1], "DistributedOptimizer")
-        self._specs = found
-
-    def _open_lane(self) -> tuple[Lane | None, str]:
-        """After the first step: open the lane the autograd thread launches the buckets on,
-        where every member of the set can (CUDA buffers over NCCL; collective over the set)."""
-        set_id, ranks = self._set()
-        pre, post = self._factors()
-        assert self._specs is not None
-        return open_lane(self._buckets, self._specs, pre, post, set_id, ranks,
-                         hvdlite.rank(), self._exchange)
+        found = slots(self._buckets, wires, self.op, pre, post)
+        runtime.check_agreed(f"{self._what()} gradient buckets", [vars(s) for s in found],
+                             "every rank must wrap the same model's parameters, in the same "
+                             "order, with the same settings", self.process_set_id)
+        self._slots = found
 
     def _stream_ordered(self) -> bool:
         """Whether CUDA gradients are handed over by stream order (the current stream waits
@@ -395,7 +407,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         waits, and wants them here too)."""
         if not any(b.device >= 0 for b in self._buckets):
             return False
-        return not default_engine().gpu_runtime().cpu_sync
+        return not runtime.host_waits()
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -451,7 +463,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 grad.zero_()
 
 
-_LANED = _Flight(None, [], [], [])  # a bucket launched on the lane (its state is the lane's)
+_SCHEDULED = _Flight(None, [], [], [])  # a bucket launched on its schedule (state there)
 
 
 def _dense(grad: torch.Tensor | None) -> torch.Tensor:

@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import hvdlite
-from hvdlite import _sets
-from hvdlite._engine import default_engine
+from hvdlite import _api, _sets
+from hvdlite import _runtime_api as runtime
 from hvdlite.errors import NotInitializedError
 from hvdlite.torch.errors import InvalidArgumentError, NotInitializedValueError
 
@@ -170,7 +170,7 @@ def adopt(sets: Sequence[ProcessSet]) -> None:
     """``init`` while already running: give each set the id of the registered set with the
     same ranks, as Horovod does; ``ValueError`` if there is none (register it with
     :func:`add_process_set`)."""
-    known = {ranks: set_id for set_id, ranks in default_engine().sets.items()}
+    known = {ranks: set_id for set_id, ranks in runtime.sets().items()}
     for ps in sets:
         set_id = known.get(ps._ranks or ())
         if set_id is None:
@@ -218,7 +218,7 @@ def remove_process_set(process_set: _sets.ProcessSet) -> bool:
     if set_id is None or set_id == 0:
         return False
     _require_dynamic("remove_process_set")
-    if default_engine().sets.get(set_id) != process_set._ranks:  # unknown here, or stale
+    if runtime.set_ranks(set_id) != process_set._ranks:  # unknown here, or stale
         process_set.process_set_id = None
         return False
     return _sets.remove_process_set(process_set)
@@ -242,24 +242,24 @@ def resolve(process_set: Any, what: str) -> Resolved:
     or from before a restart) or this rank is not a member.
     """
     try:
-        engine = default_engine()
+        rank, size = _api.rank(), _api.size()
     except NotInitializedError as exc:
         raise NotInitializedValueError(f"{what}: {exc}; call hvd.init() first") from None
     if process_set is None or process_set is global_process_set:
-        return Resolved(None, engine.size, engine.rank)
+        return Resolved(None, size, rank)
     if not isinstance(process_set, _sets.ProcessSet):
         raise TypeError(f"{what}: process_set must be a hvdlite.torch.ProcessSet, got "
                         f"{type(process_set).__name__}")
     set_id = process_set.process_set_id
     if set_id == 0:
-        return Resolved(None, engine.size, engine.rank)
-    ranks = engine.sets.get(set_id) if set_id is not None else None
+        return Resolved(None, size, rank)
+    ranks = runtime.set_ranks(set_id)
     if ranks is None or (process_set._ranks is not None and process_set._ranks != ranks):
         raise InvalidArgumentError(
             f"{what}: {process_set!r} does not exist or has not been registered; pass it to "
             "hvd.init(process_sets=[...]) or hvd.add_process_set first")
-    if engine.rank not in ranks:
+    if rank not in ranks:
         raise InvalidArgumentError(
-            f"{what}: rank {engine.rank} is not a member of the provided process set "
+            f"{what}: rank {rank} is not a member of the provided process set "
             f"{process_set!r}; call its collectives on its member ranks only")
-    return Resolved(process_set, len(ranks), ranks.index(engine.rank))
+    return Resolved(process_set, len(ranks), ranks.index(rank))

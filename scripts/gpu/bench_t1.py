@@ -22,11 +22,17 @@ At one rank hvdlite runs with the ``optimizer_size1_shortcut`` knob off (as ever
 benchmark turns size-1 shortcuts off), so the optimizer runs its N-rank path: hooks, buckets,
 one NCCL allreduce per bucket, the stream-ordered step; DDP at world size 1 runs its reducer.
 
-Correctness first: 10 steps (``--check-steps``) of each distributed variant from the same
-initial weights and batches, with deterministic cuDNN; hvdlite's parameters must equal DDP's
-within ``--atol + --rtol x max|param|`` (the max abs difference is reported), be bit-identical
-on every rank, and differ from the initial weights. Refused (exit 2) otherwise, and if the launch
-does not have ``--np`` ranks.
+Correctness first, for every variant the launch times: ``--check-steps`` (10) steps of each
+from the same initial weights and batches, with deterministic cuDNN. Every variant's parameters
+must differ from the initial weights; every distributed one's must be bit-identical on every
+rank and equal its reference within ``--atol + --rtol x max|param|`` (the max abs difference
+is reported): torch DDP for the eager variants, compiled DDP for the compiled ones (computed
+for the check even where it is not timed), and for the captured steps the reference of their
+model (compiled DDP under ``--compile on``, else DDP). A captured step's first call runs its
+``CAPTURE_WARMUP`` (3) eager warm-up steps, so it gets fewer calls for the same number of steps.
+The baselines without communication (plain torch, eager and compiled) train each rank on its
+own batch: they are checked to move only. Refused (exit 2) otherwise, and if the launch does
+not have ``--np`` ranks.
 
 Timing (cuDNN autotuning on): ``--warmup`` steps per variant, then ``--iters`` rounds; a round
 runs ``--batches-per-iter`` steps of each variant in turn (barrier, host clock, the steps, a
@@ -82,6 +88,7 @@ HVD_CTA = {n: f"hvdlite, optimizer_max_ctas={n}" for n in (2, 4, 8, 16)}
 HVD_G = "captured: hvdlite step (make_graphed_step)"
 FLAT_G = "captured: plain step + one flat allreduce after backward"
 CAPTURED = (HVD_G, FLAT_G)
+CAPTURE_WARMUP = 3  # eager steps a captured variant's first call runs before capturing
 HVDS = (HVD, HVD_ALT, HVD_NEG, HVD_ASYNC, HVD_C, HVD_C_ALT, HVD_G,
         *HVD_CTA.values())
 DDPS = (DDP, DDP_VIEWS, DDP_C)
@@ -156,6 +163,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if min(args.batch_size, args.batches_per_iter, args.iters, args.check_steps,
            args.comm_reps) < 1 or args.warmup < 0:
         p.error("sizes and counts must be positive")
+    if args.captured and args.check_steps < CAPTURE_WARMUP:
+        p.error(f"--captured needs --check-steps >= {CAPTURE_WARMUP} (a captured variant's "
+                "first call runs that many eager steps)")
     return args
 
 
@@ -250,10 +260,10 @@ class Runner:
         """FLAT_G: every gradient a view of one flat buffer, reduced by one allreduce."""
         torch = self.env.torch
         params = list(self.model.parameters())
-        self.flat = torch.zeros(sum(p.numel() for p in params), device=self.env.device)
+        self.grad_buffer = torch.zeros(sum(p.numel() for p in params), device=self.env.device)
         offset = 0
         for p in params:
-            p.grad = self.flat[offset:offset + p.numel()].view_as(p)
+            p.grad = self.grad_buffer[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
 
     def _eager_step(self) -> None:
@@ -269,8 +279,8 @@ class Runner:
             loss = self._loss()
         loss.backward()
         if self.kind == FLAT_G:
-            torch.distributed.all_reduce(self.flat)
-            self.flat.div_(self.env.size)
+            torch.distributed.all_reduce(self.grad_buffer)
+            self.grad_buffer.div_(self.env.size)
         self.opt.step()
 
     def _captured_step(self) -> None:
@@ -280,12 +290,13 @@ class Runner:
             return
         if self.kind == HVD_G:  # as a user writes it
             self.graph = self.env.hvd.make_graphed_step(lambda: self._eager_step(),
-                                                        optimizer=self.opt)
+                                                        optimizer=self.opt,
+                                                        warmup_steps=CAPTURE_WARMUP)
             return
         side = torch.cuda.Stream()  # torch's recipe: warm up on a side stream, then capture
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(3):
+            for _ in range(CAPTURE_WARMUP):
                 self._eager_step()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
@@ -468,43 +479,57 @@ def digest(t: Any) -> str:
 
 
 # -- correctness -------------------------------------------------------------------------------
+def reference_of(env: Env, kind: str) -> str:
+    """The variant whose parameters ``kind``'s must equal after the same steps."""
+    compiled = kind in COMPILED or (kind in CAPTURED and env.args.compile == "on")
+    return DDP_C if compiled else DDP
+
+
 def check_correctness(env: Env) -> dict[str, Any]:
-    """10 steps of each distributed variant from the same start; hvdlite == DDP (tolerance),
-    identical on every rank, moved from the start. Refuses otherwise."""
+    """``--check-steps`` steps of every variant the launch times (and of the references they
+    are compared with) from the same start: each moved from the start; each distributed one
+    identical on every rank and equal to its reference (:func:`reference_of`) within the
+    tolerance. Refuses otherwise."""
     torch, args = env.torch, env.args
     cudnn = torch.backends.cudnn
     cudnn.deterministic, cudnn.benchmark = True, False
+    timed = env.variants()
+    local = [k for k in timed if k in (BASE, BASE_C)]  # no communication: each rank its batch
+    distributed = [k for k in timed if k not in local]
+    refs = sorted({reference_of(env, k) for k in distributed}, key=(DDP, DDP_C).index)
     flats: dict[str, Any] = {}
-    # The compiled and captured variants are left out here: compiled numerics differ from
-    # eager, and the captured step's equality with eager steps is a test of its own
-    # (tests/torch/test_gpu_graphs.py, bit-exact).
-    checked = [k for k in env.variants()[1:] if k not in COMPILED + CAPTURED]
-    for kind in checked:
+    for kind in [*refs, *local, *(k for k in distributed if k not in refs)]:
         r = Runner(env, kind)
-        r.steps(args.check_steps)
+        # A captured variant's first call runs CAPTURE_WARMUP eager steps (then captures).
+        calls = args.check_steps - CAPTURE_WARMUP + 1 if kind in CAPTURED else args.check_steps
+        r.steps(calls)
         env.sync()
         flats[kind] = r.flat()
         del r
     out: dict[str, Any] = {"steps": args.check_steps, "atol": args.atol, "rtol": args.rtol}
-    scale = env.max_over_ranks(float(flats[DDP].abs().max()))
-    bound = args.atol + args.rtol * scale
-    out["max_abs_param"] = scale
-    out["bound"] = bound
+    bounds = {}
+    for ref in refs:
+        scale = env.max_over_ranks(float(flats[ref].abs().max()))
+        bounds[ref] = args.atol + args.rtol * scale
+        out[f"bound vs {ref}"] = bounds[ref]
     for kind, flat in flats.items():
         moved = env.max_over_ranks(float((flat - env.init_flat).abs().max()))
         gl.check_all(env.comm, moved > 0, f"{kind}: parameters moved in {args.check_steps} "
                      "steps", "the parameters equal the initial weights")
+        out[f"{kind}: max abs change from init"] = moved
+        if kind in local:
+            continue
         digests = env.comm.allgather(digest(flat))
         gl.check_all(env.comm, len(set(digests)) == 1,
                      f"{kind}: parameters identical on every rank", f"digests {digests}")
-        out[f"{kind}: max abs change from init"] = moved
-    for kind in checked:
-        if kind == DDP:
+        ref = reference_of(env, kind)
+        if kind == ref:
             continue
-        diff = env.max_over_ranks(float((flats[kind] - flats[DDP]).abs().max()))
-        out[f"{kind}: max abs diff vs DDP"] = diff
-        gl.check_all(env.comm, diff <= bound, f"{kind}: parameters equal DDP's after "
-                     f"{args.check_steps} steps", f"max abs diff {diff:.3g} > {bound:.3g}")
+        diff = env.max_over_ranks(float((flat - flats[ref]).abs().max()))
+        out[f"{kind}: max abs diff vs {ref}"] = diff
+        gl.check_all(env.comm, diff <= bounds[ref], f"{kind}: parameters equal {ref}'s after "
+                     f"{args.check_steps} steps", f"max abs diff {diff:.3g} > {bounds[ref]:.3g}")
+    out["checked"] = "; ".join(sorted(flats))
     del flats
     if env.cuda:
         torch.cuda.empty_cache()

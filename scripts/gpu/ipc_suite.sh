@@ -3,9 +3,10 @@
 # the GPU suite at 2 ranks sharing the GPU (so IPC) in both completion modes (it includes the
 # device bad-input matrix, the device soak with its memory checks, Adasum and the watchdog's
 # 1-rank test), tests/torch on CUDA at 2 ranks, the allreduce/allgather/broadcast/alltoall and
-# IPC tests at 4 ranks, the bounded-death jobs, and the suite at 1 rank (NCCL) as the regression
-# check. Each step under `timeout`; one summary line per step at the end; logs (with the tests'
-# printed numbers: `-s`) in $OUT (default /tmp/hvdlite_ipc_out).
+# IPC tests at 4 ranks, the bounded-death jobs (and the captured step's:
+# tests/test_captured_step.py), and the suite at 1 rank (NCCL) as the regression check. Each
+# step under `timeout`; one summary line per step at the end; logs (with the tests' printed
+# numbers: `-s`) in $OUT (default /tmp/hvdlite_ipc_out).
 #
 #   scripts/gpu/ipc_suite.sh [STEP...]   # steps: np2-sync np2-async torch np4 death np1
 set -uo pipefail
@@ -52,7 +53,7 @@ for s in "${STEPS[@]}"; do
     np4) step np4 200 bash -c 'mpi "$@"' _ 4 0 tests/gpu/test_gpu_ipc.py tests/gpu/test_gpu_collectives.py \
            -k "not timeline and not scale" ;;
     death) step death 140 "$PY" -m pytest -q -s -p no:cacheprovider tests/gpu/test_gpu_ipc_death.py \
-             tests/gpu/test_gpu_graph_death.py ;;
+             tests/test_captured_step.py ;;
     np1) step np1 250 bash -c 'mpi "$@"' _ 1 0 tests/gpu ;;
     *) echo "unknown step $s" >&2; exit 2 ;;
   esac

@@ -1,4 +1,7 @@
 #!/usr/bin/env bash
+# Every GPU test with one tally is scripts/gpu/gpu_tests.sh (issue 44); this script's test
+# steps are a subset of it, kept beside its benchmark steps.
+#
 # Issue 21 on a two-GPU host (one GPU per rank, NCCL): every step in order, each under
 # `timeout`, the whole run inside BUDGET_S seconds (default 540: one device command is at most
 # 10 minutes), logs in $OUT (default /tmp/hvdlite_two_gpu_out), then one summary: each step's
@@ -16,8 +19,9 @@
 #                vs DDP vs one GPU                                        } group `t1`
 #   t1-g4        bench_t1.py --model g4: T2 on G4's 24 x Linear(4096) stack }
 #   ipc          bench_ipc.py: I1-I3, IPC vs NCCL
-#   watchdog     tests/gpu/test_gpu_ipc_death.py (nccl with 2+ GPUs: a rank killed inside an
-#                NCCL collective; the survivor ends within 15 s, the rank named)
+#   watchdog     tests/gpu/test_gpu_ipc_death.py and tests/test_captured_step.py (nccl with 2+
+#                GPUs: a rank killed inside an NCCL collective or during a captured step's
+#                replays; the survivor ends within 15 s, the rank named)
 # `all` does not fit one device command; run it as, e.g., `suite`, `validate`, `bench`,
 # `t1 ipc watchdog` (four commands). Steps left over when the budget is spent are listed as
 # SKIPPED with the command that runs them.

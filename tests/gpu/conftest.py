@@ -9,16 +9,16 @@ failure on one rank fails all) and initialises hvdlite with one GPU per rank.
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from jobs_util import under_mpi_launcher
 
 _MPI_DIR = Path(__file__).resolve().parent.parent / "mpi"
-_LAUNCHED = any(v in os.environ for v in ("PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK"))
+_LAUNCHED = under_mpi_launcher()
 
 
 def _cuda_devices() -> int:

@@ -1,20 +1,15 @@
-"""Kernels and helpers for the GPU tests: a producer that spins, then writes; the death tests'
-job runner."""
+"""Kernels and helpers for the GPU tests: a producer that spins, then writes; re-init with a
+config; warm-up; the transport's timeline phase. (The death tests' job runner is
+``jobs_util.rank_one_goes``.)"""
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import re
-import sys
-import textwrap
-import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import cupy
-from jobs_util import clean_env, run_group
 
 # %globaltimer counts nanoseconds of wall time, unlike clock64() it does not depend on the SM
 # clock (whose rate CUDA 13 no longer reports as a device attribute).
@@ -89,34 +84,3 @@ def one_ipc_step(hvd: Any, nbytes: int, **config: Any) -> None:
     if allreduce_phase(hvd) == "IPC_ALLREDUCE":
         hvd.shutdown()
         hvd.init(ipc_buffer_bytes=nbytes, **config)
-
-
-# How rank 1 goes in the death tests (a line of its job script).
-GONE = {
-    "SIGKILL": "os.kill(os.getpid(), signal.SIGKILL)",
-    "raise": "raise RuntimeError('user code failed on rank 1')",
-}
-_HVDLITE_FRAME = re.compile(r'File "[^"]*/hvdlite/')
-
-
-def rank_one_goes(tmp_path: Path, job: str, how: str, label: str) -> None:
-    """Run ``job`` (a script that writes the time rank 1 goes to its first argument, then
-    goes ``how``) as a 2-rank ``hvdliterun`` job: it must end with an error within 15 s of
-    rank 1 going, naming rank 1, with no traceback through hvdlite's code for a SIGKILL (a
-    raising rank prints its own, as Python does)."""
-    script = tmp_path / "job.py"
-    script.write_text(textwrap.dedent(job), encoding="utf-8")
-    stamp = tmp_path / "gone"
-    code, out = run_group([sys.executable, "-m", "hvdlite.run", "-np", "2", "--",
-                           sys.executable, str(script), str(stamp)], clean_env(), 90.0)
-    ended = time.time()
-    assert code is not None and code != 0, out
-    assert stamp.exists(), f"rank 1 never reached the failure point:\n{out}"
-    took = ended - float(stamp.read_text())
-    print(f"{how} ({label}): the job ended {took:.1f} s after rank 1 went", flush=True)
-    assert took < 15, f"the job took {took:.1f} s to end after rank 1 went:\n{out}"
-    assert "rank 1" in out, out
-    if how == "SIGKILL":
-        assert not _HVDLITE_FRAME.search(out), f"a traceback through hvdlite's code:\n{out}"
-    else:
-        assert "user code failed on rank 1" in out, out

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from jobs_util import import_torch
 
 cupy = pytest.importorskip("cupy")
 if cupy.cuda.runtime.getDeviceCount() == 0:
@@ -41,7 +42,7 @@ def test_device_adasum_single_fused_grouped(hvd: Any, dtype: str) -> None:
 
 
 def test_torch_cuda_adasum(hvd: Any) -> None:
-    torch = pytest.importorskip("torch")
+    torch = import_torch()
     import hvdlite.torch as hvd_torch
 
     r, n = hvd.rank(), hvd.size()

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from jobs_util import import_torch
 
 cupy = pytest.importorskip("cupy")
 if cupy.cuda.runtime.getDeviceCount() == 0:
@@ -45,7 +46,7 @@ def test_strided_cupy_is_refused_with_the_fix(hvd: Any) -> None:
 
 
 def test_non_contiguous_torch_cuda_is_refused_with_the_fix(hvd: Any) -> None:
-    torch = pytest.importorskip("torch")
+    torch = import_torch()
     import hvdlite.torch as hvd_torch
 
     x = torch.ones(4, 6, device="cuda").t()
@@ -92,7 +93,7 @@ def test_zero_size_tensors(hvd: Any) -> None:
 
 
 def test_torch_tensor_that_requires_grad(hvd: Any) -> None:
-    torch = pytest.importorskip("torch")
+    torch = import_torch()
     import hvdlite.torch as hvd_torch
 
     x = torch.full((3,), float(hvd.rank() + 1), device="cuda", requires_grad=True)
@@ -144,13 +145,55 @@ def test_stream_of_another_device(hvd: Any) -> None:
 @pytest.mark.skipif(not TWO_DEVICES, reason="needs a second GPU visible to the rank")
 def test_tensor_on_another_device_than_the_ranks(hvd: Any) -> None:
     """A tensor on another GPU than the rank's: the collective runs on the tensor's device
-    (every rank passing the same device), its result on that device."""
-    other = (cupy.cuda.Device().id + 1) % cupy.cuda.runtime.getDeviceCount()
+    (every rank passing the same device), its result on that device, readable every way.
+
+    Three checks, all reported on one line (printed, and the failure's message), so a failure
+    says which failed: the collective's own work (both devices synchronised), a copy to the
+    host (``cupy.asnumpy``, on the result's device), a kernel on the result's device. Not
+    checked: a kernel on the rank's device reading the result, which needs peer access that
+    CuPy does not enable for it: on two H200s (2026-11-27, gpu-validation.md) that read hit
+    an illegal address in both completion modes while the three reads here were right, so
+    run 63's failure at 7de641c was that read (a test fault), not the result memory; and an
+    illegal address is sticky (every later CUDA call of the process fails)."""
+    mine = cupy.cuda.Device().id
+    other = (mine + 1) % cupy.cuda.runtime.getDeviceCount()
+    want = float(sum(range(1, hvd.size() + 1)))
     with cupy.cuda.Device(other):
         x = cupy.full(5, float(hvd.rank() + 1), cupy.float32)
     got = hvd.allreduce(x, name="other.device", op=hvd.Sum)
     assert got.data.device_id == other
-    # Read where it lies: a kernel of the current device reading another GPU's memory needs
-    # peer access, which nothing here enabled (an illegal address at 2 GPUs, run 63).
-    assert np.array_equal(cupy.asnumpy(got), np.full(5, float(sum(range(1, hvd.size() + 1)))))
+    assert cupy.cuda.Device().id == mine, "the call changed the rank's current device"
+
+    def kernel_read() -> str:
+        lo, hi = float(got.min()), float(got.max())
+        cupy.cuda.Device().synchronize()
+        return "ok" if lo == want == hi else f"wrong: min {lo}, max {hi}, want {want}"
+
+    def on_results_device() -> str:
+        with cupy.cuda.Device(other):
+            return kernel_read()
+
+    def collective() -> str:
+        cupy.cuda.Device(other).synchronize()
+        cupy.cuda.Device(mine).synchronize()
+        return "ok"
+
+    def to_host() -> str:
+        host = cupy.asnumpy(got)
+        return "ok" if np.array_equal(host, np.full(5, want, np.float32)) else f"wrong: {host}"
+
+    reads = [("collective's work (both devices synchronised)", collective),
+             ("cupy.asnumpy", to_host),
+             (f"kernel on GPU {other} (the result's)", on_results_device)]
+    outcomes = []
+    for what, read in reads:
+        try:
+            outcome = read()
+        except Exception as e:  # each read's failure is reported, not the first only
+            outcome = f"raised {type(e).__name__}: {e}"
+        outcomes.append((what, outcome))
+    report = f"rank {hvd.rank()}, other-device result: " + "; ".join(
+        f"{what}: {outcome}" for what, outcome in outcomes)
+    print(report, flush=True)
+    assert all(outcome.startswith("ok") for _, outcome in outcomes), report
     _next_collective_works(hvd, "other.device")

@@ -25,7 +25,7 @@ import os
 from pathlib import Path
 
 import pytest
-from jobs_util import under_mpi_launcher
+from jobs_util import GONE, rank_one_goes, under_mpi_launcher
 
 cupy = pytest.importorskip("cupy")
 if cupy.cuda.runtime.getDeviceCount() == 0:
@@ -40,7 +40,6 @@ EXPECT = os.environ.get("HVDLITE_TEST_EXPECT_TRANSPORT") or (
 if EXPECT not in ("ipc", "nccl"):
     raise ValueError(f"HVDLITE_TEST_EXPECT_TRANSPORT must be ipc or nccl, got {EXPECT!r}")
 
-from gpu_util import GONE, rank_one_goes  # noqa: E402 - after the skips (it imports cupy)
 
 _STREAM = """
 import os, signal, sys, time

@@ -1,6 +1,7 @@
-"""The random-order soak of ``tests/mpi/test_soak.py`` on device tensors: every collective,
-each rank in its own submission and wait order, results exact; then device memory (CuPy's pool
-and hvdlite's own buffers) and host memory flat after warm-up.
+"""The random-order soak of ``tests/mpi/test_soak.py`` (its engine: ``tests/mpi/soak_util.py``)
+on device tensors: every collective, each rank in its own submission and wait order, results
+exact; then device memory (CuPy's pool and hvdlite's own buffers) and host memory flat after
+warm-up.
 
 At 2 ranks on one GPU this runs through CUDA IPC; at 1 rank through NCCL. Both completion
 modes (the ``completion`` parameter re-inits hvdlite), and two kinds of names: the same names
@@ -23,7 +24,7 @@ if cupy.cuda.runtime.getDeviceCount() == 0:
 
 from gpu_util import reinit  # noqa: E402
 from mpi_util import allgather_ints, op_allowed  # noqa: E402
-from test_soak import Memory, run_soak  # noqa: E402
+from soak_util import Memory, run_soak  # noqa: E402
 
 # NCCL carries neither 16-bit integers nor Product of complex values (check_device_dtype).
 DEVICE = Memory(

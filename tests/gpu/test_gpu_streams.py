@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from jobs_util import import_torch
 
 cupy = pytest.importorskip("cupy")
 if cupy.cuda.runtime.getDeviceCount() == 0:
@@ -176,7 +177,7 @@ def test_then_runs_after_the_collective(hvd: Any, completion: str) -> None:
 
 
 def test_torch_cuda_tensors(hvd: Any, completion: str) -> None:
-    torch = pytest.importorskip("torch")
+    torch = import_torch()
     dev = torch.device("cuda", cupy.cuda.Device().id)
     t = torch.full((5, 3), float(hvd.rank() + 1), device=dev)
     got = hvd.allreduce(t, name=f"torch.{completion}", op=hvd.Sum)

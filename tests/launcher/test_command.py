@@ -35,7 +35,7 @@ def test_hydra_command() -> None:
     cmd = build_command(_spec("hydra", hosts="a:2,b:2", hostfile="hosts.txt", mpi_args=("-v",)))
     assert cmd == [
         "/opt/mpi/bin/mpirun", "-n", "4", "-hosts", "a:2,b:2", "-f", "hosts.txt",
-        "-genv", "HVDLITE_CYCLE_TIME_MS", "2.0", "-genv", "HVDLITE_TIMELINE", "",
+        "-genvlist", "HVDLITE_CYCLE_TIME_MS,HVDLITE_TIMELINE",
         "-v", *WRAPPER, "python", "train.py", "--lr", "0.1",
     ]  # fmt: skip
 
@@ -102,6 +102,21 @@ def test_wrapper_passes_success_through(tmp_path: Path) -> None:
     result = _wrap(tmp_path, "print('fine')")
     assert result.returncode == 0 and result.stdout == "fine\n"
     assert list(tmp_path.iterdir()) == []
+
+
+def test_wrapper_gives_the_program_the_launchers_path(tmp_path: Path) -> None:
+    # An MPI launcher put a folder of its own first (Open MPI's --prefix does): the program
+    # gets the PATH hvdliterun meant, and not the variable that carried it.
+    meant = os.pathsep.join([os.path.dirname(sys.executable), "/usr/bin", "/bin"])
+    env = os.environ | {"PMI_RANK": "0", "PATH": f"/usr/bin:{meant}",
+                        _rankwrap.RANK_PATH_ENV: meant}
+    code = ("import os, shutil; print(os.environ['PATH']); print(shutil.which('python3')); "
+            f"print(os.environ.get({_rankwrap.RANK_PATH_ENV!r}))")
+    result = subprocess.run([*WRAPPER, "python3", "-c", code], env=env, capture_output=True,
+                            text=True, timeout=60, check=False)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        meant, os.path.join(os.path.dirname(sys.executable), "python3"), "None"]
 
 
 def test_wrapper_reports_exit_code(tmp_path: Path) -> None:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import platform
 import re
 import sys
 
+import path_setups
 import pytest
-from jobs_util import clean_env, mpiexec, run_group
+from jobs_util import REPO, clean_env, mpiexec, run_group
 
 from hvdlite.config import KNOBS
+from hvdlite.run import mpi_flavor
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
@@ -92,3 +95,50 @@ def test_doctor_names_ranks_sharing_a_gpu() -> None:
     assert code not in (0, None), out
     assert "ranks [0, 1] on host" in out and "share one GPU" in out, out
     assert "Traceback" not in out, out
+
+
+def test_hvdliterun_check_names_the_ranks_python3() -> None:
+    """The system's python3 ahead of hvdliterun's environment on PATH: every rank says that a
+    command starting with python3 runs the system's, with a warning; not a failure."""
+    if (why := path_setups.unavailable()) is not None:
+        pytest.skip(why)
+    path = path_setups.SETUPS["system_first"]
+    system = path_setups.command_v("python3", path)
+    cmd = [sys.executable, "-m", "hvdlite.run", "-np", "2", "--check"]
+    code, out = run_group(cmd, clean_env(PATH=path, PYTHONPATH=str(REPO), **TWO_RANKS),
+                          TIMEOUT_S)
+    assert code == 0, out
+    _check_report(out, 2)
+    warning = (rf"^  python3        WARNING: a command that starts with python3 runs "
+               rf"{re.escape(str(system))} \(Python [\d.]+\w*, environment [^)]+\), not "
+               rf"hvdliterun's interpreter {re.escape(sys.executable)} \(Python "
+               rf"{re.escape(platform.python_version())}, environment "
+               rf"{re.escape(sys.prefix)}\); fix: put {re.escape(path_setups.ENV_BIN)} first")
+    assert len(re.findall(warning, out, re.M)) == 2, out
+    assert "is not the same interpreter on every rank" not in out, out
+
+
+def test_doctor_warns_when_the_ranks_python3_differ() -> None:
+    """Rank 0 with this environment first on PATH, rank 1 with the system's (Hydra's -env
+    per executable): rank 0 runs the doctor's interpreter, rank 1 is warned, and rank 0's
+    summary names the ranks of each interpreter."""
+    if (why := path_setups.unavailable()) is not None:
+        pytest.skip(why)
+    if mpi_flavor(mpiexec()) != "hydra":
+        pytest.skip("gives each rank its own PATH with Hydra's -env")
+    ours, theirs = path_setups.SETUPS["venv_first"], path_setups.SETUPS["system_first"]
+    cmd = [mpiexec(), "-n", "1", "-env", "PATH", ours, *DOCTOR, ":",
+           "-n", "1", "-env", "PATH", theirs, *DOCTOR]
+    code, out = run_group(cmd, clean_env(PYTHONPATH=str(REPO), **TWO_RANKS), TIMEOUT_S)
+    assert code == 0, out
+    _check_report(out, 2)
+    own = (f"{path_setups.command_v('python3', ours)} (Python {platform.python_version()}, "
+           f"environment {sys.prefix})")
+    assert f"  python3        {own}: the same as this doctor's interpreter" in out, out
+    assert re.search(r"^  python3        WARNING: a command that starts with python3 runs "
+                     rf"{re.escape(str(path_setups.command_v('python3', theirs)))} ", out,
+                     re.M), out
+    summary = re.findall(r"^hvdlite doctor: WARNING: python3 is not the same interpreter on "
+                         r"every rank \(rank 0: (.+); rank 1: (.+)\); fix: ", out, re.M)
+    assert len(summary) == 1 and summary[0][0] == own, (summary, out)
+    assert summary[0][1].startswith(f"{path_setups.command_v('python3', theirs)} (Python "), out

@@ -14,7 +14,7 @@ from pathlib import Path
 import elastic_numpy
 import pytest
 from elastic_util import RECOVERY_LIMIT_S, TRAIN, check_job, events
-from jobs_util import clean_env
+from jobs_util import clean_env, needs_torch
 
 from hvdlite import run
 
@@ -33,6 +33,7 @@ def hvdliterun(*args: str, script: str = TRAIN, **env: str) -> subprocess.Comple
         text=True, timeout=JOB_TIMEOUT_S, check=False)
 
 
+@needs_torch
 def test_killed_rank_goes_on_without_its_host_from_last_commit() -> None:
     # Rank 2 SIGKILLs itself in the middle of the step that would be commit 4 (before its
     # allreduce): its host (127.0.0.1, a second name of this machine) is blacklisted, as
@@ -51,6 +52,7 @@ def test_killed_rank_goes_on_without_its_host_from_last_commit() -> None:
     assert recovery < RECOVERY_LIMIT_S
 
 
+@needs_torch
 def test_discovery_drops_a_slot_and_adds_it_back(tmp_path: Path) -> None:
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost:4\n")

@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
-from jobs_util import clean_env, mpiexec, run_group
+from jobs_util import HVDLITE_FRAME, RANK_OF, clean_env, mpiexec, run_group, write_script
 
 from timeline import load, merge, summarize
 from timeline.check import check_file
@@ -23,14 +21,10 @@ from timeline.check import check_file
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
 JOB_TIMEOUT_S = 60.0
-RANK_OF = "int(os.environ.get('PMI_RANK') or os.environ.get('OMPI_COMM_WORLD_RANK'))"
-HVDLITE_FRAME = re.compile(r'File "[^"]*/hvdlite/')
 
 
 def _script(tmp_path: Path, body: str) -> str:
-    path = tmp_path / "job.py"
-    path.write_text(textwrap.dedent(body), encoding="utf-8")
-    return str(path)
+    return write_script(tmp_path, "job.py", body)
 
 
 def _job(launcher: str, np_: int, *cmd: str, env: dict[str, str] | None = None,

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_run import _probe, _script, hvdliterun
+from jobs_util import hvdliterun, probe, write_script
 
 from hvdlite.launcher.job import find_mpiexec, mpi_flavor
 
@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
 
 def test_horovodrun_spellings_set_the_same_knobs(tmp_path: Path) -> None:
-    reports = _probe(tmp_path, "--fusion-threshold-mb", "3", "--timeline-filename",
+    reports = probe(tmp_path, "--fusion-threshold-mb", "3", "--timeline-filename",
                      "/tmp/t.json", "--stall-check-warning-time-seconds", "9",
                      "--stall-check-shutdown-time-seconds", "11", "--start-timeout", "40",
                      "--disable-cache", "--mpi")
@@ -33,7 +33,7 @@ def test_horovodrun_config_file_is_read_and_flags_beat_it(tmp_path: Path) -> Non
                     "  hierarchical_allreduce: false\ntimeline:\n  filename: /tmp/h.json\n"
                     "  mark_cycles: true\nstall_check:\n  enabled: false\n"
                     "logging:\n  level: DEBUG\n")
-    reports = _probe(tmp_path, "--config-file", str(path), "--cycle-time-ms", "5")
+    reports = probe(tmp_path, "--config-file", str(path), "--cycle-time-ms", "5")
     for report in reports:
         config = report["config"]
         assert config["fusion_threshold"] == 2 * 1024 * 1024 and config["cycle_time_ms"] == 5.0
@@ -70,10 +70,15 @@ def test_check_build_lists_what_is_available() -> None:
 
 
 def test_output_filename_keeps_each_ranks_output(tmp_path: Path) -> None:
-    script = _script(tmp_path, "say.py", """
+    # One write per line: print() writes "out of", " ", "0" and "\n" apart (unbuffered), and
+    # MPICH merges the ranks' stdout as the bytes come, so printed lines could interleave.
+    script = write_script(tmp_path, "say.py", """
         import os, sys
-        print("out of", os.environ["HOROVOD_RANK"], flush=True)
-        print("err of", os.environ["HOROVOD_RANK"], file=sys.stderr, flush=True)
+        rank = os.environ["HOROVOD_RANK"]
+        sys.stdout.write(f"out of {rank}\\n")
+        sys.stdout.flush()
+        sys.stderr.write(f"err of {rank}\\n")
+        sys.stderr.flush()
     """)
     out = tmp_path / "logs"
     result = hvdliterun("-np", "2", "--output-filename", str(out), "--", sys.executable, script)
@@ -81,9 +86,8 @@ def test_output_filename_keeps_each_ranks_output(tmp_path: Path) -> None:
     for rank in (0, 1):
         assert (out / f"rank.{rank}" / "stdout").read_text() == f"out of {rank}\n"
         assert (out / f"rank.{rank}" / "stderr").read_text() == f"err of {rank}\n"
-    # Both ranks' lines reach the terminal, in any interleaving (MPICH merges the ranks'
-    # stdout as the bytes come, and print may write "out of" and " 0\n" apart).
-    assert sorted(result.stdout) == sorted("out of 0\nout of 1\n"), result.stdout
+    # Both ranks' lines reach the terminal, whole, in either order.
+    assert sorted(result.stdout.splitlines()) == ["out of 0", "out of 1"], result.stdout
 
 
 def test_start_timeout_ends_a_world_whose_ranks_do_not_start(tmp_path: Path) -> None:
@@ -91,7 +95,7 @@ def test_start_timeout_ends_a_world_whose_ranks_do_not_start(tmp_path: Path) -> 
     # -genv wins), so the monitor drops them and no rank counts as started.
     if mpi_flavor(find_mpiexec() or "mpiexec") != "hydra":
         pytest.skip("needs MPICH's Hydra (-genv)")
-    script = _script(tmp_path, "sleep.py", "import time\ntime.sleep(60)\n")
+    script = write_script(tmp_path, "sleep.py", "import time\ntime.sleep(60)\n")
     result = hvdliterun("-np", "2", "--start-timeout", "2", "--mpi-args",
                         "-genv HVDLITE_MONITOR_TOKEN wrong", "--", sys.executable, script,
                         timeout=60)

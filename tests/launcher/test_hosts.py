@@ -54,14 +54,15 @@ def test_forwarded_env() -> None:
     environ = {"PATH": "/usr/bin", "PYTHONPATH": "/src", "HVDLITE_CYCLE_TIME_MS": "2",
                "HOROVOD_FUSION_THRESHOLD": "1", "HVDLITE_CONFIG": "x.yaml",
                "HVDLITE_WATCHDOG_FD": "9", "HOME": "/root", "MINE": "1"}
-    out = forwarded_env(environ, ["MINE", "OTHER=2"], "/venv/bin")
-    assert out == {"PATH": "/venv/bin:/usr/bin", "PYTHONPATH": "/src",
+    out = forwarded_env(environ, ["MINE", "OTHER=2"])
+    # PATH as it is: nothing ahead of the caller's first entry (issue 42).
+    assert out == {"PATH": "/usr/bin", "PYTHONPATH": "/src",
                    "HVDLITE_CYCLE_TIME_MS": "2", "HOROVOD_FUSION_THRESHOLD": "1", "MINE": "1",
                    "OTHER": "2"}
     with pytest.raises(ValueError, match="-x/--env NOPE: not set"):
-        forwarded_env(environ, ["NOPE"], "/venv/bin")
+        forwarded_env(environ, ["NOPE"])
     with pytest.raises(ValueError, match="expected NAME or NAME=VALUE"):
-        forwarded_env(environ, ["=3"], "/venv/bin")
+        forwarded_env(environ, ["=3"])
 
 
 def test_transport() -> None:

@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
-import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from jobs_util import clean_env
+from jobs_util import (
+    HVDLITERUN_TIMEOUT_S,
+    RANK_OF,
+    REPO,
+    clean_env,
+    hvdliterun,
+    probe,
+    write_script,
+)
 
 from hvdlite.config import KNOBS, Config, load_config
 from hvdlite.launcher.hosts import PRIVATE_NAMES
@@ -21,34 +28,9 @@ from hvdlite.run import find_mpiexec, mpi_flavor
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(120)]
 
-REPO = Path(__file__).resolve().parents[2]
-JOB_TIMEOUT_S = 90
 # A failed job must end far sooner than the 60 s its surviving rank would sleep.
 PROMPT_S = 30
-
-RANK_OF = "int(os.environ.get('PMI_RANK') or os.environ.get('OMPI_COMM_WORLD_RANK'))"
-
-
-def hvdliterun(
-    *args: str, env: dict[str, str] | None = None, timeout: float = JOB_TIMEOUT_S
-) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m hvdlite.run ARGS`` and capture its output."""
-    return subprocess.run(
-        [sys.executable, "-m", "hvdlite.run", *args],
-        env=clean_env() if env is None else env,
-        cwd=REPO,
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-
-
-def _script(tmp_path: Path, name: str, body: str) -> str:
-    path = tmp_path / name
-    path.write_text(textwrap.dedent(body), encoding="utf-8")
-    return str(path)
+JOB_TIMEOUT_S = HVDLITERUN_TIMEOUT_S
 
 
 def _last_line(text: str) -> str:
@@ -68,7 +50,7 @@ def _gone(pid: int, within_s: float = 10.0) -> bool:
 
 def _failing_job(tmp_path: Path, rank1_action: str) -> str:
     """Rank 1 does ``rank1_action``; rank 0 records its pid and sleeps 60 s."""
-    return _script(
+    return write_script(
         tmp_path,
         "fail.py",
         f"""
@@ -109,7 +91,7 @@ def test_rank_killed_by_signal_is_named(tmp_path: Path) -> None:
 
 def test_the_first_failure_is_named_not_a_later_one(tmp_path: Path) -> None:
     # Rank 0 fails (code 4) only after rank 1's failure (code 5) was reported.
-    script = _script(
+    script = write_script(
         tmp_path,
         "two_failures.py",
         f"""
@@ -130,7 +112,7 @@ def test_the_first_failure_is_named_not_a_later_one(tmp_path: Path) -> None:
 
 
 def test_successful_job_without_separator(tmp_path: Path) -> None:
-    script = _script(
+    script = write_script(
         tmp_path,
         "hello.py",
         f"import os, sys\nrank = {RANK_OF}\nsys.stdout.write(f'hello from {{rank}}\\n')\n",
@@ -153,7 +135,7 @@ def test_timeout_ends_the_job(tmp_path: Path) -> None:
 
 
 def test_sigterm_to_the_launcher_ends_the_job(tmp_path: Path) -> None:
-    script = _script(
+    script = write_script(
         tmp_path,
         "sleeper.py",
         f"""
@@ -189,42 +171,11 @@ def test_sigterm_to_the_launcher_ends_the_job(tmp_path: Path) -> None:
 
 
 # Each rank writes what it sees to OUT/rank-R.json (stdout lines of ranks may interleave).
-ENV_PROBE = """
-import dataclasses, json, os, sys
-from hvdlite.config import load_config
-rank = RANK
-report = {
-    "rank": rank,
-    "env": {k: v for k, v in os.environ.items() if k.startswith("HVDLITE_")},
-    "horovod": {k: v for k, v in os.environ.items() if k.startswith("HOROVOD_")},
-    "config": dataclasses.asdict(load_config()),
-    # The rank's own YAML, as init(config=...) would read it (only below the environment).
-    "own": dataclasses.asdict(load_config(sys.argv[2])) if len(sys.argv) > 2 else None,
-}
-with open(os.path.join(sys.argv[1], f"rank-{rank}.json"), "w") as f:
-    json.dump(report, f)
-"""
-
-
-def _probe(tmp_path: Path, *args: str, env: dict[str, str] | None = None,
-           own: Path | None = None) -> list[dict]:
-    script = _script(tmp_path, "probe.py", ENV_PROBE.replace("RANK", RANK_OF))
-    out = tmp_path / "out"
-    out.mkdir()
-    extra = [str(own)] if own is not None else []
-    result = hvdliterun("-np", "2", *args, "--", sys.executable, script, str(out), *extra,
-                        env=env)
-    assert result.returncode == 0, result.stderr
-    reports = [json.loads((out / f"rank-{r}.json").read_text()) for r in (0, 1)]
-    assert [r["rank"] for r in reports] == [0, 1]
-    return reports
-
-
 def test_settings_reach_every_rank_with_precedence(tmp_path: Path) -> None:
     config = tmp_path / "job.yaml"
     config.write_text("fusion_threshold: 1000\ncycle_time_ms: 2\ncache_capacity: 3\n")
     env = clean_env(HOROVOD_FUSION_THRESHOLD="2000", HVDLITE_CYCLE_TIME_MS="4")
-    reports = _probe(
+    reports = probe(
         tmp_path, "--config", str(config), "--fusion-threshold", "3000", "--async-completion",
         env=env,
     )  # fmt: skip
@@ -242,7 +193,7 @@ def test_settings_reach_every_rank_with_precedence(tmp_path: Path) -> None:
         assert report["env"] == expected.to_env(set_here) | {
             k: v for k, v in report["env"].items() if k in launcher_own}
         unset_here = {"HVDLITE_RUN_REPORT_DIR", "HVDLITE_OUTPUT_DIR", "HVDLITE_ELASTIC_DIR",
-                      "HVDLITE_ELASTIC_GENERATION", "HVDLITE_WORKERS"}
+                      "HVDLITE_ELASTIC_GENERATION", "HVDLITE_WORKERS", "HVDLITE_RANK_PATH"}
         assert {n for n in launcher_own - unset_here if n.startswith("HVDLITE_")} \
             <= set(report["env"])
         # Horovod's per-worker variables, and the HVDLITE_ names beside them.
@@ -263,7 +214,7 @@ def test_rank_config_file_applies_to_knobs_not_set_at_launch(tmp_path: Path) -> 
     rank as environment), but knobs the launch left at their defaults come from the file."""
     own = tmp_path / "rank.yaml"
     own.write_text("fusion_threshold: 5\ncache_capacity: 7\n")
-    reports = _probe(tmp_path, "--fusion-threshold", "3000", env=clean_env(), own=own)
+    reports = probe(tmp_path, "--fusion-threshold", "3000", env=clean_env(), own=own)
     for report in reports:
         assert report["own"]["fusion_threshold"] == 3000  # launcher flag > rank's file
         assert report["own"]["cache_capacity"] == 7  # rank's file > default
@@ -272,7 +223,7 @@ def test_rank_config_file_applies_to_knobs_not_set_at_launch(tmp_path: Path) -> 
 def test_hvdlite_config_variable_is_resolved_by_the_launcher(tmp_path: Path) -> None:
     config = tmp_path / "job.yaml"
     config.write_text("log_level: debug\ntimeline_mark_cycles: true\n")
-    reports = _probe(tmp_path, env=clean_env(HVDLITE_CONFIG=str(config)))
+    reports = probe(tmp_path, env=clean_env(HVDLITE_CONFIG=str(config)))
     for report in reports:
         assert report["env"]["HVDLITE_LOG_LEVEL"] == "debug"
         assert report["env"]["HVDLITE_TIMELINE_MARK_CYCLES"] == "1"
@@ -282,7 +233,7 @@ def test_hvdlite_config_variable_is_resolved_by_the_launcher(tmp_path: Path) -> 
 @pytest.mark.parametrize("name", ["latency", "throughput", "debug", "gpu-async"])
 def test_config_flag_with_example_files(tmp_path: Path, name: str) -> None:
     path = REPO / "configs" / f"{name}.yaml"
-    reports = _probe(tmp_path, "--config", str(path))
+    reports = probe(tmp_path, "--config", str(path))
     expected = load_config(path, environ={})
     assert expected != Config()
     for report in reports:
@@ -302,7 +253,8 @@ def test_every_knob_has_a_working_flag(tmp_path: Path) -> None:
         "log_level": ("error", "error"), "nvtx": (None, True),
         "timeline_device_events": (None, True), "timeline_max_bytes": ("1MiB", 1 << 20),
         "gil_switch_interval_us": ("100", 100.0), "optimizer_size1_shortcut": ("no", False),
-        "optimizer_schedule": ("no", False), "optimizer_max_ctas": ("8", 8),
+        "optimizer_schedule": ("no", False), "optimizer_host_schedule": (None, True),
+            "optimizer_max_ctas": ("8", 8),
         "start_timeout_s": ("40", 40.0), "elastic_timeout_s": ("50", 50.0),
         "discovery_interval_s": ("0.5", 0.5),
     }  # fmt: skip
@@ -316,13 +268,13 @@ def test_every_knob_has_a_working_flag(tmp_path: Path) -> None:
             args.append(k.flag.replace("--", "--no-", 1))
         else:
             args += [k.flag, text]
-    reports = _probe(tmp_path, *args)
+    reports = probe(tmp_path, *args)
     for report in reports:
         assert report["config"] == {name: value for name, (_, value) in changed.items()}
 
 
 def test_verbose_prints_command_and_settings(tmp_path: Path) -> None:
-    script = _script(tmp_path, "check.py", "import os, sys\nassert sys.argv[1] == 'a b'\n")
+    script = write_script(tmp_path, "check.py", "import os, sys\nassert sys.argv[1] == 'a b'\n")
     result = hvdliterun(
         "-np", "2", "--verbose", "--cycle-time-ms", "3", "--", sys.executable, script, "a b"
     )
@@ -334,8 +286,13 @@ def test_verbose_prints_command_and_settings(tmp_path: Path) -> None:
     # Open MPI's mpirun takes -np (and is launched with it); MPICH's mpiexec -n.
     assert "mpiexec" in command[0] and (" -np 2 " if openmpi else " -n 2 ") in command[0]
     assert command[0].endswith(f"{script} 'a b'")
-    forwarded = "-x HVDLITE_CYCLE_TIME_MS" if openmpi else "-genv HVDLITE_CYCLE_TIME_MS 3.0"
-    assert forwarded in command[0]
+    words = shlex.split(command[0].removeprefix("hvdliterun: command: "))
+    # Names only, never values (issue 43: the monitor's token was readable in ps).
+    if openmpi:
+        assert words[words.index("HVDLITE_CYCLE_TIME_MS") - 1] == "-x"
+    else:
+        assert "HVDLITE_CYCLE_TIME_MS" in words[words.index("-genvlist") + 1].split(",")
+    assert "-genv" not in words and "3.0" not in words
     assert "hvdliterun: cycle_time_ms = 3.0  [--cycle-time-ms]" in lines
     assert "hvdliterun: log_level = 'warning'  [default]" in lines
 
@@ -401,7 +358,7 @@ hvd.shutdown()
 
 
 def test_allreduce_job_end_to_end(tmp_path: Path) -> None:
-    script = _script(tmp_path, "job.py", ALLREDUCE_JOB)
+    script = write_script(tmp_path, "job.py", ALLREDUCE_JOB)
     result = hvdliterun("-np", "2", "--fusion-threshold", "1MiB", "--", sys.executable, script)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = sorted(line for line in result.stdout.splitlines() if line.startswith("allreduce ok"))
@@ -415,6 +372,6 @@ def test_mpi_args_reach_the_mpi_launcher(tmp_path: Path) -> None:
     assert found is not None
     if mpi_flavor(found) != "hydra":
         pytest.skip("uses the Hydra flag -genv")
-    script = _script(tmp_path, "mark.py", "import os\nassert os.environ['MY_MARK'] == 'a b'\n")
+    script = write_script(tmp_path, "mark.py", "import os\nassert os.environ['MY_MARK'] == 'a b'\n")
     result = hvdliterun("-np", "2", "--mpi-args=-genv MY_MARK 'a b'", "--", sys.executable, script)
     assert result.returncode == 0, result.stderr

@@ -4,17 +4,15 @@ Every rank runs the same tests in the same order. Around each test the ranks mee
 with a deadline (a rank that never arrives aborts the whole job with a message instead of a
 silent hang), and after each test they agree on its outcome: a test that failed on any rank
 fails on every rank, naming the ranks where it failed. Each test also gets a pytest-timeout
-(function only, so the barriers stay outside it) that turns a hang into a failure.
+(function only, so the barriers stay outside it) that turns a hang into a failure. Each rank's
+tally for the job runner is written by the root conftest (``HVDLITE_TEST_REPORT_DIR``).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import zlib
 from collections.abc import Callable, Generator, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,7 +22,6 @@ from mpi_util import allgather_ints, timed_barrier
 TEST_TIMEOUT_S = 60.0
 
 _outcomes = pytest.StashKey[dict[str, str]]()
-_counts: dict[str, int] = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "xfailed": 0}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -69,28 +66,6 @@ def pytest_runtest_makereport(
             report.outcome = "failed"
             report.longrepr = f"shared fate: {item.nodeid} failed on rank(s) {bad}"
     return report
-
-
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    """Tally outcomes the way the terminal summary does, for the per-rank JSON report."""
-    if report.failed:
-        _counts["failed" if report.when == "call" else "errors"] += 1
-    elif report.skipped:
-        _counts["xfailed" if hasattr(report, "wasxfail") else "skipped"] += 1
-    elif report.passed and report.when == "call":
-        _counts["passed"] += 1
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """Write this rank's tally where the job runner asked (``HVDLITE_MPI_REPORT_DIR``)."""
-    out_dir = os.environ.get("HVDLITE_MPI_REPORT_DIR")
-    if not out_dir:
-        return
-    comm = MPI.COMM_WORLD
-    record = {"rank": comm.Get_rank(), "size": comm.Get_size(), "exitstatus": int(exitstatus)}
-    record.update(_counts)
-    path = Path(out_dir) / f"rank{comm.Get_rank()}.json"
-    path.write_text(json.dumps(record))
 
 
 @pytest.fixture(scope="session")

@@ -1,15 +1,21 @@
-"""Helpers of the multi-host tests: running hvdliterun on host 1 of the cluster."""
+"""Helpers of the multi-host tests: running hvdliterun on host 1 of the cluster, waiting for a
+job that lost a host to end, and reading how it ended."""
 
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import pytest
 from cluster import Cluster
 from jobs_util import REPO, clean_env
+
+from timeline._trace import load
 
 HERE = Path(__file__).resolve().parent
 CLOCK_OFFSET_S = 37  # host 2's monotonic clock runs this far ahead (a time namespace)
@@ -46,3 +52,34 @@ def hvdliterun(cluster: Cluster, *args: str, timeout: float = 120, **env: str) -
         out, err = proc.communicate()
         rc = None
     return Ran(rc, out, err, time.monotonic() - start)
+
+
+# A killed host's job ends within this (the launcher's monitor sees its connection close).
+KILLED_BOUND_S = 15.0
+
+
+def ended_within(proc: Any, bound: float) -> tuple[int | None, str, float]:
+    """Wait for a started hvdliterun to end (fail the test 30 s past ``bound``); returns its
+    exit code, its stderr and the seconds it took from now."""
+    start = time.monotonic()
+    try:
+        _, err = proc.communicate(timeout=bound + 30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        _, err = proc.communicate()
+        pytest.fail(f"hvdliterun still running {bound + 30:.0f} s after the host was lost:\n"
+                    f"{err[-3000:]}")
+    return proc.returncode, err, time.monotonic() - start
+
+
+def survivors_traces(out: Path, ranks: list[int]) -> None:
+    """The timelines of ``ranks`` under ``out`` hold their allreduces and a closing event."""
+    for r in ranks:
+        trace = load(str(out / f"trace.{r}.json"))
+        names = {e.get("name") for e in trace.events}
+        assert "MPI_ALLREDUCE" in names and "trace_end" in names, (r, sorted(map(str, names)))
+
+
+def verdict_line(err: str) -> str:
+    """hvdliterun's last line: how the job ended."""
+    return [line for line in err.splitlines() if line.startswith("hvdliterun:")][-1]

@@ -17,7 +17,7 @@ import elastic_numpy
 import pytest
 from cluster import Cluster
 from elastic_util import RECOVERY_LIMIT_S, TRAIN, check_job, events
-from jobs_util import REPO
+from jobs_util import REPO, needs_torch
 from mh_util import rank_env
 
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(240)]
@@ -38,6 +38,7 @@ def _wait(what: str, ok: object, proc: subprocess.Popen[bytes], out: Path, err: 
         time.sleep(0.1)
 
 
+@needs_torch
 def test_host_killed_then_host_added(three_hosts: Cluster) -> None:
     c = three_hosts
     n1, n2, n3 = (h.name for h in c.hosts)
@@ -108,3 +109,32 @@ def test_unreachable_discovered_host_is_left_out(three_hosts: Cluster) -> None:
     assert sorted(e["rank"] for e in done) == [0, 1], ran.stdout[-3000:]
     assert all(e["gen"] == 1 and e["sizes"] == sizes for e in done), done
     assert all(e["total"] == elastic_numpy.expected(sizes) for e in done), done
+
+
+def test_discovered_remote_hosts_reach_the_monitor_and_keep_commits_private(
+        three_hosts: Cluster) -> None:
+    # Issue 43: with a discovery script and neither -H nor --network-interface, the monitor
+    # listened on 127.0.0.1 and the remote ranks dialled their own loopback (unsupervised);
+    # and a host without the launcher's directory made it 0755, its commits 0644. Launched
+    # from host 3 onto hosts 1 and 2, whose /tmp is their own.
+    c = three_hosts
+    n1, n2 = c.hosts[0].name, c.hosts[1].name
+    script = c.shared / "discover-remote.sh"
+    script.write_text(f"#!/bin/sh\necho {n1}:1\necho {n2}:1\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    args = [sys.executable, "-m", "hvdlite.run", "-np", "2", "--min-np", "2",
+            "--host-discovery-script", str(script), "--tcp", "--timeout",
+            str(JOB_TIMEOUT_S - 10), "--", sys.executable,
+            str(REPO / "tests" / "elastic_numpy.py")]
+    ran = subprocess.run(c.command(3, args, cwd=str(REPO)), capture_output=True, text=True,
+                         env=rank_env(), cwd=str(REPO), timeout=JOB_TIMEOUT_S, check=False)
+    assert ran.returncode == 0, ran.stderr[-4000:]
+    assert "cannot reach the launcher's monitor" not in ran.stderr, ran.stderr[-4000:]
+    done = [e for e in events(ran.stdout) if e["kind"] == "done"]
+    assert sorted(e["rank"] for e in done) == [0, 1], ran.stdout[-3000:]
+    listing = c.run(1, ["find", "/tmp", "-path", "/tmp/hvdliterun-*", "-printf", "%m %y %p\n"],
+                    timeout=30)
+    entries = [line.split(" ", 2) for line in listing.stdout.splitlines()]
+    assert any(path.endswith(".pkl") for _, _, path in entries), listing.stdout
+    assert all(mode == ("700" if kind == "d" else "600") for mode, kind, _ in entries), \
+        listing.stdout

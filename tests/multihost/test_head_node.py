@@ -11,8 +11,7 @@ import time
 import pytest
 from cluster import Cluster
 from jobs_util import REPO
-from mh_util import HERE, rank_env
-from test_multihost import KILLED_BOUND_S, _ended_within, _survivors_traces, _verdict
+from mh_util import HERE, KILLED_BOUND_S, ended_within, rank_env, survivors_traces, verdict_line
 
 pytestmark = [pytest.mark.multihost, pytest.mark.timeout(240)]
 
@@ -36,10 +35,10 @@ def test_host_killed_is_named_alone_from_a_head_node(three_hosts: Cluster) -> No
         time.sleep(0.05)
     try:
         c.kill(2)
-        rc, err, seconds = _ended_within(proc, KILLED_BOUND_S)
+        rc, err, seconds = ended_within(proc, KILLED_BOUND_S)
     finally:
         c.revive(2)
-    verdict = _verdict(err)
+    verdict = verdict_line(err)
     print(f"host killed (head node): hvdliterun ended {seconds:.1f} s later; {verdict}")
     assert rc == 1, err[-3000:]
     assert verdict.startswith(f"hvdliterun: host {n2} (ranks 2, 3) lost: its connection to "
@@ -47,4 +46,4 @@ def test_host_killed_is_named_alone_from_a_head_node(three_hosts: Cluster) -> No
                               "was ended"), err[-3000:]
     assert n1 not in verdict, verdict  # host 1's wrappers were the MPI launcher's teardown
     assert seconds < KILLED_BOUND_S, (seconds, err[-3000:])
-    _survivors_traces(out, [0, 1])
+    survivors_traces(out, [0, 1])

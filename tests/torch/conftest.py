@@ -2,8 +2,8 @@
 
 The rules of ``tests/mpi/conftest.py``, reused from there (as ``tests/gpu`` does): the ranks
 meet before every test, a test that fails on one rank fails on all, every test has a timeout,
-and each rank writes a JSON tally for ``tests/test_torch_jobs.py``. Without torch nothing here
-is collected.
+and each rank writes a JSON tally (the root conftest) for ``tests/test_torch_jobs.py``.
+Without torch nothing here is collected.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from jobs_util import HAS_TORCH
 
 _MPI_DIR = Path(__file__).resolve().parent.parent / "mpi"
 sys.path.insert(0, str(_MPI_DIR))
 
-if importlib.util.find_spec("torch") is None:
+if not HAS_TORCH:
     collect_ignore_glob = ["test_*.py"]
 
 _spec = importlib.util.spec_from_file_location("_hvdlite_shared_fate", _MPI_DIR / "conftest.py")

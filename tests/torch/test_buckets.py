@@ -235,10 +235,10 @@ def test_results_are_reused_only_once_nothing_refers_to_them(hvd: Any) -> None:
 
 
 def test_ranks_that_build_different_buckets_fail_at_the_first_step(hvd: Any) -> None:
-    """The buckets are checked alike on every rank before the first is reduced
-    (hvdlite/torch/_lane.py): a rank whose model differs (here the last rank has one more
-    parameter) gets MismatchError on every rank, naming that rank and the first differing
-    bucket, instead of a stall on a bucket the others never reduce."""
+    """The buckets are checked alike on every rank before the first is reduced (the
+    runtime's one agreement, hvdlite/torch/_scheduled.py): a rank whose model differs (here
+    the last rank has one more parameter) gets MismatchError on every rank, naming that rank
+    and the first differing bucket, instead of a stall on a bucket the others never reduce."""
     if hvd.size() < 2:
         pytest.skip("needs two ranks")
     shapes = SHAPES + ([(6,)] if hvd.rank() == hvd.size() - 1 else [])
@@ -249,11 +249,11 @@ def test_ranks_that_build_different_buckets_fail_at_the_first_step(hvd: Any) -> 
         groups=[[p] for p in params[:len(SHAPES)]], op=hvd.Sum)
     opt.zero_grad()
     last = hvd.size() - 1
-    with pytest.raises(hvd.MismatchError, match=rf"different gradient buckets \(rank {last}: "
-                                                r"6 buckets, expected 5"):
+    with pytest.raises(hvd.MismatchError, match=rf"gradient buckets: the ranks differ \(rank "
+                                                rf"{last}: 6 entries, expected 5"):
         sum((p * 1.0).sum() for p in params[:len(SHAPES)]).backward()  # type: ignore[union-attr]
         opt.step()
-    with pytest.raises(hvd.MismatchError, match="different gradient buckets"):
+    with pytest.raises(hvd.MismatchError, match="gradient buckets: the ranks differ"):
         opt.synchronize()  # and again at the next try, on every rank
 
 
@@ -270,4 +270,4 @@ def test_agreed_buckets_keep_being_negotiated_on_the_cpu(hvd: Any) -> None:
         opt.step()
         for p, want in zip(params, _mean(step, hvd.size()), strict=True):
             np.testing.assert_array_equal(p.grad.numpy(), want)  # type: ignore[union-attr]
-    assert opt._lane is None
+    assert opt.agreed_schedule is None

@@ -1,8 +1,10 @@
-"""The captured step (``hvd.make_graphed_step``) on CUDA: replays equal eager hvdlite steps bit
-for bit, keep their buckets on the agreed schedule, refuse inputs of another shape, and refuse
-a capture that differs between ranks. Marked ``gpu``; at one rank through the N-rank path
-(``optimizer_size1_shortcut`` off: an NCCL communicator of one rank), at two ranks with a GPU
-each; two ranks sharing a GPU (CUDA IPC) get the clear error instead.
+"""The captured step (``hvd.make_graphed_step``) on CUDA, inside an MPI job: replays equal eager
+hvdlite steps bit for bit, keep their buckets on the agreed schedule, refuse inputs of another
+shape, refuse a capture that differs between ranks, and refuse to replay after a re-init. Marked
+``gpu``; at one rank through the N-rank path (``optimizer_size1_shortcut`` off: an NCCL
+communicator of one rank), at two ranks with a GPU each; two ranks sharing a GPU (CUDA IPC) get
+the clear error instead. The captured step's other tests, which start jobs of their own (a
+peer gone during replays; the example's CPU fallback), are in ``tests/test_captured_step.py``.
 """
 
 from __future__ import annotations
@@ -83,13 +85,13 @@ def test_captured_steps_equal_eager_steps(hvd: Any) -> None:
         return
     replays0 = hvdlite.stats()["graphs"]["replays"]
     graphed = hvd.make_graphed_step(train_step, sx, sy, optimizer=opt_c)
-    launches = opt_c._lane.schedule.launches
+    launches = opt_c.agreed_schedule.launches
     losses = []
     for x, y in batches[1:]:
         losses.append(graphed(x, y).clone())
     torch.cuda.synchronize(dev)
     assert hvdlite.stats()["graphs"]["replays"] - replays0 == 9
-    assert opt_c._lane.schedule.launches == launches  # replays launch nothing from Python
+    assert opt_c.agreed_schedule.launches == launches  # replays launch nothing from Python
     assert len({float(v) for v in losses}) > 1  # the replays read the new batches
     got, want = _flat(captured), _flat(eager)
     assert torch.equal(got, want), (got - want).abs().max()
@@ -142,8 +144,43 @@ def test_ranks_that_capture_different_steps_fail_before_any_replay(hvd: Any) -> 
 
     if not _lane_expected(hvd):
         pytest.skip("ranks sharing a GPU cannot capture (see the first test)")
-    with pytest.raises(hvd.MismatchError, match="captured different steps.*'launches': 6"):
+    with pytest.raises(hvd.MismatchError,
+                       match=r"capture: the ranks differ \(rank \d+: entry 0: launches 6, "
+                             r"expected 3"):
         hvd.make_graphed_step(train_step, sx, sy, optimizer=opt)
+
+
+def test_a_step_captured_before_a_reinit_raises(hvd: Any) -> None:
+    """docs/captured-step.md: after ``shutdown(); init()`` (what an elastic reset does in the
+    process) a step captured before raises ``HvdliteError`` saying to capture again, instead of
+    replaying collectives on communicators that are gone; a new capture then trains."""
+    dev = _device(hvd)
+    model = _model(dev)
+    opt = _optimizer(hvd, model, "stale")
+    sx, sy = _batch(0, hvd.rank(), dev)
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> Any:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    if not _lane_expected(hvd):
+        pytest.skip("ranks sharing a GPU cannot capture (see the first test)")
+    graphed = hvd.make_graphed_step(train_step, sx, sy, optimizer=opt)
+    graphed()
+    torch.cuda.synchronize()
+    hvd.shutdown()
+    hvd.init()
+    _device(hvd)
+    with pytest.raises(hvd.HvdliteError, match="captured before hvdlite was initialised "
+                                               "again.*capture the step again"):
+        graphed()
+    with n_rank_path():  # the knob the engine had; the new engine reads the environment
+        again = hvd.make_graphed_step(train_step, sx, sy, optimizer=opt)
+    before = _flat(model)
+    again(*_batch(1, hvd.rank(), dev))
+    torch.cuda.synchronize()
+    assert not torch.equal(_flat(model), before), "the new capture's replay changed nothing"
 
 
 def test_the_lane_is_agreed_again_after_a_reinit(hvd: Any) -> None:
@@ -166,7 +203,7 @@ def test_the_lane_is_agreed_again_after_a_reinit(hvd: Any) -> None:
                 assert torch.equal(p.grad, torch.full(s, float(want), device=dev)), (step, k)
 
     steps(0)
-    old = opt._lane
+    old = opt.agreed_schedule
     assert (old is not None) == _lane_expected(hvd)
     hvd.shutdown()
     hvd.init()
@@ -174,8 +211,10 @@ def test_the_lane_is_agreed_again_after_a_reinit(hvd: Any) -> None:
     with n_rank_path():  # the knob the engine had; the new engine reads the environment
         steps(3)
     if old is not None:
-        assert opt._lane is not None and opt._lane is not old
-        assert old.schedule.comm is None  # destroyed with its engine
+        assert opt.agreed_schedule is not None and opt.agreed_schedule is not old
+        assert old.transport.comm is None  # closed with its engine
+        with pytest.raises(hvd.HvdliteError, match="closed"):
+            old.launch(0)
 
 
 def _optimizer_of(hvd: Any, params: list[torch.nn.Parameter], tag: str) -> Any:

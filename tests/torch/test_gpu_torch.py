@@ -344,7 +344,9 @@ def test_cuda_optimizer_lane_reduces_exactly_in_the_agreed_order(
     from hvdlite._engine import default_engine
 
     nccl = default_engine().device_transport(0) == "nccl"
-    assert (opt._lane is not None) == nccl
+    assert (opt.agreed_schedule is not None) == nccl, opt.unscheduled_reason
     if nccl:
-        n = len(opt._buckets)
-        assert n >= 3 and opt._lane.schedule.launches == n * (steps - 1)
+        n = len(opt.bucket_names)
+        assert n >= 3 and opt.agreed_schedule.launches == n * (steps - 1)
+    else:
+        assert "not NCCL" in opt.unscheduled_reason

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from torch_util import n_rank_path
+from torch_util import knobs, n_rank_path
 
 SHAPES = [(3, 4), (5,), (2, 2, 2), (7,), (1,), (6, 2)]
 STEPS = 3
@@ -117,6 +117,32 @@ def test_staged_step_equals_ddp(hvd: Any, ddp: None) -> None:
     assert all(b.staging is not None and not b.views for b in opt._buckets)
     opt.zero_grad()
     assert all(w.grad is None for w in model.ws)  # torch's semantics, untouched
+
+
+def test_host_buckets_stay_negotiated_by_default(hvd: Any) -> None:
+    model = Model()
+    opt = _hvd_opt(hvd, model, bucket_cap_mb=100 / 2**20)
+    _train(hvd, opt, model)
+    assert opt.agreed_schedule is None
+    assert "host memory (optimizer_host_schedule is off" in opt.unscheduled_reason
+
+
+@pytest.mark.parametrize("views", [True, False])
+def test_host_buckets_on_an_agreed_schedule_equal_ddp(hvd: Any, ddp: None, views: bool) -> None:
+    """With ``optimizer_host_schedule`` the host buckets are launched by the autograd thread on
+    an agreed schedule over MPI from the second step: one launch per bucket per step, and the
+    parameters equal DDP's bit for bit."""
+    _exact(hvd)
+    model = Model()
+    with knobs(optimizer_host_schedule=True, optimizer_size1_shortcut=False):
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                       named_parameters=model.named_parameters(),
+                                       bucket_cap_mb=100 / 2**20, gradient_as_bucket_view=views)
+        _train(hvd, opt, model)
+    assert opt.unscheduled_reason == "", opt.unscheduled_reason
+    n = len(opt.bucket_names)
+    assert n > 1 and opt.agreed_schedule.launches == n * (STEPS - 1)
+    _equal(model, _ddp_train(hvd))
 
 
 def test_default_step_reduces_in_bucket_views_and_equals_ddp(hvd: Any, ddp: None) -> None:

@@ -74,15 +74,23 @@ def cuda_device(hvd: Any) -> torch.device:
 
 
 @contextlib.contextmanager
-def n_rank_path() -> Iterator[None]:
-    """Within: a ``DistributedOptimizer`` built now runs its N-rank path even at one rank (the
-    ``optimizer_size1_shortcut`` knob off; the optimizer reads it only when it is built)."""
+def knobs(**overrides: Any) -> Iterator[None]:
+    """Within: the running engine's configuration with ``overrides`` (knobs read while the
+    block runs, such as the optimizer's when it is built or opens its schedule)."""
     from hvdlite._engine import default_engine
 
     engine = default_engine()
     config = engine.config
-    engine.config = dataclasses.replace(config, optimizer_size1_shortcut=False)
+    engine.config = dataclasses.replace(config, **overrides)
     try:
         yield
     finally:
         engine.config = config
+
+
+@contextlib.contextmanager
+def n_rank_path() -> Iterator[None]:
+    """Within: a ``DistributedOptimizer`` built now runs its N-rank path even at one rank (the
+    ``optimizer_size1_shortcut`` knob off; the optimizer reads it only when it is built)."""
+    with knobs(optimizer_size1_shortcut=False):
+        yield

@@ -13,15 +13,15 @@ from hvdlite.config import (
     KNOBS,
     Config,
     Knob,
-    default_yaml_text,
     format_value,
     knob,
     load_config,
-    markdown_table,
     parse_size,
     resolve,
 )
 from hvdlite.errors import ConfigError
+from hvdlite.launcher import configdoc
+from hvdlite.launcher.configdoc import default_yaml_text, markdown_table
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
@@ -51,6 +51,7 @@ EXPECTED_DEFAULTS = {
     "gil_switch_interval_us": 0.0,
     "optimizer_size1_shortcut": True,
     "optimizer_schedule": True,
+    "optimizer_host_schedule": False,
     "optimizer_max_ctas": 0,
     "log_level": "warning",
     "nvtx": False,
@@ -99,6 +100,7 @@ ENV_CASES = {
     "gil_switch_interval_us": ("HVDLITE_GIL_SWITCH_INTERVAL_US", None, "100", 100.0),
     "optimizer_size1_shortcut": ("HVDLITE_OPTIMIZER_SIZE1_SHORTCUT", None, "off", False),
     "optimizer_schedule": ("HVDLITE_OPTIMIZER_SCHEDULE", None, "0", False),
+    "optimizer_host_schedule": ("HVDLITE_OPTIMIZER_HOST_SCHEDULE", None, "1", True),
     "optimizer_max_ctas": ("HVDLITE_OPTIMIZER_MAX_CTAS", None, "4", 4),
     "log_level": ("HVDLITE_LOG_LEVEL", "HOROVOD_LOG_LEVEL", "DEBUG", "debug"),
     "nvtx": ("HVDLITE_NVTX", None, "TRUE", True),
@@ -350,7 +352,20 @@ def test_every_config_file_is_tested() -> None:
 
 def test_docs_table_is_current() -> None:
     doc = (REPO / "docs" / "config.md").read_text(encoding="utf-8")
-    assert markdown_table() in doc
+    assert markdown_table() in doc, "regenerate: python -m hvdlite.launcher.configdoc --markdown"
+
+
+def test_configdoc_prints_either_generated_text(capsys: pytest.CaptureFixture[str]) -> None:
+    assert configdoc.main(["--markdown"]) == 0
+    assert capsys.readouterr().out == markdown_table()
+    assert configdoc.main([]) == 0
+    assert capsys.readouterr().out == default_yaml_text()
+
+
+def test_the_library_module_carries_no_doc_generators() -> None:
+    import hvdlite.config
+
+    assert not {"default_yaml_text", "markdown_table", "_yaml_scalar"} & set(vars(hvdlite.config))
 
 
 def _non_default_config() -> Config:
@@ -375,6 +390,7 @@ def _non_default_config() -> Config:
         gil_switch_interval_us=200.0,
         optimizer_size1_shortcut=False,
         optimizer_schedule=False,
+        optimizer_host_schedule=True,
         optimizer_max_ctas=6,
         log_level="trace",
         nvtx=True,

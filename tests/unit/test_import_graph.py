@@ -1,7 +1,8 @@
 """The house in planes, checked on the import graph drawn from the code (docs/architecture.md,
 "The house in planes"): every import of a hvdlite module, TYPE_CHECKING and function-level
-imports included, goes to the module's own floor or a lower one, and no imports form a
-circle."""
+imports included, goes to the module's own floor or a lower one; no imports form a circle,
+neither between modules nor between the parts directly under hvdlite/ (a package and a module
+beside it on one floor may not import each other); and every module is under 600 lines."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ FLOORS: list[tuple[float, tuple[str, ...]]] = [
            "hvdlite._handles", "hvdlite._adasum", "hvdlite._tensorref")),
     (1.0, ("hvdlite._vocab",)),
     (2.0, ("hvdlite._observe",)),
-    (2.1, ("hvdlite._exit", "hvdlite._rankside")),  # the launcher plane's in-rank half
+    (2.1, ("hvdlite._rankside",)),  # the launcher plane's in-rank half
+    (2.15, ("hvdlite._exit",)),  # ending a job: MPI's abort, the exit guard
     (2.2, ("hvdlite._gpu",)),
     (2.3, ("hvdlite._backends",)),
     (2.4, ("hvdlite._control",)),
@@ -82,8 +84,7 @@ def test_every_import_goes_to_its_floor_or_below() -> None:
     assert up == [], "imports from a lower floor to a higher one:\n" + "\n".join(up)
 
 
-def test_no_import_circle() -> None:
-    edges = _edges(_modules())
+def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     circles: list[list[str]] = []
 
@@ -99,7 +100,32 @@ def test_no_import_circle() -> None:
     for mod in sorted(edges):
         if mod not in state:
             visit(mod, [mod])
-    assert circles == []
+    return circles
+
+
+def test_no_import_circle() -> None:
+    assert _circles(_edges(_modules())) == []
+
+
+def _part(mod: str) -> str:
+    """The package or module directly under hvdlite/ that ``mod`` belongs to."""
+    return ".".join(mod.split(".")[:2])
+
+
+def test_no_import_circle_between_parts() -> None:
+    """A circle through two parts is one arrow back up, whatever the floors say: e.g.
+    _rankside.watchdog -> _exit -> _rankside.protocol, both once on one floor."""
+    parts: dict[str, set[str]] = {}
+    for mod, targets in _edges(_modules()).items():
+        parts.setdefault(_part(mod), set()).update(
+            _part(t) for t in targets if _part(t) != _part(mod))
+    assert _circles(parts) == []
+
+
+def test_every_module_is_under_600_lines() -> None:
+    long = {str(path.relative_to(PKG.parent)): n for path in PKG.rglob("*.py")
+            if (n := len(path.read_text(encoding="utf-8").splitlines())) >= 600}
+    assert long == {}, f"modules of 600 lines or more (split them): {long}"
 
 
 def test_the_vocabulary_imports_nothing_above_it() -> None:
@@ -107,3 +133,16 @@ def test_the_vocabulary_imports_nothing_above_it() -> None:
     for mod, targets in edges.items():
         if mod.startswith("hvdlite._vocab"):
             assert all(_floor(t) <= 1.0 for t in targets), (mod, sorted(targets))
+
+
+def test_frontends_ask_the_runtime_and_never_reach_into_it() -> None:
+    """``hvdlite.torch`` reaches the runtime only through the frontend floor's API
+    (``_runtime_api``, ``_api``, ``_submit``, ``_torchref``): it imports nothing from the
+    engine, the control plane, the device runtime or the data planes."""
+    mods = _modules()
+    edges = _edges(mods)
+    inner = ("hvdlite._engine", "hvdlite._gpu", "hvdlite._backends", "hvdlite._control")
+    bad = sorted(f"{a} -> {b}" for a, targets in edges.items()
+                 if a == "hvdlite.torch" or a.startswith("hvdlite.torch.")
+                 for b in targets if any(b == p or b.startswith(p + ".") for p in inner))
+    assert not bad, "hvdlite.torch reaches into the runtime: " + "; ".join(bad)

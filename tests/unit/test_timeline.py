@@ -504,8 +504,18 @@ def test_writer_bounds_what_sigkill_can_lose(tmp_path: Path) -> None:
         time.sleep(0.05)
         for i in range(10):
             tl.instant("a", "tick", {"i": i})
-        time.sleep(0.8)
-        assert len([ev for ev in _events(path) if ev.get("name") == "tick"]) == 10
+        # The writer's timer writes them (nothing else will before close()). The deadline is
+        # far above flush_interval_s so a loaded 2-core box cannot fail it; the latency itself
+        # is measured in docs/benchmarks.md ("Timeline: signals and flush latency").
+        start, deadline, ticks = time.monotonic(), time.monotonic() + 10.0, 0
+        while ticks < 10 and time.monotonic() < deadline:
+            time.sleep(0.02)
+            try:
+                ticks = len([ev for ev in _events(path) if ev.get("name") == "tick"])
+            except json.JSONDecodeError:
+                continue  # read while a write landed (see below): read again
+        assert ticks == 10, f"only {ticks} of 10 written 10 s after they were recorded"
+        print(f"timer flush: written {time.monotonic() - start:.2f} s after (interval 0.3 s)")
     finally:
         tl.close()
     path2 = tmp_path / "u.json"

@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from jobs_util import clean_env, mpiexec, run_group, under_mpi_launcher
 
 from hvdlite._observe.timeline import Timeline
 from timeline import Span, check, load, merge, pair, plot, summarize
@@ -484,23 +483,11 @@ for step in range({steps}):
     hvd.broadcast(np.zeros(5), 0, name="bc")
 hvd.shutdown()
 """
-_LAUNCHER_VARS = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK")
-
-
 def _run_two_ranks(script: Path, *argv: str) -> str:
-    beside = Path(sys.executable).parent / "mpiexec"
-    mpiexec = str(beside) if beside.exists() else "mpiexec"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "HOROVOD_"))}
-    proc = subprocess.Popen([mpiexec, "-n", "2", sys.executable, str(script), *argv], cwd=ROOT,
-                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"2-rank hvdlite job did not finish in 120 s:\n{out[-4000:]}")
-    assert proc.returncode == 0, out[-4000:]
+    code, out = run_group([mpiexec(), "-n", "2", sys.executable, str(script), *argv],
+                          clean_env(), 120)
+    assert code is not None, f"2-rank hvdlite job did not finish in 120 s:\n{out[-4000:]}"
+    assert code == 0, out[-4000:]
     return out
 
 
@@ -523,7 +510,7 @@ def _sequence_ok(names: list[str], op: str) -> int:
 
 @pytest.mark.mpi
 @pytest.mark.timeout(180)
-@pytest.mark.skipif(any(v in os.environ for v in _LAUNCHER_VARS),
+@pytest.mark.skipif(under_mpi_launcher(),
                     reason="starts its own mpiexec job; not run from inside one")
 def test_tools_on_a_real_two_rank_trace(tmp_path: Path) -> None:
     steps = 3

@@ -1,0 +1,150 @@
+"""How a rank ends on its own, without MPI: the reason said once, the launcher told, stdio
+flushed, ``os._exit``.
+
+The pieces every way of ending a rank shares: the launcher's order to end it
+(:mod:`hvdlite._rankside.watchdog`), and a job that cannot go on (:mod:`hvdlite._exit`:
+``abort_job`` and ``exit_guard`` add MPI's abort and a time bound on top of these).
+
+- :func:`announce` prints ``[hvdlite rank N] <reason>`` on stderr, once per process however
+  many threads and paths get there; a pipe handed to :func:`tell_on_announce` gets ``b"a"``
+  when it happens (an exit guard's watchdog process, which then does not print it again).
+- :func:`report_to_launcher` leaves the rank's failure report where ``hvdliterun`` reads it.
+- :func:`exit_now` is the whole sequence: say why, close the timeline, flush, ``os._exit``.
+
+Importing this module has no side effects and does not import MPI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import threading
+from typing import IO, TYPE_CHECKING, Any, NoReturn
+
+from hvdlite._rankside import protocol
+
+if TYPE_CHECKING:
+    from hvdlite._observe.timeline import Timeline
+
+__all__ = [
+    "TIMELINE_CLOSE_S",
+    "announce",
+    "exit_now",
+    "flush_stdio",
+    "forget_pipe",
+    "rank_line",
+    "report_to_launcher",
+    "tell_on_announce",
+]
+
+TIMELINE_CLOSE_S = 2.0  # longest wait for the timeline writer before the process ends
+
+_lock = threading.Lock()
+_announced = False
+_pipes: list[IO[bytes]] = []
+
+
+def rank_line(reason: str, comm: Any = None) -> str:
+    """``[hvdlite rank N] <reason>`` with the reason on one line. The rank is this process's
+    in ``comm``; else in the MPI job (if MPI is up); else from the launcher's environment;
+    else ``?``."""
+    rank = None
+    if comm is not None:
+        with contextlib.suppress(Exception):
+            rank = str(comm.Get_rank())
+    mpi = sys.modules.get("mpi4py.MPI")
+    if rank is None and mpi is not None:
+        with contextlib.suppress(Exception):
+            if mpi.Is_initialized() and not mpi.Is_finalized():
+                rank = str(mpi.COMM_WORLD.Get_rank())
+    if rank is None:
+        from_env = protocol.rank_from_env()
+        rank = "?" if from_env is None else str(from_env)
+    return f"[hvdlite rank {rank}] {' '.join(reason.split())}"
+
+
+def _tell(pipe: IO[bytes]) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        pipe.write(b"a")
+        pipe.flush()
+
+
+def tell_on_announce(pipe: IO[bytes]) -> None:
+    """Write ``b"a"`` to ``pipe`` when :func:`announce` prints its line (at once if it did
+    already), until :func:`forget_pipe`. Any thread."""
+    with _lock:
+        _pipes.append(pipe)
+        announced = _announced
+    if announced:
+        _tell(pipe)
+
+
+def forget_pipe(pipe: IO[bytes]) -> None:
+    """Stop telling ``pipe`` (see :func:`tell_on_announce`); a pipe not known is ignored."""
+    with _lock:
+        if pipe in _pipes:
+            _pipes.remove(pipe)
+
+
+def announce(reason: str, comm: Any = None) -> bool:
+    """Print ``[hvdlite rank N] <reason>`` (one line) to stderr, once per process.
+
+    Returns True if this call printed it, False if a line was already printed (by any thread,
+    for any reason): a job that is ending says why once, not once per path that noticed.
+    """
+    global _announced
+    with _lock:
+        if _announced:
+            return False
+        _announced = True
+        pipes = list(_pipes)
+    line = rank_line(reason, comm)
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except Exception:  # a closed or broken stderr: the file descriptor may still work
+        with contextlib.suppress(OSError):
+            os.write(2, (line + "\n").encode())
+    for pipe in pipes:
+        _tell(pipe)
+    return True
+
+
+def flush_stdio() -> None:
+    """Flush Python's stdout and stderr (the replaced ones and the originals), ignoring errors:
+    ``os._exit`` does not flush them."""
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+        with contextlib.suppress(Exception):
+            if stream is not None:
+                stream.flush()
+
+
+def report_to_launcher(exitcode: int) -> None:
+    """Under ``hvdliterun``, leave the rank's failure report now: the MPI launcher may kill the
+    rank wrapper (which would write it) before it sees this process end. Outside it, nothing."""
+    if os.environ.get(protocol.REPORT_DIR_ENV):
+        with contextlib.suppress(Exception):
+            protocol.write_report(protocol.rank_from_env(), exitcode, signalled=False)
+    # And through the rank wrapper to hvdliterun's monitor (any host): the MPI launcher may
+    # kill the wrapper before it sees this process end, which would look like a lost host.
+    fd = os.environ.get(protocol.WATCHDOG_FD_ENV, "")
+    if fd.isdigit():
+        with contextlib.suppress(OSError):
+            os.write(int(fd), json.dumps({"t": "failing", "code": exitcode}).encode() + b"\n")
+
+
+def exit_now(reason: str, exitcode: int, *, timeline: Timeline | None = None,
+             report: bool = False) -> NoReturn:
+    """End this process now, without MPI: :func:`announce` ``reason``, close ``timeline``
+    (waiting at most ``TIMELINE_CLOSE_S`` for its writer), with ``report`` also
+    :func:`report_to_launcher`, flush stdio, ``os._exit(exitcode)``. Any thread."""
+    announce(reason)
+    if timeline is not None:
+        with contextlib.suppress(Exception):
+            timeline.close(TIMELINE_CLOSE_S)
+    if report:
+        report_to_launcher(exitcode)
+    flush_stdio()
+    os._exit(exitcode)

@@ -1,0 +1,54 @@
+"""hvdlite._rankside.ending: the reason a rank ends is said once per process, and every pipe
+handed to tell_on_announce (an exit guard's watchdog process) learns it was said."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+# One process per case: "once per process" is the point. The rank comes from the launcher's
+# environment (no MPI here).
+_PROBE = """
+import os, sys
+from hvdlite._rankside import ending
+
+def pipe():
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    return r, os.fdopen(w, "wb")
+
+def heard(r):
+    try:
+        return os.read(r, 64)
+    except BlockingIOError:
+        return b""
+
+early_r, early = pipe()
+gone_r, gone = pipe()
+ending.tell_on_announce(early)
+ending.tell_on_announce(gone)
+ending.forget_pipe(gone)
+print("before", heard(early_r), flush=True)
+print("first", ending.announce("first reason,\\n  on two lines"), flush=True)
+print("second", ending.announce("second reason"), flush=True)
+late_r, late = pipe()
+ending.tell_on_announce(late)
+print("heard", heard(early_r), heard(late_r), heard(gone_r), flush=True)
+ending.exit_now("third reason", 7)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_reason_is_said_once_and_the_pipes_hear_it() -> None:
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "PMI_RANK": "3"}
+    out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
+                         timeout=50, env=env)
+    assert out.returncode == 7, out.stderr
+    assert out.stdout.splitlines() == [
+        "before b''", "first True", "second False", "heard b'a' b'a' b''"], out.stdout
+    assert out.stderr == "[hvdlite rank 3] first reason, on two lines\n", out.stderr
