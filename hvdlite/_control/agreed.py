@@ -57,7 +57,7 @@ _RETIRED: list[Any] = []
 _MAX_RETIRED = 64
 
 
-class Owner(Protocol):
+class SchedulerView(Protocol):
     """What the service uses of the scheduler that owns it (a protocol: the scheduler imports
     this module, not the reverse)."""
 
@@ -186,7 +186,7 @@ class Schedules:
     """The agreed schedules of one engine: agreement, opening, capture control, watchdog,
     abort and close (see the module docstring). Owned by the engine's scheduler."""
 
-    def __init__(self, scheduler: Owner) -> None:
+    def __init__(self, scheduler: SchedulerView) -> None:
         self.scheduler = scheduler
         self._open: weakref.WeakSet[AgreedSchedule] = weakref.WeakSet()
         self._opening = threading.Lock()  # opens are collective: one at a time per rank
