@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from hvdlite._lru import Bounded
 from hvdlite._observe.tracer import Tracer
 from hvdlite._vocab.entry import finish_all
 from hvdlite.errors import BackendUnavailableError
@@ -60,7 +61,9 @@ def import_cupy() -> Any:
     return cupy
 
 
-_torch_streams: dict[tuple[int, int], Any] = {}
+# torch streams as CuPy objects, by (device, raw handle); bounded: a program may make a new
+# stream every step (a reused handle names the same CUDA stream, so a kept entry stays right).
+_torch_streams: Bounded[tuple[int, int], Any] = Bounded(256)
 
 
 def current_stream(framework: str, device_id: int) -> Any:
@@ -77,7 +80,8 @@ def current_stream(framework: str, device_id: int) -> Any:
         key = (device_id, handle)
         stream = _torch_streams.get(key)
         if stream is None:
-            stream = _torch_streams[key] = cupy.cuda.ExternalStream(handle, device_id)
+            stream = cupy.cuda.ExternalStream(handle, device_id)
+            _torch_streams.keep(key, stream)
         return stream
     return cupy.cuda.get_current_stream(device_id)
 
