@@ -38,6 +38,12 @@ class ProcessSet:
         self.process_set_id: int | None = None
 
     @property
+    def given_ranks(self) -> tuple[int, ...] | None:
+        """The ranks this set was made with, in set order; None for the global set (every
+        rank, whatever the job's size). Needs no running hvdlite."""
+        return self._ranks
+
+    @property
     def ranks(self) -> list[int]:
         """The member ranks (every rank for the global set, once initialised)."""
         if self._ranks is None:

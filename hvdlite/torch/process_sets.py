@@ -97,8 +97,8 @@ class ProcessSet(_sets.ProcessSet):
 
 def _global_set() -> ProcessSet:
     ps = ProcessSet.__new__(ProcessSet)
+    _sets.ProcessSet.__init__(ps, None)  # every rank (Horovod's constructor wants ranks)
     ps.mpi_comm = None
-    ps._ranks = None  # every rank
     ps.process_set_id = 0
     return ps
 
@@ -136,12 +136,12 @@ def init_sets(process_sets: Sequence[Any] | str | None) -> tuple[list[ProcessSet
         if not isinstance(ps, ProcessSet):
             raise TypeError(f"init(process_sets=...): expected hvdlite.torch.ProcessSet objects, "
                             f"got {type(ps).__name__}")
-        if ps._ranks is None:  # the global set
+        if ps.given_ranks is None:  # the global set
             continue
-        if ps._ranks in seen:
+        if ps.given_ranks in seen:
             raise ValueError(f"Horovod could not be initialized because process_sets entry "
-                             f"number {i} is a duplicate of entry {seen[ps._ranks]}: {ps!r}")
-        seen[ps._ranks] = i
+                             f"number {i} is a duplicate of entry {seen[ps.given_ranks]}: {ps!r}")
+        seen[ps.given_ranks] = i
         sets.append(ps)
     return sets, False
 
@@ -172,7 +172,7 @@ def adopt(sets: Sequence[ProcessSet]) -> None:
     :func:`add_process_set`)."""
     known = {ranks: set_id for set_id, ranks in runtime.sets().items()}
     for ps in sets:
-        set_id = known.get(ps._ranks or ())
+        set_id = known.get(ps.given_ranks or ())
         if set_id is None:
             raise ValueError(f"hvdlite.torch is already initialized and {ps!r} is not "
                              "registered; call hvd.shutdown() first or use add_process_set")
@@ -218,7 +218,7 @@ def remove_process_set(process_set: _sets.ProcessSet) -> bool:
     if set_id is None or set_id == 0:
         return False
     _require_dynamic("remove_process_set")
-    if runtime.set_ranks(set_id) != process_set._ranks:  # unknown here, or stale
+    if runtime.set_ranks(set_id) != process_set.given_ranks:  # unknown here, or stale
         process_set.process_set_id = None
         return False
     return _sets.remove_process_set(process_set)
@@ -254,7 +254,8 @@ def resolve(process_set: Any, what: str) -> Resolved:
     if set_id == 0:
         return Resolved(None, size, rank)
     ranks = runtime.set_ranks(set_id)
-    if ranks is None or (process_set._ranks is not None and process_set._ranks != ranks):
+    given = process_set.given_ranks
+    if ranks is None or (given is not None and given != ranks):
         raise InvalidArgumentError(
             f"{what}: {process_set!r} does not exist or has not been registered; pass it to "
             "hvd.init(process_sets=[...]) or hvd.add_process_set first")
