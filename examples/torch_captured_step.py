@@ -70,7 +70,12 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compile", action="store_true", help="torch.compile the model first")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the model block by block (hvd.compile_regions), so each "
+                        "block's gradient bucket starts while backward goes on")
+    p.add_argument("--compile-whole", action="store_true",
+                   help="torch.compile the whole model instead (its buckets start only after "
+                        "backward)")
     p.add_argument("--eager", action="store_true", help="do not capture the step")
     args = p.parse_args()
 
@@ -88,8 +93,14 @@ def main() -> None:
     lr = args.lr * hvd.size()
     opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(lr, device=device) if cuda else lr,
                            capturable=cuda)
-    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
-    net = torch.compile(model) if args.compile else model
+    # Compiled whole, a model's backward is one autograd operation and every bucket waits for
+    # it; compiled by blocks, with buckets on block boundaries, each starts when its blocks
+    # are done (docs/captured-step.md, "Compiled models").
+    regions = hvd.compile_regions(model) if args.compile else None
+    opt = hvd.DistributedOptimizer(
+        opt, named_parameters=model.named_parameters(),
+        groups=hvd.region_groups(model, regions) if regions is not None else None)
+    net = torch.compile(model) if args.compile_whole else model
     data = batches(args, device)
     tokens = data[0].clone()  # the static input the captured step reads
 

@@ -98,9 +98,11 @@ from hvdlite.torch.process_sets import (
     global_process_set,
     remove_process_set,
 )
+from hvdlite.torch.regions import compile_regions, find_regions, region_groups
 from hvdlite.torch.sync_batch_norm import SyncBatchNorm
 
 __all__ = [
+    "compile_regions", "find_regions", "region_groups",
     "Adasum", "Average", "Compression", "DistributedOptimizer", "GraphedStep", "Handle",
     "HorovodInternalError",
     "HostsUpdatedInterrupt", "HvdliteError", "InvalidArgumentError", "Max", "Min",

@@ -1,0 +1,119 @@
+"""Compiled models whose gradient buckets overlap backward: regional compilation.
+
+``torch.compile`` of a whole model runs its backward as one autograd operation, so every
+gradient hook fires after the whole backward pass: a ``DistributedOptimizer``'s buckets then
+start only when backward has ended, and their allreduces overlap nothing. Compiled region by
+region (each transformer block, say), every region's backward is an operation of its own; a
+region's gradients are final as soon as its backward ends, so a bucket that holds exactly the
+regions that finished starts while the earlier layers' backward still runs.
+
+:func:`compile_regions` compiles the regions of a model in place (the repeated blocks, found
+or given); :func:`region_groups` turns them into the optimizer's ``groups=``, in the order
+backward finishes them, so bucket boundaries fall on region boundaries::
+
+    regions = hvd.compile_regions(model)                  # kwargs go to torch.compile
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                   groups=hvd.region_groups(model, regions))
+
+A region falls back to eager execution the way ``torch.compile`` says (graph breaks, dynamic
+shapes: ``TORCH_LOGS=graph_breaks``); the parameters outside every region (embeddings, a head)
+stay eager and form the last group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["compile_regions", "find_regions", "region_groups"]
+
+
+def find_regions(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of ``model``: the children of its ``nn.ModuleList`` or
+    ``nn.Sequential`` with the most parameter-holding children of one type (a transformer's
+    layers); else its direct children that hold parameters. In forward order."""
+    best: list[nn.Module] = []
+    for module in model.modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        kids = [m for m in module.children() if any(True for _ in m.parameters())]
+        if len(kids) < 2:
+            continue
+        common = max({type(k) for k in kids}, key=lambda t: sum(type(k) is t for k in kids))
+        same = [k for k in kids if type(k) is common]
+        if len(same) > len(best):
+            best = same
+    if best:
+        return best
+    return [m for m in model.children() if any(True for _ in m.parameters())]
+
+
+def compile_regions(model: nn.Module, regions: Sequence[nn.Module] | None = None,
+                    **compile_kwargs: Any) -> list[nn.Module]:
+    """Compile each region of ``model`` in place (``nn.Module.compile(**compile_kwargs)``:
+    ``mode``, ``backend``, ``dynamic``, ... as ``torch.compile`` takes them) and return the
+    regions, in forward order. ``regions``: submodules of ``model`` (default
+    :func:`find_regions`). Not collective; call it on every rank alike. ``ValueError`` if a
+    region is not a submodule of ``model`` or two regions overlap."""
+    chosen = list(regions) if regions is not None else find_regions(model)
+    if not chosen:
+        raise ValueError("compile_regions: the model has no submodule with parameters to "
+                         "compile; compile it whole with torch.compile")
+    inside = {id(m) for m in model.modules()}
+    seen: set[int] = set()
+    for i, region in enumerate(chosen):
+        if not isinstance(region, nn.Module) or id(region) not in inside:
+            raise ValueError(f"compile_regions: region {i} is not a submodule of the model")
+        params = {id(p) for p in region.parameters()}
+        if params & seen:
+            raise ValueError(f"compile_regions: region {i} shares parameters with an earlier "
+                             "region; give regions that do not nest")
+        seen |= params
+    for region in chosen:
+        region.compile(**compile_kwargs)
+    return chosen
+
+
+def region_groups(model: nn.Module, regions: Sequence[nn.Module],
+                  bucket_cap_mb: float = 25.0) -> list[list[torch.Tensor]]:
+    """``DistributedOptimizer``'s ``groups=`` for ``regions`` (in forward order): one group
+    per run of consecutive regions, in the order backward finishes them (the last region
+    first), each run at most ``bucket_cap_mb`` MiB but never split inside a region; the
+    first and the last region alone (the first bucket starts as early as it can, the last
+    leaves no long tail); the parameters outside every region in one last group. Only
+    parameters that require a gradient are grouped."""
+    if not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) \
+            or bucket_cap_mb <= 0:
+        raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
+    cap = int(bucket_cap_mb * 1024 * 1024)
+    per_region: list[list[torch.Tensor]] = [
+        [p for p in r.parameters() if p.requires_grad] for r in regions]
+    taken = {id(p) for ps in per_region for p in ps}
+    groups: list[list[torch.Tensor]] = []
+    current: list[torch.Tensor] = []
+    size = 0
+    last = len(per_region) - 1
+    for k in range(last, -1, -1):  # backward finishes the last region first
+        ps = per_region[k]
+        if not ps:
+            continue
+        nbytes = sum(p.numel() * p.element_size() for p in ps)
+        alone = k in (0, last)
+        if current and (alone or size + nbytes > cap):
+            groups.append(current)
+            current, size = [], 0
+        current = current + ps
+        size += nbytes
+        if alone:
+            groups.append(current)
+            current, size = [], 0
+    if current:
+        groups.append(current)
+    rest: list[torch.Tensor] = [p for p in model.parameters()
+                                if p.requires_grad and id(p) not in taken]
+    if rest:
+        groups.append(rest)
+    return groups

@@ -1,0 +1,107 @@
+"""Regional compilation (``hvdlite/torch/regions.py``): a compiled model whose gradient
+buckets can start during backward, on CPU torch with the ``aot_eager`` backend (the same aten
+operations as eager, no code generation: seconds, not minutes). Step timings need a GPU per
+rank (scripts/gpu/bench_t1.py); this checks the mechanism and the results."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch_util import n_rank_path
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+class Net(nn.Module):
+    def __init__(self, width: int = 16, depth: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(1000 * step + rank))
+
+
+def test_find_regions_takes_the_repeated_blocks() -> None:
+    net = Net()
+    assert find(net) == list(net.blocks)
+    flat = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+    assert find(flat) == [flat[0], flat[2]]
+
+
+def find(model: nn.Module) -> list[nn.Module]:
+    import hvdlite.torch as hvd
+
+    return hvd.find_regions(model)
+
+
+def test_region_groups_follow_backward_and_the_cap(hvd: Any) -> None:
+    net = Net(width=16, depth=5)
+    # each block: 16 x 16 + 16 floats = 1088 B; a cap of 2.5 blocks merges pairs inside
+    groups = hvd.region_groups(net, list(net.blocks), bucket_cap_mb=2.5 * 1088 / 2**20)
+    blocks = [list(b.parameters()) for b in net.blocks]
+    assert [[id(p) for p in g] for g in groups] == [
+        [id(p) for p in ps] for ps in (blocks[4], blocks[3] + blocks[2], blocks[1], blocks[0],
+                                       list(net.embed.parameters())
+                                       + list(net.head.parameters()))]
+    with pytest.raises(ValueError, match="bucket_cap_mb must be a positive number"):
+        hvd.region_groups(net, list(net.blocks), bucket_cap_mb=0)
+
+
+def test_compile_regions_refuses_foreign_or_nested_regions(hvd: Any) -> None:
+    net = Net()
+    with pytest.raises(ValueError, match="region 0 is not a submodule"):
+        hvd.compile_regions(net, [nn.Linear(2, 2)], backend="aot_eager")
+    with pytest.raises(ValueError, match="region 1 shares parameters"):
+        hvd.compile_regions(net, [net.blocks, net.blocks[0]], backend="aot_eager")
+
+
+def test_regional_buckets_are_final_during_backward_and_train_as_eager(hvd: Any) -> None:
+    """Compiled by regions, the last block's bucket is complete while the first block's
+    backward has not run yet (its gradient is still None), so its allreduce can start there;
+    after 10 steps the parameters equal those of the same hvdlite step on the eager model."""
+    torch.manual_seed(0)
+    eager = Net()
+    compiled = Net()
+    compiled.load_state_dict(eager.state_dict())
+    regions = hvd.compile_regions(compiled, backend="aot_eager")
+    assert regions == list(compiled.blocks)
+    seen: list[bool] = []
+    last = list(compiled.blocks[-1].parameters())[-1]
+    last.register_post_accumulate_grad_hook(
+        lambda _p: seen.append(compiled.blocks[0].lin.weight.grad is None))
+
+    def optimizer(model: Net, tag: str) -> Any:
+        with n_rank_path():
+            return hvd.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1),
+                named_parameters=[(f"{tag}.{n}", p) for n, p in model.named_parameters()],
+                groups=hvd.region_groups(model, list(model.blocks)))
+
+    opts = [optimizer(eager, "regions.eager"), optimizer(compiled, "regions.compiled")]
+    for step in range(10):
+        for model, opt in zip((eager, compiled), opts, strict=True):
+            opt.zero_grad()
+            model(_batch(step, hvd.rank())).square().mean().backward()
+            opt.step()
+    assert seen and all(seen), seen
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=name)
