@@ -87,16 +87,21 @@ DDP_C = "compiled: torch DDP"
 HVD_CTA = {n: f"hvdlite, optimizer_max_ctas={n}" for n in (2, 4, 8, 16)}
 HVD_G = "captured: hvdlite step (make_graphed_step)"
 FLAT_G = "captured: plain step + one flat allreduce after backward"
-CAPTURED = (HVD_G, FLAT_G)
+# Issue 39: compiled block by block, buckets on block boundaries (hvd.compile_regions).
+HVD_CR = "compiled by regions: hvdlite default"
+HVD_GR = "captured: hvdlite step, compiled by regions"
+REGIONED = (HVD_CR, HVD_GR)
+CAPTURED = (HVD_G, FLAT_G, HVD_GR)
 CAPTURE_WARMUP = 3  # eager steps a captured variant's first call runs before capturing
-HVDS = (HVD, HVD_ALT, HVD_NEG, HVD_ASYNC, HVD_C, HVD_C_ALT, HVD_G,
+HVDS = (HVD, HVD_ALT, HVD_NEG, HVD_ASYNC, HVD_C, HVD_C_ALT, HVD_G, HVD_CR, HVD_GR,
         *HVD_CTA.values())
 DDPS = (DDP, DDP_VIEWS, DDP_C)
 COMPILED = (BASE_C, HVD_C, HVD_C_ALT, DDP_C)
 TRANSFORMERS = ("vit_b_16", "gpt2")
 SHORT = {"hvd_g": HVD_G, "flat_g": FLAT_G, "alt": HVD_ALT, "neg": HVD_NEG,
          "ddp_views": DDP_VIEWS, "plain_c": BASE_C, "hvd_c": HVD_C,
-         "hvd_c_alt": HVD_C_ALT, "ddp_c": DDP_C, **{f"cta{n}": v for n, v in HVD_CTA.items()}}
+         "hvd_c_alt": HVD_C_ALT, "ddp_c": DDP_C, "hvd_cr": HVD_CR, "hvd_gr": HVD_GR,
+         **{f"cta{n}": v for n, v in HVD_CTA.items()}}
 COMM_HVD = "comm alone: hvdlite grouped_allreduce of every gradient"
 COMM_TORCH = "comm alone: torch.distributed all_reduce, one flat buffer"
 # Issue 31, 2+ GPUs, hvdlite's default: ResNets / transformers (bf16 autocast) / compiled.
@@ -108,6 +113,11 @@ T1_COMPILED_X_PLAIN = 1.04
 T5_EAGER_X, T5_COMPILED_X = 1.03, 1.05
 # Issue 25, one rank: hvdlite's default against plain torch and DDP in the same launch.
 NP1_RESNET_X_PLAIN, NP1_RESNET_X_DDP, NP1_TRANSFORMER_X_PLAIN = 1.05, 1.1, 1.02
+
+
+def _compiled(kind: str, args: Any) -> bool:
+    """Whether ``kind`` runs a compiled model (whole, or by regions)."""
+    return kind in COMPILED or kind in REGIONED or (kind in CAPTURED and args.compile == "on")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -226,13 +236,20 @@ class Runner:
             ids = [env.device.index] if env.cuda else None
             self.forward = DistributedDataParallel(self.model, device_ids=ids,
                                                    gradient_as_bucket_view=kind == DDP_VIEWS)
-        if kind in COMPILED or (kind in CAPTURED and args.compile == "on"):
+        regions = None
+        if kind in REGIONED:
+            regions = env.hvd.compile_regions(self.model)
+        elif kind in COMPILED or (kind in CAPTURED and args.compile == "on"):
             self.forward = torch.compile(self.forward)
         opt = torch.optim.SGD(self.model.parameters(), lr=args.lr)
         if kind in HVDS:  # as a user writes it: nothing but the wrap (HVD_ALT flips views)
             named = [(f"t1{HVDS.index(kind)}.{n}", p) for n, p in self.model.named_parameters()]
             flip = kind in (HVD_ALT, HVD_C_ALT)
-            extra = {"gradient_as_bucket_view": not env.views_default} if flip else {}
+            extra: dict[str, Any] = {"gradient_as_bucket_view": not env.views_default} \
+                if flip else {}
+            if regions is not None:
+                extra["groups"] = env.hvd.region_groups(self.model, regions,
+                                                        args.bucket_cap_mb)
             opt = env.hvd.DistributedOptimizer(opt, named_parameters=named, **extra)
         self.opt = opt
         self.graph: Any = None  # the captured step (CAPTURED variants), made at the first step
@@ -288,7 +305,7 @@ class Runner:
         if self.graph is not None:
             self.graph()
             return
-        if self.kind == HVD_G:  # as a user writes it
+        if self.kind in (HVD_G, HVD_GR):  # as a user writes it
             self.graph = self.env.hvd.make_graphed_step(lambda: self._eager_step(),
                                                         optimizer=self.opt,
                                                         warmup_steps=CAPTURE_WARMUP)
@@ -454,11 +471,13 @@ class Env:
         if self.args.no_neg or not self.cuda:
             out.remove(HVD_NEG)
         if self.args.compile == "on":
-            out += [BASE_C, HVD_C, HVD_C_ALT, DDP_C]
+            out += [BASE_C, HVD_C, HVD_C_ALT, HVD_CR, DDP_C]
         if self.args.captured:
-            out += [HVD_G, FLAT_G]
+            out += [HVD_G, FLAT_G] + ([HVD_GR] if self.args.compile == "on" else [])
         if self.args.variants:
             keep = {SHORT[v.strip()] for v in self.args.variants.split(",")}
+            if any(_compiled(k, self.args) for k in keep):  # their references come along
+                keep |= {BASE_C, DDP_C}
             out = [v for v in [*out, *HVD_CTA.values()]
                    if v in keep or v in (BASE, HVD, DDP)]
         return out
@@ -481,7 +500,7 @@ def digest(t: Any) -> str:
 # -- correctness -------------------------------------------------------------------------------
 def reference_of(env: Env, kind: str) -> str:
     """The variant whose parameters ``kind``'s must equal after the same steps."""
-    compiled = kind in COMPILED or (kind in CAPTURED and env.args.compile == "on")
+    compiled = _compiled(kind, env.args)
     return DDP_C if compiled else DDP
 
 
@@ -609,9 +628,9 @@ def report(env: Env, check: dict[str, Any], train: dict[str, np.ndarray],
     rows = []
     ddp_best = max((k for k in (DDP, DDP_VIEWS) if k in ips), key=ips.__getitem__)
     for k, v in train.items():
-        compiled = k in COMPILED or (k in CAPTURED and args.compile == "on")
+        compiled = _compiled(k, args)
         plain = BASE_C if compiled else BASE  # compiled variants: the compiled limit
-        ddp = DDP_C if k in COMPILED else ddp_best
+        ddp = DDP_C if k in COMPILED or k == HVD_CR else ddp_best
         paired = v / train[plain]  # same rounds, interleaved: drift cancels
         d: dict[str, Any] = {
             "rounds_s": gl.stats(v),
@@ -694,6 +713,15 @@ def report(env: Env, check: dict[str, Any], train: dict[str, np.ndarray],
                                      "x"))
             targets.append(ge_target(f"T1 {HVD_C}: img/s >= 1.0x compiled DDP", c["vs_ddp"],
                                      1.0, "x"))
+        if HVD_CR in res["training"]:  # issue 39: compiled, not captured
+            c = res["training"][HVD_CR]
+            targets.append(gl.target(f"T1 {HVD_CR}: step <= 1.03x the compiled model alone",
+                                     c["step_over_plain"], 1.03, "x"))
+            targets.append(ge_target(f"T1 {HVD_CR}: img/s >= 1.15x compiled DDP", c["vs_ddp"],
+                                     1.15, "x"))
+        if HVD_GR in res["training"] and FLAT_G in ips:  # issue 39: compiled and captured
+            targets.append(ge_target(f"T5 {HVD_GR}: img/s >= 1.06x '{FLAT_G}'",
+                                     gl.ratio(ips[HVD_GR], ips[FLAT_G]), 1.06, "x"))
         if HVD_G in res["training"]:
             ref = BASE_C if args.compile == "on" else BASE
             limit = T5_COMPILED_X if args.compile == "on" else T5_EAGER_X
