@@ -23,6 +23,7 @@ from mpi4py import MPI
 from hvdlite._backends.mpi import mpi_datatype, mpi_op
 from hvdlite._ops import DTYPES, ReduceOp
 from hvdlite._vocab.agreed import Slot
+from hvdlite.errors import HvdliteError
 
 __all__ = ["MpiScheduleTransport", "why_not"]
 
@@ -67,8 +68,10 @@ class MpiScheduleTransport:
         buf, array, op, pre, _ = self._calls[i]
         if pre != 1.0:
             array *= pre
-        assert self.comm is not None
-        request = self.comm.Iallreduce(MPI.IN_PLACE, buf, op=op)
+        comm = self.comm
+        if comm is None:
+            raise HvdliteError("the agreed schedule's communicator is closed")
+        request = comm.Iallreduce(MPI.IN_PLACE, buf, op=op)
         with self._lock:
             self._requests[i] = request
 

@@ -17,6 +17,7 @@ from typing import Any
 from hvdlite._backends.nccl import nccl_dtype, nccl_op, new_communicator
 from hvdlite._ops import DTYPES, ReduceOp
 from hvdlite._vocab.agreed import Slot
+from hvdlite.errors import HvdliteError
 
 __all__ = ["NcclScheduleTransport", "why_not"]
 
@@ -80,7 +81,11 @@ class NcclScheduleTransport:
         if view is not None and pre != 1.0:
             with self.stream:
                 view *= pre
-        self.comm.allReduce(ptr, ptr, count, dtype, op, self._sptr)
+        comm = self.comm
+        if comm is None:  # aborted by the background thread since the schedule's own check
+            raise HvdliteError("the agreed schedule's NCCL communicator was aborted (the job "
+                               "is ending with an error raised on every rank)")
+        comm.allReduce(ptr, ptr, count, dtype, op, self._sptr)
         if view is not None and post != 1.0:
             with self.stream:
                 view *= post
