@@ -76,6 +76,14 @@ def launcher_args(kind: str) -> tuple[list[str], str | None]:
 
 
 def rank_answers(out: str) -> list[tuple[str, ...]]:
-    """Every rank's (interpreter, PATH, host) from a job's output, in the order printed."""
-    return [tuple(json.loads(line[len("RANK "):])) for line in out.splitlines()
-            if line.startswith("RANK ")]
+    """Every rank's (interpreter, PATH, host) from a job's output, in the order printed. The
+    ranks share the launcher's stdout, so two answers can run together on one line: each is
+    read from its marker to the end of its JSON list, wherever it starts."""
+    decoder = json.JSONDecoder()
+    answers = []
+    at = out.find("RANK [")
+    while at >= 0:
+        value, end = decoder.raw_decode(out, at + len("RANK "))
+        answers.append(tuple(value))
+        at = out.find("RANK [", end)
+    return answers

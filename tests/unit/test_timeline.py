@@ -405,6 +405,9 @@ _HOOK_CHILD = """
 import os, signal, sys, time
 from hvdlite._observe.timeline import Timeline
 path, mode, sig = sys.argv[1], sys.argv[2], getattr(signal, sys.argv[3])
+# Python's own SIGINT handler, whatever this process inherited: started from a shell's
+# background job, SIGINT comes in ignored and Python leaves it so (the signal never arrives).
+signal.signal(signal.SIGINT, signal.default_int_handler)
 def user(signum, frame):
     print(f"user handler ran", flush=True)
     if mode != "user-continues":
