@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from hvdlite._observe.tracer import Tracer
 
 
-class Owner(Protocol):
+class ImmediateEngine(Protocol):
     """What the immediate path uses of the engine: its scheduler and its device runtime."""
 
     scheduler: Scheduler
@@ -54,7 +54,7 @@ __all__ = ["DONE", "MISS", "run_now", "prepare"]
 MISS = object()  # the call cannot take the immediate path: submit it the general way
 DONE = object()  # the call's collective ran on the calling thread: its results are ready
 
-def run_now(engine: Owner, channel: Channel, lane: Lane, call: Call, stream: Any) -> Any:
+def run_now(engine: ImmediateEngine, channel: Channel, lane: Lane, call: Call, stream: Any) -> Any:
     """Run the blocking allreduce ``call`` of ``lane`` immediately (see the module docstring):
     returns :data:`DONE` once its collective ran, a :class:`~hvdlite.Handle` to wait on if
     the round agreed on more than this call (the call became an ordinary entry), or
@@ -95,7 +95,7 @@ def run_now(engine: Owner, channel: Channel, lane: Lane, call: Call, stream: Any
             held.deliver()
 
 
-def prepare(engine: Owner, entry: Entry, framework: str, stream: Any) -> None:
+def prepare(engine: ImmediateEngine, entry: Entry, framework: str, stream: Any) -> None:
     """Record READY for a device entry on the caller's stream (``stream``, default current):
     the cycle orders hvdlite's stream after it (cudaStreamWaitEvent) instead of waiting for
     the producer on the CPU."""
@@ -115,7 +115,7 @@ def _target(lane: Lane, stream: Any) -> Any:
     return current_stream(lane.framework, lane.device_id)
 
 
-def _single_step(engine: Owner, lane: Lane, call: Call, resp: Response, backend: Backend,
+def _single_step(engine: ImmediateEngine, lane: Lane, call: Call, resp: Response, backend: Backend,
                  stream: Any) -> Callable[[], object] | None:
     """The data step of a single tensor once the round agreed on it alone (None: it cannot
     run here)."""
@@ -136,7 +136,7 @@ def _single_step(engine: Owner, lane: Lane, call: Call, resp: Response, backend:
     return step
 
 
-def _unit_step(engine: Owner, lane: Lane, call: Call, resp: Response, backend: Backend,
+def _unit_step(engine: ImmediateEngine, lane: Lane, call: Call, resp: Response, backend: Backend,
                stream: Any) -> Callable[[], object] | None:
     """The data step of a grouped call (one unit) once the round agreed on it alone."""
     if type(resp.dtype) is not str or resp.joined:
@@ -161,7 +161,7 @@ def _unit_step(engine: Owner, lane: Lane, call: Call, resp: Response, backend: B
     return step
 
 
-def _cycle(engine: Owner, channel: Channel, lane: Lane, call: Call, slot: int,
+def _cycle(engine: ImmediateEngine, channel: Channel, lane: Lane, call: Call, slot: int,
            step: Callable[[], object], stream: Any) -> Any:
     """The call's cycle alone (``Scheduler.cycle_alone``); DONE, or the handle of the call
     adopted as an entry when its round agreed on more."""

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from hvdlite._handles import Handle
     from hvdlite._observe.tracer import Tracer
 
-__all__ = ["Scheduler", "Owner", "POKE"]
+__all__ = ["Scheduler", "EngineState", "POKE"]
 
 log = logging.getLogger("hvdlite")
 
@@ -46,7 +46,7 @@ _LOCK_POLL_S = 200e-6  # how often a caller waiting for the cycle lock looks at 
 _SETTLE_NAP_S = 200e-6
 
 
-class Owner(Protocol):
+class EngineState(Protocol):
     """What the scheduler uses of the engine that owns it: its state, public, as
     ``_engine.Engine`` keeps it (a protocol, so this layer never imports the engine)."""
 
@@ -73,7 +73,7 @@ class Scheduler:
     and the stop flags; every cycle runs under ``cycle_lock``, one at a time, in the same
     order on every rank whichever thread runs it."""
 
-    def __init__(self, engine: Owner) -> None:
+    def __init__(self, engine: EngineState) -> None:
         self.engine = engine
         self.lock = threading.Lock()  # the queue, the names in flight, the stop flags
         self.queue: list[Entry] = []
@@ -143,7 +143,7 @@ class Scheduler:
 
     def stop(self, reason: HvdliteError) -> None:
         """Stop for good: fail everything pending with ``reason``, then let the engine stop
-        its own parts (``Owner.stopped``). Unless this rank asked for the stop, ``reason``
+        its own parts (``EngineState.stopped``). Unless this rank asked for the stop, ``reason``
         becomes sticky: every later call raises it (a peer shut down, a stall timed out, or
         a cycle failed)."""
         with self.lock:

@@ -49,7 +49,7 @@ from hvdlite._rankside.protocol import (
 from hvdlite.errors import HvdliteError
 
 
-class State(Protocol):
+class StateView(Protocol):
     """What this module uses of an elastic state (``hvdlite/elastic/_state.py``, which
     imports this module: a protocol, so the import runs one way)."""
 
@@ -243,7 +243,7 @@ def _reduce(value: int, op: Any, name: str) -> int:
     return int(out[0])
 
 
-def persist(ctx: Context, state: State) -> None:
+def persist(ctx: Context, state: StateView) -> None:
     """Keep ``state``'s saved copy on disk, once per host (the host's local rank 0)."""
     if hvdlite.local_rank() == 0:
         write_commit(ctx.state_dir, state._commit_number, state._payload())
@@ -255,9 +255,9 @@ _listening = False
 _lock = threading.Lock()
 # The states that hear of host changes (Horovod's State.on_hosts_updated), and the notices
 # seen so far (each is handed to a state once; the driver repeats its notice).
-_states: weakref.WeakSet[State] = weakref.WeakSet()
+_states: weakref.WeakSet[StateView] = weakref.WeakSet()
 _notices: set[tuple[int, int]] = set()
-_given: weakref.WeakKeyDictionary[State, set[tuple[int, int]]] = weakref.WeakKeyDictionary()
+_given: weakref.WeakKeyDictionary[StateView, set[tuple[int, int]]] = weakref.WeakKeyDictionary()
 
 
 def _deliver(timestamp: int, result: int) -> None:
@@ -291,7 +291,7 @@ def _listen() -> None:
         watchdog.subscribe(_on_message)
 
 
-def listen(state: State) -> None:
+def listen(state: StateView) -> None:
     """Let ``state`` hear of host changes from the driver (``state.on_hosts_updated(
     timestamp, result)``, as Horovod's notification manager calls it), including notices
     that came before this call. Any thread."""
@@ -329,7 +329,7 @@ def hosts_updated(ctx: Context, heard: bool = False) -> bool:
     return _reduce(seen, hvdlite.Max, "hvdlite.elastic.hosts_updated") > 0
 
 
-def recover(ctx: Context, state: State) -> None:
+def recover(ctx: Context, state: StateView) -> None:
     """Agree on the newest commit any host kept, load it on the lowest rank that has it and
     make that rank the root of the next ``sync()`` (collective)."""
     mine = newest_commit(ctx.state_dir)
@@ -344,7 +344,7 @@ def recover(ctx: Context, state: State) -> None:
     state._sync_root = root
 
 
-def leave_for_reset(ctx: Context, state: State, code: int, persist_state: bool) -> NoReturn:
+def leave_for_reset(ctx: Context, state: StateView, code: int, persist_state: bool) -> NoReturn:
     """End this rank's part of the world so that the driver starts the next one.
 
     With ``persist_state`` the current state becomes a commit first (Horovod keeps a rank's
