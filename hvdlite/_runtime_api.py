@@ -15,14 +15,15 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hvdlite._engine import default_engine
-from hvdlite._vocab.agreed import Slot
+from hvdlite._vocab.agreed import Slot, slot_rows
 
 if TYPE_CHECKING:
     from hvdlite._control.agreed import AgreedSchedule
     from hvdlite.config import Config
 
 __all__ = ["Slot", "agree", "capture", "check_agreed", "check_usable", "config", "host_waits",
-           "open_schedule", "record_capture", "replay", "running", "set_ranks", "sets"]
+           "open_schedule", "record_capture", "replay", "running", "set_ranks", "sets",
+           "slot_rows"]
 
 
 def running() -> object:

@@ -395,7 +395,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             wires.append(wire if isinstance(wire, torch.dtype) else b.params[0].dtype)
         pre, post = self._factors()
         found = slots(self._buckets, wires, self.op, pre, post)
-        runtime.check_agreed(f"{self._what()} gradient buckets", [vars(s) for s in found],
+        runtime.check_agreed(f"{self._what()} gradient buckets", runtime.slot_rows(found),
                              "every rank must wrap the same model's parameters, in the same "
                              "order, with the same settings", self.process_set_id)
         self._slots = found

@@ -51,6 +51,17 @@ def _lane_expected(hvd: Any) -> bool:
     return default_engine().device_transport(0) == "nccl"
 
 
+
+def _mse_step(model: torch.nn.Module, opt: Any) -> Any:
+    """One plain training step of ``model`` (MSE loss), as a captured step's ``step_fn``."""
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> None:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    return train_step
+
 def _flat(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
@@ -105,10 +116,7 @@ def test_a_changed_shape_says_to_capture_again(hvd: Any) -> None:
     opt = _optimizer(hvd, model, "shape")
     sx, sy = _batch(0, hvd.rank(), dev)
 
-    def train_step(x: torch.Tensor, y: torch.Tensor) -> Any:
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
+    train_step = _mse_step(model, opt)
 
     if not _lane_expected(hvd):
         pytest.skip("ranks sharing a GPU cannot capture (see the test above)")
@@ -159,10 +167,7 @@ def test_a_step_captured_before_a_reinit_raises(hvd: Any) -> None:
     opt = _optimizer(hvd, model, "stale")
     sx, sy = _batch(0, hvd.rank(), dev)
 
-    def train_step(x: torch.Tensor, y: torch.Tensor) -> Any:
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
+    train_step = _mse_step(model, opt)
 
     if not _lane_expected(hvd):
         pytest.skip("ranks sharing a GPU cannot capture (see the first test)")
