@@ -74,6 +74,23 @@ def test_compile_regions_refuses_foreign_or_nested_regions(hvd: Any) -> None:
         hvd.compile_regions(net, [net.blocks, net.blocks[0]], backend="aot_eager")
 
 
+def test_compile_regions_warns_of_a_per_forward_cache(hvd: Any) -> None:
+    """A model configured the Hugging Face way with its key/value cache on (GPT-2's default)
+    is warned of: the cache defeats the shared compiled code of its blocks. Off, no warning."""
+    import types
+    import warnings
+
+    net = Net()
+    net.config = types.SimpleNamespace(use_cache=True)
+    with pytest.warns(UserWarning, match=r"use_cache is True.*use_cache = False"):
+        hvd.compile_regions(net, backend="aot_eager")
+    net = Net()
+    net.config = types.SimpleNamespace(use_cache=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hvd.compile_regions(net, backend="aot_eager")
+
+
 def test_regional_buckets_are_final_during_backward_and_train_as_eager(hvd: Any) -> None:
     """Compiled by regions, the last block's bucket is complete while the first block's
     backward has not run yet (its gradient is still None), so its allreduce can start there;
