@@ -30,6 +30,14 @@ def completion(request: pytest.FixtureRequest, hvd: Any) -> Any:
         yield request.param
 
 
+@pytest.fixture
+def async_completion(hvd: Any) -> Any:
+    """Async completion on for one test (not parametrized: its sync case would only skip)."""
+    with reinit(hvd, async_completion=True):
+        warm_up(hvd, N)
+        yield
+
+
 def test_race_canary_producer_on_side_stream(hvd: Any, completion: str) -> None:
     """A producer spins ~50 ms on a side stream, then writes the input; allreduce_async is
     called at once, with no host sync. The result must be exact: the collective waited."""
@@ -84,15 +92,14 @@ def test_background_thread_does_not_block_on_inputs(hvd: Any, completion: str) -
     assert float(got_x.min()) == hvd.size()
 
 
-def test_async_completion_wait_returns_before_device(hvd: Any, completion: str) -> None:
+@pytest.mark.usefixtures("async_completion")
+def test_async_completion_wait_returns_before_device(hvd: Any) -> None:
     """With async completion on, wait() returns while the collective is still running on the
     device, and a consumer kernel on the caller's stream still reads the right result.
 
     The input is ready at the call (a producer still running would hold the collective back
     from negotiation, by design: see test_ready_collective_overtakes_unready_one), so the
     collective itself is made long: 512 MiB, about 2 ms of NCCL on the device."""
-    if completion != "async":
-        pytest.skip("async completion only")
     one_ipc_step(hvd, 512 << 20, async_completion=True)
     n = 1 << 26
     stream = cupy.cuda.Stream(non_blocking=True)
