@@ -24,8 +24,8 @@ import torch
 
 from hvdlite._tensorref import Ring, TensorRef, label
 
-__all__ = ["Edge", "array_of", "ref_of", "edge", "views", "counter", "stream_of", "to_torch",
-           "numpy_dtype"]
+__all__ = ["Edge", "array_of", "ref_of", "edge", "entry_of", "views", "counter", "stream_of",
+           "to_torch", "numpy_dtype"]
 
 # torch dtype -> NumPy type string; bfloat16 and the float8 types have no NumPy twin.
 _TYPESTR: dict[torch.dtype, str] = {
@@ -74,6 +74,8 @@ class Edge:
 
 
 _views: dict[int, Edge] = {}
+# The bare lookup by ``id(tensor)``: an entry still to be checked against its tensor (edge()).
+entry_of: Callable[[int], Edge | None] = _views.get
 
 
 def _forget(key: int, alive: Any, table: dict[int, Edge] = _views) -> None:
@@ -97,7 +99,8 @@ def edge(t: Any) -> Edge | None:
     """``t``'s cache entry if ``t`` still holds the memory its array covers, else None (not
     seen yet, or its memory, shape, dtype or contiguity changed): the single-tensor form of
     :func:`views`, for a frontend that also reads the dtype and the device from the entry
-    instead of from the tensor."""
+    instead of from the tensor (``hvdlite/torch/mpi_ops.py`` inlines it, with
+    :data:`entry_of`, in its per-call path)."""
     entry = _views.get(id(t))
     if (entry is not None and entry.ptr == t.data_ptr() and entry.shape == t.shape
             and entry.dtype is t.dtype and t.is_contiguous()):
@@ -142,19 +145,27 @@ def counter(tensors: Sequence[torch.Tensor]) -> Callable[[], list[int]]:
     held = tuple(t.untyped_storage() for t in tensors)
     cdatas = tuple(s._cdata for s in held)
     ts = tuple(tensors)
-    refs, users = sys.getrefcount, _storage_users
     if len(ts) == 1:  # a single tensor's result: no loop
         t, cdata = ts[0], cdatas[0]
 
-        def one(_held: tuple[Any, ...] = held) -> list[int]:
+        # What a call reads is bound as defaults (one tuple), not closed over: a counter runs
+        # once per call that reuses a result set, and each closure cell is one more object to
+        # read (a cache miss, in a loop over 1,000 tensors).
+        def one(t: torch.Tensor = t, cdata: int = cdata,
+                refs: Callable[[Any], int] = sys.getrefcount,
+                users: Callable[[int], int] = _storage_users) -> list[int]:
             return [refs(t), users(cdata)]
 
-        return one
+        fn: Callable[[], list[int]] = one
+    else:
+        def count(ts: tuple[torch.Tensor, ...] = ts, cdatas: tuple[int, ...] = cdatas,
+                  refs: Callable[[Any], int] = sys.getrefcount,
+                  users: Callable[[int], int] = _storage_users) -> list[int]:
+            return [*map(refs, ts), *map(users, cdatas)]
 
-    def count(_held: tuple[Any, ...] = held) -> list[int]:
-        return [*map(refs, ts), *map(users, cdatas)]
-
-    return count
+        fn = count
+    fn.__dict__["held"] = held  # the storages live as long as the counter (not read per call)
+    return fn
 
 
 def array_of(t: torch.Tensor, what: Any, name: str | None = None) -> Any:

@@ -246,8 +246,8 @@ class MPIBackend:
         copy_in = srcs is not dsts or region is not span  # else: in place, in the span
         if copy_in or head.prescale != 1.0:
             with self.tracer.phase(names, "MEMCPY_IN_FUSION_BUFFER"):
-                if copy_in:
-                    np.concatenate([a.reshape(-1) for a in srcs], out=region, casting="unsafe")
+                if copy_in:  # flattened by NumPy itself: no view made per member
+                    np.concatenate(srcs, axis=None, out=region, casting="unsafe")
                 scale_into(np, region, region, head.prescale)
         if op is ReduceOp.ADASUM:
             with self.tracer.phase(names, "MPI_ADASUM_ALLREDUCE", {"bytes": region.nbytes}):
@@ -263,7 +263,8 @@ class MPIBackend:
             if region is not span:
                 offset = 0
                 for dst, n in zip(dsts, counts, strict=True):
-                    np.copyto(dst.reshape(-1), region[offset:offset + n], casting="unsafe")
+                    np.copyto(dst if dst.ndim == 1 else dst.reshape(-1),
+                              region[offset:offset + n], casting="unsafe")
                     offset += n
 
     def _adasum(self, region: np.ndarray, counts: Sequence[int]) -> None:

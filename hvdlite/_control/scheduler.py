@@ -96,6 +96,9 @@ class Scheduler:
         # to hand over as threading.Event, whose wait and set run Python-level Condition code.
         self.wake: queue.SimpleQueue[object] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self.run, name="hvdlite-background", daemon=True)
+        # Every submitted handle's driver (progress on wait), bound once: a bound method made
+        # per call would be one more object the cyclic collector counts per call.
+        self._progress = self.progress
         # The agreed schedules: launched by callers with no cycle, watched by this loop.
         self.schedules = Schedules(self)
 
@@ -120,7 +123,7 @@ class Scheduler:
         (progress on wait); the background thread is not woken for it. Otherwise a token per
         submission, even while the loop is awake: cheap then (no waiter to signal), and the
         loop settles a burst of them before negotiating it (:meth:`_settle`)."""
-        entry.handle._driver = self.progress
+        entry.handle._driver = self._progress
         name = entry.request.name
         with self.lock:
             if self.error is not None or self.stopped or self.stop_requested \
@@ -242,7 +245,7 @@ class Scheduler:
                conclude: Callable[[], CycleResult]) -> None:
         """``entry`` joins the pending work as if it had been queued before the round, then
         ``conclude`` ends the cycle and its responses run (under the cycle lock)."""
-        entry.handle._driver = self.progress
+        entry.handle._driver = self._progress
         entry.enqueued_at = time.perf_counter()
         entry.stats = self.engine.tracer.stats
         entry.channel = channel

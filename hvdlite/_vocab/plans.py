@@ -249,7 +249,9 @@ class Lane:
         ring = self.ring
         if ring is not None:  # the tensor's own results, whichever lane made them
             results = ring.sets
-            keep, ring.used = ring.used, True
+            keep = ring.used
+            if not keep:  # written once, not per call
+                ring.used = True
         else:
             results = self.results
         if reclaim is not None and results:

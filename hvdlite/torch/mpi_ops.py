@@ -31,7 +31,7 @@ import torch
 import hvdlite
 from hvdlite._ops import ReduceOp
 from hvdlite._submit import _submit
-from hvdlite._torchref import edge as _edge
+from hvdlite._torchref import entry_of as _entry_of
 from hvdlite._torchref import stream_of
 from hvdlite._vocab.messages import Kind
 from hvdlite.errors import NotInitializedError
@@ -86,14 +86,17 @@ def allreduce_one(t: Any, name: str | None, op: ReduceOp, pre: Any, post: Any,
     ``DistributedOptimizer``; ``op`` already resolved. ``inplace``: the result is written
     into ``t``. The tensor goes the core's one route (``hvdlite/_submit.py``): its cached
     array at the edge, its name's lane, recycled result tensors, the core's handle."""
-    # The tensor's cached view, checked (its memory, shape, dtype): what the call needs to know
-    # of the tensor (its dtype, device and array) is read from it, not from torch again.
-    seen = _edge(t) if process_set is _GLOBAL else None
-    if seen is None or seen.dtype is _F16:  # first seen, changed, float16, bfloat16, a set
+    # The tensor's cached view, checked (its memory, shape, dtype, contiguity: _torchref.edge,
+    # inlined): what the call needs to know of the tensor (its dtype, device and array) is
+    # read from it, not from torch again.
+    seen = _entry_of(id(t)) if process_set is _GLOBAL else None
+    if (seen is None or seen.ptr != t.data_ptr() or seen.shape != t.shape
+            or seen.dtype is not t.dtype or not t.is_contiguous()
+            or seen.dtype is _F16):  # first seen, changed, float16, bfloat16, a set
         return _allreduce([t], name, op, pre, post, inplace, False, what, process_set,
                           blocking)
-    if type(name) is str:  # horovod_name, inlined: this is the per-call path
-        name = f"allreduce.{name}" if name else None
+    if type(name) is str:  # horovod_name, of a kept string: this is the per-call path
+        name = _NAMES.get(name) or _core_name(name)
     device = seen.device_id
     try:
         return _submit(_ALLREDUCE, (t,), name, op=op, prescale=pre, postscale=post,
@@ -105,10 +108,28 @@ def allreduce_one(t: Any, name: str | None, op: ReduceOp, pre: Any, post: Any,
         raise NotInitializedValueError(f"{what}: {exc}; call hvd.init() first") from None
 
 
+# A user's name -> the core's (horovod_name's "allreduce.<name>"), one string per name: the
+# same object every call, so the core's tables keyed by name (lanes, names in flight, the
+# response cache) find it by identity, hashed once, and no string is formatted and compared
+# character by character per call. Bounded: emptied when full (names made up per step).
+_NAMES: dict[str, str] = {}
+_MAX_NAMES = 1 << 14
+
+
+def _core_name(name: str) -> str | None:
+    if not name:
+        return None  # unnamed: the core numbers it
+    if len(_NAMES) >= _MAX_NAMES:
+        _NAMES.clear()
+    core = _NAMES[name] = f"allreduce.{name}"
+    return core
+
+
 _TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
 _F16, _BF16 = torch.float16, torch.bfloat16
 _GLOBAL = global_process_set
 _ALLREDUCE = Kind.ALLREDUCE
+_CORE_HANDLE = hvdlite.Handle
 
 
 def _allreduce(tensors: Sequence[Any], name: str | None, op: ReduceOp, pre: Any, post: Any,
@@ -517,6 +538,8 @@ def poll(handle: Any) -> bool:
 def synchronize(handle: Any) -> Any:
     """Wait for ``handle`` and return its result (a tensor, a list of tensors for grouped
     calls, ``(output, received_splits)`` for alltoall)."""
+    if type(handle) is _CORE_HANDLE:  # an allreduce's: no bound method made
+        return handle.wait()
     try:
         wait = handle.wait
     except AttributeError:
