@@ -308,6 +308,58 @@ def print0(comm: MPI.Comm, text: str) -> None:
         print(text, flush=True)
 
 
+def profile_variants(
+    comm: MPI.Comm,
+    fns: Mapping[str, Callable[[], object]],
+    wanted: Sequence[str],
+    calls: int,
+    top: int = 25,
+) -> dict[str, list[dict[str, Any]]]:
+    """Where each wanted variant's host time goes: ``calls`` more calls of it under
+    ``cProfile`` on every rank together (a barrier before each variant), after its timing.
+    Returns, per variant, rank 0's ``top`` functions by own time (the rest of the ranks
+    return an empty dict). A variant name not in ``fns`` is refused collectively."""
+    import cProfile
+    import pstats
+
+    unknown = [w for w in wanted if w not in fns]
+    check_all(comm, not unknown, "--profile", f"no such variant: {unknown}; variants: "
+              f"{list(fns)}")
+    out: dict[str, list[dict[str, Any]]] = {}
+    for name in wanted:
+        fn = fns[name]
+        comm.Barrier()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(calls):
+            fn()
+        prof.disable()
+        if comm.Get_rank() != 0:
+            continue
+        st = pstats.Stats(prof)
+        rows = []
+        for (path, line, func), (_cc, ncalls, tottime, cumtime, _callers) in \
+                st.stats.items():  # type: ignore[attr-defined]
+            rows.append({"function": f"{Path(path).name}:{line}({func})", "calls": ncalls,
+                         "own_us_per_variant_call": tottime / calls * 1e6,
+                         "cum_us_per_variant_call": cumtime / calls * 1e6})
+        rows.sort(key=lambda r: -r["own_us_per_variant_call"])
+        out[name] = rows[:top]
+    return out
+
+
+def format_profile(profiles: Mapping[str, list[dict[str, Any]]]) -> str:
+    """The table :func:`profile_variants` returns, one block per variant."""
+    blocks = []
+    for name, rows in profiles.items():
+        lines = [f"profile of {name!r} (rank 0; us per call of the variant):",
+                 f"{'own':>10} {'cumulative':>11} {'calls':>8}  function"]
+        lines += [f"{r['own_us_per_variant_call']:10.1f} {r['cum_us_per_variant_call']:11.1f} "
+                  f"{r['calls']:8d}  {r['function']}" for r in rows]
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
 def time_round_robin(
     comm: MPI.Comm,
     fns: Mapping[str, Callable[[], object]],

@@ -18,6 +18,10 @@ every rank's inputs before and after timing. Targets (issue 17): tiny and sync <
 NumPy API per tensor.
 
     mpiexec -n 2 python scripts/bench_t4.py --np 2 --json t4.json
+
+Where a variant's host time goes: ``--profile "tiny (1000 x 4 B): hvdlite.torch allreduce_async"``
+(names as the table prints them, comma-separated) runs it again under ``cProfile`` on every
+rank after its timing and prints rank 0's functions by own time (also in the JSON).
 """
 
 from __future__ import annotations
@@ -138,6 +142,9 @@ def main() -> None:
                         "variants use 4,000 names in turn: past the default 1,024, every call "
                         "is a cache miss; 8192 keeps each variant's step cached, as a training "
                         "step's names are")
+    p.add_argument("--profile", default="",
+                   help="comma-separated variant names to profile after timing (cProfile, "
+                        "every rank, rank 0's table printed and in the JSON)")
     args = p.parse_args()
     if args.quick:
         args.steps, args.sync_calls, args.resnet_steps = 6, 200, 2
@@ -150,13 +157,25 @@ def main() -> None:
             (resnet_case(args), args.resnet_steps, 1)]
     results: dict[str, Any] = {}
     counts: dict[str, int] = {}
+    wanted = [w.strip() for w in args.profile.split(",") if w.strip()]
+    missing = sorted(set(wanted) - {f"{c.label}: {k}" for c, _, _ in plan for k in c.variants})
+    bl.check_all(comm, not missing, "--profile", f"no such variant: {missing} (names are "
+                 "'<case>: <variant>' as the table prints them)")
+    profiles: dict[str, Any] = {}
     for case, steps, block in plan:
         case.check("before timing")
         samples = bl.time_round_robin(comm, case.variants, steps, warmup=2, block=block)
         case.check("after timing")
         results[case.label] = {k: bl.stats(v) for k, v in samples.items()}
         counts[case.label] = len(case.tensors)
+        mine = [w for w in wanted if w.startswith(f"{case.label}: ")]
+        if mine:
+            variants = {f"{case.label}: {k}": fn for k, fn in case.variants.items()}
+            profiles.update(bl.profile_variants(comm, variants, mine, max(steps // 4, 2)))
     hvd.shutdown()
+    if profiles and comm.Get_rank() == 0:
+        print(bl.format_profile(profiles), flush=True)
+        meta["profiles"] = profiles
     report(comm, args, meta, results, counts, (plan[0][0].label, plan[1][0].label))
 
 
@@ -176,7 +195,7 @@ def report(comm: MPI.Comm, args: Any, meta: dict[str, Any], results: dict[str, A
                                  "ratio": ratio, "met": ratio <= TARGET_X})
     payload = {"benchmark": "T4 (CPU)", "run": bl.run_metadata(comm, args),
                "tensors_per_step": counts, "results": results, "targets": verdicts,
-               "started": meta["date_utc"]}
+               "started": meta["date_utc"], "profiles": meta.get("profiles", {})}
     bl.write_json(comm, args.json, payload)
     if comm.Get_rank() == 0:
         print(bl.format_table(["shape", "variant", "median us per step", "p99 us per step",

@@ -110,3 +110,21 @@ def test_bench_c2_quick_states_the_raw_per_tensor_target(tmp_path: Path) -> None
     raw = min(big[k]["per_tensor_s"] for k in (
         "raw MPI Allreduce per tensor", "raw MPI Allreduce per tensor [hvdlite not started]"))
     assert first["value"] == round(big["hvdlite, cache on"]["per_tensor_s"] / raw, 3)
+
+
+@pytest.mark.timeout(JOB_TIMEOUT_S + 30)
+def test_bench_t4_profiles_a_variant_it_names(tmp_path: Path) -> None:
+    """``--profile`` tables where a variant's host time goes (rank 0's cProfile, printed and in
+    the JSON); a name that is no variant is refused before anything is reported."""
+    pytest.importorskip("torch", reason="bench_t4.py times hvdlite.torch")
+    path = tmp_path / "t4.json"
+    wanted = "sync (1 x 4 B): hvdlite.torch allreduce"
+    rc, out = _run_job(2, "scripts/bench_t4.py", "--np", "2", "--quick", "--tensors", "50",
+                       "--profile", wanted, "--json", str(path))
+    assert rc == 0, out[-6000:]
+    assert f"profile of {wanted!r}" in out, out[-6000:]
+    rows = json.loads(path.read_text())["profiles"][wanted]
+    assert rows and any("mpi_ops.py" in r["function"] for r in rows), rows
+    rc, out = _run_job(2, "scripts/bench_t4.py", "--np", "2", "--quick", "--tensors", "50",
+                       "--profile", "sync (1 x 4 B): no such variant")
+    assert rc == 2 and "no such variant" in out, out[-6000:]

@@ -35,6 +35,10 @@ launch):
     mpirun --allow-run-as-root --oversubscribe --bind-to none -n 2 -x PATH -x LD_LIBRARY_PATH \
         -x PYTHONPATH -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST \
         -x NVSHMEM_DISABLE_NVLS python3 scripts/gpu/bench_t4.py --np 2 --json t4g.json
+
+Where a variant's host time goes (issue 38's open GPU targets): ``--profile "hvdlite.torch
+grouped_allreduce of the set,CuPy API grouped_allreduce of the set"`` runs those variants again
+under ``cProfile`` on every rank after timing and prints rank 0's functions by own time.
 """
 
 from __future__ import annotations
@@ -63,6 +67,10 @@ def main() -> None:
     p = gl.base_parser(__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=30, help="timed repeats of the set per variant")
     p.add_argument("--sync-reps", type=int, default=2000, help="timed 4 B calls per variant")
+    p.add_argument("--profile", default="",
+                   help="comma-separated variant names (as the table prints them) to profile "
+                        "after timing: cProfile on every rank, rank 0's table printed and in "
+                        "the JSON")
     args = p.parse_args()
     if args.quick:
         args.reps, args.sync_reps = 3, 50
@@ -120,10 +128,13 @@ def main() -> None:
         sync_fns[SYNC_D] = lambda: _dist_loop(dist, [d4], gpu)  # the call, then synchronise
     times.update(gl.time_round_robin(gpu.comm, sync_fns, args.sync_reps, warmup=50, after=gpu.sync))
     immediate = {k: _immediate(hvdlite, sync_fns[k], gpu) for k in (SYNC_T, SYNC_C)}
+    wanted = [w.strip() for w in args.profile.split(",") if w.strip()]
+    profiles = gl.profile_variants(gpu.comm, {**fns, **sync_fns}, wanted,
+                                   max(args.reps // 2, 2)) if wanted else {}
     gl.torch_close(dist)
     hvdlite.shutdown()
     _report(gpu, args, {k: gl.stats(v) for k, v in times.items()}, len(shapes), why,
-            immediate)
+            immediate, profiles)
 
 
 def _immediate(hvdlite: Any, fn: Callable[[], Any], gpu: gl.Gpu, calls: int = 20) -> int:
@@ -179,7 +190,7 @@ def _check(gpu: gl.Gpu, fns: dict[str, Callable[[], list[Any]]], want: list[floa
 
 
 def _report(gpu: gl.Gpu, args: Any, st: dict[str, dict[str, float]], n: int, why: str,
-            immediate: dict[str, int]) -> None:
+            immediate: dict[str, int], profiles: dict[str, Any]) -> None:
     med = {k: v["median_s"] for k, v in st.items()}
     rows: list[tuple[str, float, float, str]] = []
     verdicts: list[dict[str, Any]] = []
@@ -206,7 +217,7 @@ def _report(gpu: gl.Gpu, args: Any, st: dict[str, dict[str, float]], n: int, why
     payload = {"benchmark": "T4 (GPU)", "device": gpu.device_name(), "ranks": gpu.size,
                "tensors": n, "results": st, "targets": verdicts, "torch_dropped": why,
                "immediate_of_20": immediate, "note": gl.shortcut_note(gpu.size),
-               "args": vars(args)}
+               "args": vars(args), "profiles": profiles}
     if gpu.rank == 0:
         if args.json:
             with open(args.json, "w", encoding="utf-8") as f:
@@ -216,6 +227,8 @@ def _report(gpu: gl.Gpu, args: Any, st: dict[str, dict[str, float]], n: int, why
         print(f"| {'variant'.ljust(width)} | median ms | p99 ms | median us per tensor |")
         for r in rows:
             print(f"| {r[0].ljust(width)} | {r[1]:9.3f} | {r[2]:6.3f} | {r[3]:>20s} |")
+        if profiles:
+            print(gl.format_profile(profiles))
         if GROUPED_C in med:
             print(f"grouped call, the torch layer's share: {GROUPED_T} / {GROUPED_C} = "
                   f"{med[GROUPED_T] / med[GROUPED_C]:.3f}x")
