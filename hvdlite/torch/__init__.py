@@ -92,6 +92,7 @@ from hvdlite.torch.mpi_ops import (
     synchronize,
 )
 from hvdlite.torch.optimizer import DistributedOptimizer
+from hvdlite.torch.persistent import PersistentGroupedAllreduce, grouped_allreduce_init
 from hvdlite.torch.process_sets import (
     ProcessSet,
     add_process_set,
@@ -106,14 +107,15 @@ __all__ = [
     "Adasum", "Average", "Compression", "DistributedOptimizer", "GraphedStep", "Handle",
     "HorovodInternalError",
     "HostsUpdatedInterrupt", "HvdliteError", "InvalidArgumentError", "Max", "Min",
-    "MismatchError", "NotInitializedError", "ProcessSet", "Product", "ShutdownError", "Sum",
+    "MismatchError", "NotInitializedError", "PersistentGroupedAllreduce", "ProcessSet", "Product",
+    "ShutdownError", "Sum",
     "SyncBatchNorm", "add_process_set", "allgather", "allgather_async", "allgather_object",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall",
     "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async",
     "broadcast_async_", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",
     "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built", "elastic", "gloo_built",
     "gloo_enabled", "global_process_set", "grouped_allgather", "grouped_allgather_async",
-    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+    "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_init",
     "grouped_allreduce_async_", "grouped_reducescatter", "grouped_reducescatter_async", "init",
     "is_homogeneous", "is_initialized", "join", "local_rank", "local_size", "make_graphed_step",
     "mlsl_built",

@@ -354,3 +354,24 @@ def test_cuda_optimizer_lane_reduces_exactly_in_the_agreed_order(
         assert n >= 3 and opt.agreed_schedule.launches == n * (steps - 1)
     else:
         assert "not NCCL" in opt.unscheduled_reason
+
+
+def test_persistent_grouped_allreduce_on_cuda(hvd: Any) -> None:
+    """``grouped_allreduce_init`` on CUDA tensors: on the NCCL schedule with a GPU per rank
+    (no host wait: torch's current stream is ordered after it), on the negotiated route where
+    ranks share a GPU (the reason says so); exact sums either way, call after call."""
+    dev = _device(hvd)
+    shapes = [(4, 3), (7,)]
+    tensors = [torch.zeros(s, device=dev) for s in shapes]
+    group = hvd.grouped_allreduce_init(tensors, name="gpu.persistent", op=hvd.Sum)
+    shared = torch.cuda.device_count() < hvd.local_size()
+    for step in range(3):
+        for k, t in enumerate(tensors):
+            t.fill_(float(hvd.rank() + k + step))
+        got = group()
+        torch.cuda.current_stream(dev).synchronize()
+        for k, g in enumerate(got):
+            want = _rank_sum(hvd, lambda r, k=k, step=step: r + k + step)
+            values = torch.unique(g).tolist()
+            assert values == [want], f"step {step}, tensor {k}: got {values}, expected {want}"
+        assert group.scheduled == (not shared), group.unscheduled_reason

@@ -1,0 +1,107 @@
+"""``hvd.grouped_allreduce_init``: a repeated grouped allreduce on an agreed schedule (host
+tensors: the MPI schedule transport), checked against the sum and average of every rank's
+inputs computed here; values are small integers or halves, so every result is exact."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch_util import knobs
+
+SHAPES = [(3, 4), (5,), (2, 2, 2)]
+
+
+def _inputs(rank: int, step: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(1000 * step + rank)
+    return [rng.integers(-8, 9, size=s).astype(np.float32) for s in SHAPES]
+
+
+def _fill(tensors: list[torch.Tensor], rank: int, step: int) -> None:
+    for t, x in zip(tensors, _inputs(rank, step), strict=True):
+        t.copy_(torch.from_numpy(x))
+
+
+def _reference(size: int, step: int, average: bool) -> list[np.ndarray]:
+    total = [np.zeros(s, np.float64) for s in SHAPES]
+    for r in range(size):
+        for acc, x in zip(total, _inputs(r, step), strict=True):
+            acc += x
+    return [(a / size if average else a).astype(np.float32) for a in total]
+
+
+@pytest.mark.parametrize("average", [False, True])
+def test_each_call_reduces_the_tensors_current_values_on_the_schedule(hvd: Any,
+                                                                       average: bool) -> None:
+    n, r = hvd.size(), hvd.rank()
+    tensors = [torch.zeros(s) for s in SHAPES]
+    op = hvd.Average if average else hvd.Sum
+    group = hvd.grouped_allreduce_init(tensors, name=f"persist.{average}", op=op)
+    assert not group.scheduled  # the first call is negotiated, then the schedule opens
+    exact = average and n & (n - 1) == 0  # an average over a power of two is exact here
+    for step in range(4):
+        _fill(tensors, r, step)
+        got = group()
+        assert [tuple(g.shape) for g in got] == SHAPES
+        for g, want in zip(got, _reference(n, step, average), strict=True):
+            if exact or not average:
+                np.testing.assert_array_equal(g.numpy(), want)
+            else:
+                np.testing.assert_allclose(g.numpy(), want, rtol=1e-6)
+        assert group.scheduled, group.unscheduled_reason
+    assert group._schedule.launches == 3  # every call after the first
+
+
+def test_prescale_and_postscale_apply_as_grouped_allreduce_applies_them(hvd: Any) -> None:
+    n, r = hvd.size(), hvd.rank()
+    tensors = [torch.zeros(s) for s in SHAPES]
+    group = hvd.grouped_allreduce_init(tensors, name="persist.scaled", op=hvd.Sum,
+                                       prescale_factor=2.0, postscale_factor=0.5)
+    _fill(tensors, r, 7)
+    for g, want in zip(group(), _reference(n, 7, False), strict=True):
+        np.testing.assert_array_equal(g.numpy(), want)  # x 2 then x 0.5: exact
+
+
+def test_members_with_other_shapes_raise_mismatch_on_every_rank(hvd: Any) -> None:
+    shapes = [(3,), (4 + hvd.rank(),)] if hvd.size() > 1 else [(3,), (4,)]
+    if hvd.size() == 1:
+        pytest.skip("needs 2 ranks to differ")
+    with pytest.raises(hvd.MismatchError, match=r"persist.mismatch.*rank 1"):
+        hvd.grouped_allreduce_init([torch.zeros(s) for s in shapes], name="persist.mismatch",
+                                   op=hvd.Sum)
+
+
+def test_without_a_schedule_every_rank_takes_the_negotiated_route_alike(hvd: Any) -> None:
+    n, r = hvd.size(), hvd.rank()
+    tensors = [torch.zeros(s) for s in SHAPES]
+    with knobs(optimizer_schedule=False):  # read when the schedule would open: the 1st call
+        group = hvd.grouped_allreduce_init(tensors, name="persist.negotiated", op=hvd.Sum)
+        for step in range(3):
+            _fill(tensors, r, step)
+            for g, want in zip(group(), _reference(n, step, False), strict=True):
+                np.testing.assert_array_equal(g.numpy(), want)
+    assert not group.scheduled
+    assert "optimizer_schedule knob is off" in group.unscheduled_reason
+
+
+def test_start_wait_order_and_bad_arguments_are_clear_errors(hvd: Any) -> None:
+    tensors = [torch.zeros(s) for s in SHAPES]
+    group = hvd.grouped_allreduce_init(tensors, name="persist.order", op=hvd.Sum)
+    with pytest.raises(hvd.HvdliteError, match=r"wait\(\) without start\(\)"):
+        group.wait()
+    group.start()
+    with pytest.raises(hvd.HvdliteError, match=r"start\(\) again before wait\(\)"):
+        group.start()
+    group.wait()
+    with pytest.raises(ValueError, match="name must be a non-empty str"):
+        hvd.grouped_allreduce_init(tensors, name="")
+    with pytest.raises(ValueError, match=r"tensor 1 is torch.float64 on cpu, expected "
+                                         r"torch.float32"):
+        hvd.grouped_allreduce_init([torch.zeros(2), torch.zeros(2, dtype=torch.float64)],
+                                   name="persist.bad")
+    with pytest.raises(TypeError, match="tensor 0 must be a torch.Tensor, got list"):
+        hvd.grouped_allreduce_init([[1.0]], name="persist.bad")
+    with pytest.raises(ValueError, match="non-empty list or tuple"):
+        hvd.grouped_allreduce_init([], name="persist.bad")
