@@ -92,3 +92,53 @@ def test_a_rank_that_leaves_the_schedule_ends_every_rank_with_stall_error(
     assert re.search(r"rank 1 \w+Error after [\d.]+s: .*has not completed", out), out
     assert re.search(r"rank 0 launch after the failure: StallError: .*has not completed", out), out
     assert wall < 80, out
+
+
+_PERSISTENT_JOB = """
+import time, torch, hvdlite.torch as hvd
+from hvdlite import _runtime_api
+hvd.init(stall_check_time_s=1, stall_shutdown_time_s=3)
+me = hvd.rank()
+tensors = [torch.zeros(4), torch.zeros(2, 3)]
+group = hvd.grouped_allreduce_init(tensors, name="metrics", op=hvd.Sum)
+for step in range(3):  # the first negotiated, then on the schedule; exact
+    for k, t in enumerate(tensors):
+        t.fill_(me + step + k)
+    got = group()
+    for k, g in enumerate(got):
+        assert (g == sum(r + step + k for r in range(hvd.size()))).all(), (step, k, g)
+assert group.scheduled, group.unscheduled_reason
+print(f"rank {me} scheduled calls exact", flush=True)
+t0 = time.monotonic()
+try:
+    if me == 1:  # stops calling; the stall reaches it through the failure channel
+        while time.monotonic() - t0 < 30:
+            time.sleep(0.05)
+            _runtime_api.check_usable()
+    else:
+        group()
+    print(f"rank {me} finished without error", flush=True)
+except hvd.HvdliteError as exc:
+    print(f"rank {me} {type(exc).__name__} after {time.monotonic() - t0:.1f}s: {exc}",
+          flush=True)
+try:
+    group()
+except hvd.HvdliteError as again:
+    print(f"rank {me} call after the failure: {type(again).__name__}", flush=True)
+"""
+
+
+def test_a_rank_that_stops_calling_a_persistent_allreduce_ends_with_stall_error(
+        tmp_path: Path) -> None:
+    pytest.importorskip("torch", reason="grouped_allreduce_init is hvdlite.torch's")
+    script = tmp_path / "job.py"
+    script.write_text(_PERSISTENT_JOB)
+    rc, out = run_group([mpiexec(), "-n", "2", sys.executable, str(script)], clean_env(), 90)
+    assert rc is not None, f"the job hung:\n{out}"
+    assert "rank 0 scheduled calls exact" in out and "rank 1 scheduled calls exact" in out, out
+    assert "finished without error" not in out, out
+    stalled = re.search(r"rank 0 StallError after ([\d.]+)s: .*grouped_allreduce_init\[metrics\]"
+                        r".*has not completed", out)
+    assert stalled and float(stalled.group(1)) < 30, out
+    assert re.search(r"rank 1 \w+Error after [\d.]+s: .*has not completed", out), out
+    assert "rank 0 call after the failure: StallError" in out, out

@@ -329,6 +329,10 @@ class Schedules:
                 raise sched.error
             time.sleep(nap)
             nap = min(2 * nap, _MAX_NAP_S)
+        if schedule.error is not None:
+            # An abort clears the transport's pending launches, so done() turned True without
+            # the collective completing: the buffer holds no reduction.
+            raise schedule.error
 
     def watch(self) -> None:
         """At most once a second (background thread): a warning for a launch incomplete past
