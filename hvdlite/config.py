@@ -370,8 +370,10 @@ class Config:
         help="hvdlite.torch DistributedOptimizer with CUDA buckets over NCCL: once every rank "
              "has shown it builds the same buckets (checked at the first step), each bucket is "
              "launched by the autograd thread itself, in the agreed order, on the schedule's "
-             "own NCCL communicator (no background-thread wake-up per bucket). Off: every "
-             "bucket is negotiated by the background thread, as other collectives are.",
+             "own NCCL communicator (no background-thread wake-up per bucket); the same for "
+             "hvdlite.torch.grouped_allreduce_init's calls after its first. Off: every "
+             "bucket and call is negotiated by the background thread, as other collectives "
+             "are.",
     )  # fmt: skip
     optimizer_host_schedule: bool = _knob(
         kind="bool", parse=parse_bool, default=False, unit="",
