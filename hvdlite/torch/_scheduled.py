@@ -26,12 +26,14 @@ from hvdlite._runtime_api import Slot
 from hvdlite._torchref import numpy_dtype, stream_of
 from hvdlite.torch._buckets import Bucket
 
-__all__ = ["ScheduledBuckets", "open_scheduled", "slots"]
+__all__ = ["ScheduledBuckets", "open_scheduled", "slots", "wire_name"]
 
 _WIRE_NAMES = {torch.bfloat16: "bfloat16"}
 
 
-def _wire_name(dtype: torch.dtype) -> str | None:
+def wire_name(dtype: torch.dtype) -> str | None:
+    """The name a slot gives ``dtype`` (a NumPy dtype name, or ``"bfloat16"``); None for a
+    type neither knows."""
     np_dtype = numpy_dtype(dtype)
     return _WIRE_NAMES.get(dtype) or (np_dtype.name if np_dtype is not None else None)
 
@@ -63,7 +65,7 @@ def slots(buckets: Sequence[Bucket], wires: Sequence[torch.dtype], op: Any, pre:
           post: float) -> list[Slot]:
     """What every rank must agree on for each bucket: name, size, the type it travels as
     (``wires``), op, factors."""
-    return [Slot(b.name, sum(p.numel() for p in b.params), _wire_name(w) or str(w),
+    return [Slot(b.name, sum(p.numel() for p in b.params), wire_name(w) or str(w),
                  int(ReduceOp(op)), pre, post) for b, w in zip(buckets, wires, strict=True)]
 
 

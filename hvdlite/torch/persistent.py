@@ -37,7 +37,7 @@ from hvdlite._ops import ReduceOp
 from hvdlite._runtime_api import Slot
 from hvdlite._torchref import stream_of
 from hvdlite.errors import HvdliteError
-from hvdlite.torch._scheduled import _wire_name
+from hvdlite.torch._scheduled import wire_name
 from hvdlite.torch.basics import resolve_op
 from hvdlite.torch.functional_ops import grouped_allreduce
 from hvdlite.torch.process_sets import global_process_set, resolve
@@ -69,7 +69,7 @@ class PersistentGroupedAllreduce:
         self._flat = torch.empty(sum(sizes), dtype=first.dtype, device=first.device)
         self.outputs: list[torch.Tensor] = [
             v.view(t.shape) for v, t in zip(self._flat.split(sizes), self.tensors, strict=True)]
-        wire = _wire_name(first.dtype) or str(first.dtype)
+        wire = wire_name(first.dtype) or str(first.dtype)
         slot = Slot(name, self._flat.numel(), wire, int(op), pre, post)
         runtime.check_agreed(
             f"{_WHAT}[{name}]",
@@ -100,6 +100,12 @@ class PersistentGroupedAllreduce:
         if self._op == ReduceOp.ADASUM:
             return "Adasum is not an allreduce a schedule runs"
         return ""
+
+    @property
+    def agreed_schedule(self) -> Any:
+        """The runtime's agreed schedule the calls launch on (from the second call), or None
+        (before it, or where the members cannot: see :attr:`unscheduled_reason`)."""
+        return self._schedule
 
     @property
     def scheduled(self) -> bool:

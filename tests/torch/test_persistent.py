@@ -51,7 +51,7 @@ def test_each_call_reduces_the_tensors_current_values_on_the_schedule(hvd: Any,
             else:
                 np.testing.assert_allclose(g.numpy(), want, rtol=1e-6)
         assert group.scheduled, group.unscheduled_reason
-    assert group._schedule.launches == 3  # every call after the first
+    assert group.agreed_schedule.launches == 3  # every call after the first
 
 
 def test_prescale_and_postscale_apply_as_grouped_allreduce_applies_them(hvd: Any) -> None:
