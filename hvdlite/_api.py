@@ -38,27 +38,27 @@ def init(comm: MPI.Intracomm | None = None, *, config: str | None = None,
     :class:`hvdlite.ConfigError` for unknown knobs or bad values.
     """
     global _atexit_registered
-    with _engine._default_lock:
-        current = _engine._default
-        if (current is not None and not current.scheduler.stopped
-                and current.scheduler.error is None):
-            return
+
+    def make() -> Engine:
         cfg = load_config(config, overrides)
         from hvdlite._sets import ProcessSet
 
         sets = [ps if isinstance(ps, ProcessSet) else ProcessSet(ps) for ps in process_sets or ()]
-        _engine._default = Engine(comm, cfg, [ps.ranks for ps in sets])
+        engine = Engine(comm, cfg, [ps.ranks for ps in sets])
         for set_id, ps in enumerate(sets, start=1):  # as Engine numbered them
             ps.process_set_id = set_id
-        if not _atexit_registered:
-            # Registered after mpi4py's own exit hook, so it runs before MPI is finalised.
-            atexit.register(_shutdown_at_exit)
-            _atexit_registered = True
+        return engine
+
+    if not _engine.start_default(make):
+        return
+    if not _atexit_registered:
+        # Registered after mpi4py's own exit hook, so it runs before MPI is finalised.
+        atexit.register(_shutdown_at_exit)
+        _atexit_registered = True
 
 
 def _shutdown_at_exit() -> None:
-    with _engine._default_lock:
-        engine, _engine._default = _engine._default, None
+    engine = _engine.take_default()
     if engine is not None:
         engine.shutdown(at_exit=True)
 
@@ -70,8 +70,7 @@ def shutdown() -> None:
     (here and on the other ranks) fail with :class:`hvdlite.ShutdownError`. Idempotent; also
     runs at interpreter exit. Afterwards :func:`init` may be called again.
     """
-    with _engine._default_lock:
-        engine, _engine._default = _engine._default, None
+    engine = _engine.take_default()
     if engine is not None:
         engine.shutdown()
 

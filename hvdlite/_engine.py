@@ -333,6 +333,29 @@ _default: Engine | None = None
 _default_lock = threading.Lock()
 
 
+def start_default(make: Callable[[], Engine]) -> bool:
+    """Install ``make()`` as the process's default engine unless a healthy one runs (neither
+    stopped nor failed); True if it made one. ``make`` runs under the lock, so concurrent
+    ``init()`` calls make one engine."""
+    global _default
+    with _default_lock:
+        current = _default
+        if (current is not None and not current.scheduler.stopped
+                and current.scheduler.error is None):
+            return False
+        _default = make()
+        return True
+
+
+def take_default() -> Engine | None:
+    """Detach the default engine and return it (None if there is none): the first half of a
+    shutdown, after which ``default_engine()`` raises ``NotInitializedError``."""
+    global _default
+    with _default_lock:
+        engine, _default = _default, None
+    return engine
+
+
 def default_engine() -> Engine:
     """The running default engine, or :class:`hvdlite.NotInitializedError`."""
     engine = _default

@@ -249,7 +249,7 @@ class Alarm(Exception):
 def ring(*_):
     raise Alarm()
 signal.signal(signal.SIGALRM, ring)
-driver = _engine._default.scheduler
+driver = _engine.default_engine().scheduler
 plain = driver.cycle
 fired = []
 def cycle(caller):
@@ -297,7 +297,7 @@ signal.signal(signal.SIGALRM, ring)
 x = np.ones(2)
 for _ in range(3):  # the lane is cached: the next call takes the immediate path
     hvd.allreduce(x, name="repeat", op=hvd.Sum)
-neg = _engine._default.global_channel.negotiator
+neg = _engine.default_engine().global_channel.negotiator
 plain = neg.round_alone
 callers = []
 def round_alone(*args):
