@@ -12,7 +12,11 @@
 #
 # Steps (`all`, the default, runs them in this order; groups `nccl` and `rest` split it in two
 # device commands when one is not enough; run both with the same HVDLITE_BENCH_COMMIT and
-# tally the two OUT folders together):
+# tally the two OUT folders together; group `suite` is issue 38's "GPU suite in both modes and
+# the watchdog": nccl's steps and `jobs`, about 300 s at 2 GPUs, so three consecutive runs are
+# `for k in 1 2 3; do OUT=$OUT/run$k scripts/gpu/gpu_tests.sh suite; done` over two device
+# commands; a run is green when every step exited 0 and no test failed (its tally says
+# INCOMPLETE for the tests only the other steps run, and exits 3)):
 #   gpu-sync gpu-async        tests/gpu at NP ranks, HVDLITE_ENABLE_ASYNC_COMPLETION=0 / 1  } nccl
 #   torch-sync torch-async    `-m gpu tests/torch` at NP ranks (the captured step too)      }
 #   shared-sync shared-async  tests/gpu at NP ranks, CUDA_VISIBLE_DEVICES=0: IPC           } rest
@@ -61,12 +65,14 @@ for a in "$@"; do
   case $a in
     all) STEPS+=("${ALL[@]}") ;;
     nccl) STEPS+=(gpu-sync gpu-async torch-sync torch-async) ;;
+    suite) STEPS+=(gpu-sync gpu-async torch-sync torch-async jobs) ;;
     rest) STEPS+=(shared-sync shared-async shared-torch-sync shared-torch-async np1-sync np1-async
                   jobs) ;;
     gpu-sync|gpu-async|torch-sync|torch-async|shared-sync|shared-async|shared-torch-sync| \
     shared-torch-async|np1-sync|np1-async|jobs)
       STEPS+=("$a") ;;
-    *) echo "unknown step or group '$a'; steps: ${ALL[*]}; groups: all nccl rest" >&2; exit 2 ;;
+    *) echo "unknown step or group '$a'; steps: ${ALL[*]}; groups: all nccl rest suite" >&2
+       exit 2 ;;
   esac
 done
 
