@@ -27,6 +27,7 @@ they change. What it returns is the same tensors every replay, overwritten by ea
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -119,7 +120,8 @@ class GraphedStep:
 
 def make_graphed_step(step_fn: Callable[..., Any], *static_inputs: torch.Tensor,
                       optimizer: Any = None, warmup_steps: int = 3, pool: Any = None,
-                      name: str = "graphed_step") -> GraphedStep:
+                      name: str = "graphed_step",
+                      debug_dump: str | os.PathLike[str] | None = None) -> GraphedStep:
     """Capture ``step_fn(*static_inputs)``, one whole training step, as one CUDA graph.
 
     Collective over the members of each ``optimizer``'s process set (every rank captures
@@ -134,6 +136,10 @@ def make_graphed_step(step_fn: Callable[..., Any], *static_inputs: torch.Tensor,
     instead. Other hvdlite collectives cannot be captured (they are negotiated on the host at
     run time): called inside ``step_fn`` during the capture they raise ``HvdliteError``.
     ``pool``: a graph memory pool handle to share (``torch.cuda.graph_pool_handle()``).
+    ``debug_dump``: a path to write the captured graph to as Graphviz DOT (CUDA's
+    ``cudaGraphDebugDotPrint``, through torch's ``CUDAGraph.debug_dump``): every node, the
+    buckets' NCCL kernels among them, and their dependencies (``scripts/gpu/graph_overlap.py``
+    tells which backward kernels each NCCL kernel may overlap).
 
     Async completion is moot inside a graph (every wait in it is a stream wait). The timeline
     records each replay as one span ``GRAPH_REPLAY`` on the track ``name``; ``hvd.stats()``
@@ -141,6 +147,9 @@ def make_graphed_step(step_fn: Callable[..., Any], *static_inputs: torch.Tensor,
     the old world's communicators). Blocking: returns once captured. Raises
     :class:`~hvdlite.MismatchError` on every rank if ranks captured different launches.
     """
+    if debug_dump is not None and not isinstance(debug_dump, (str, os.PathLike)):
+        raise TypeError(f"make_graphed_step: debug_dump must be a path (str or os.PathLike), "
+                        f"got {type(debug_dump).__name__}")
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 2:
         raise ValueError(f"make_graphed_step: warmup_steps must be an int >= 2, got "
                          f"{warmup_steps!r}")
@@ -165,9 +174,13 @@ def make_graphed_step(step_fn: Callable[..., Any], *static_inputs: torch.Tensor,
             schedules.append(schedule)
     before = [s.launches for s in schedules]
     graph = torch.cuda.CUDAGraph()
+    if debug_dump is not None:
+        graph.enable_debug_mode()  # keeps the graph after instantiation, for debug_dump
     with runtime.capture(schedules), \
             torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         outputs = step_fn(*inputs)
+    if debug_dump is not None:
+        graph.debug_dump(os.fspath(debug_dump))
     # Every rank shows what it captured (per optimizer: its buckets and how many launches the
     # capture took): MismatchError on every rank if they differ, before any replay.
     launches = iter([s.launches - n for s, n in zip(schedules, before, strict=True)])

@@ -160,6 +160,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "captured plain step without communication (the captured limit) and a "
                         "captured plain step with one flat allreduce after backward (compiled "
                         "models under --compile on)")
+    p.add_argument("--graph-dump", metavar="DIR", default="",
+                   help="with --captured: rank 0 writes each captured variant's CUDA graph as "
+                        "DOT into DIR (scripts/gpu/graph_overlap.py reads them)")
     p.add_argument("--no-neg", action="store_true",
                    help="leave out the optimizer_schedule-off variant")
     p.add_argument("--no-cuda", action="store_true", help="CPU: gloo for DDP, MPI for hvdlite")
@@ -320,10 +323,12 @@ class Runner:
         if self.graph is not None:
             self.graph()
             return
+        dump = self._dump_path()
         if self.kind in (HVD_G, HVD_GR):  # as a user writes it
             self.graph = self.env.hvd.make_graphed_step(lambda: self._eager_step(),
                                                         optimizer=self.opt,
-                                                        warmup_steps=CAPTURE_WARMUP)
+                                                        warmup_steps=CAPTURE_WARMUP,
+                                                        debug_dump=dump)
             return
         side = torch.cuda.Stream()  # torch's recipe: warm up on a side stream, then capture
         side.wait_stream(torch.cuda.current_stream())
@@ -332,9 +337,26 @@ class Runner:
                 self._eager_step()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
+        if dump is not None:
+            graph.enable_debug_mode()
         with torch.cuda.graph(graph):
             self._eager_step()
+        if dump is not None:
+            graph.debug_dump(dump)
         self.graph = graph.replay
+
+    def _dump_path(self) -> str | None:
+        """--graph-dump: rank 0's captured graph of this variant as DOT (the first capture of
+        the launch only: the correctness pass's)."""
+        root = self.env.args.graph_dump
+        if not root or self.env.rank != 0:
+            return None
+        short = next(k for k, v in SHORT.items() if v == self.kind)
+        path = Path(root) / f"{self.env.args.model}_{short}.dot"
+        if path.exists():
+            return None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return str(path)
 
     def step(self) -> None:
         if self.idle:

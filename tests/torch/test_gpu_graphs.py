@@ -9,6 +9,8 @@ peer gone during replays; the example's CPU fallback), are in ``tests/test_captu
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -228,3 +230,25 @@ def _optimizer_of(hvd: Any, params: list[torch.nn.Parameter], tag: str) -> Any:
             torch.optim.SGD(params, lr=0.0),
             named_parameters=[(f"{tag}.{k}", p) for k, p in enumerate(params)],
             bucket_cap_mb=800 / 2**20)
+
+
+def test_debug_dump_writes_the_graph_with_its_buckets_nccl_kernels(hvd: Any,
+                                                                    tmp_path: Path) -> None:
+    """``make_graphed_step(debug_dump=...)`` writes the captured graph as DOT, the buckets'
+    NCCL kernels among its nodes (at least one per bucket launch); the table of what each may
+    overlap (scripts/gpu/graph_overlap.py) is printed for the record."""
+    if not _lane_expected(hvd):
+        pytest.skip("ranks sharing a GPU cannot capture (see the first test)")
+    dev = _device(hvd)
+    model = _model(dev)
+    opt = _optimizer(hvd, model, "dump")
+    sx, sy = _batch(0, hvd.rank(), dev)
+    path = tmp_path / f"step_{hvd.rank()}.dot"
+    hvd.make_graphed_step(_mse_step(model, opt), sx, sy, optimizer=opt, debug_dump=path)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "gpu"))
+    import graph_overlap
+
+    rows = graph_overlap.overlap(graph_overlap.parse(path.read_text()))
+    print(f"[rank {hvd.rank()}] {len(opt.bucket_names)} buckets; NCCL nodes (node, concurrent "
+          f"kernels, before, after): {rows}")
+    assert len(rows) >= len(opt.bucket_names), (rows, opt.bucket_names)

@@ -1,0 +1,51 @@
+"""scripts/gpu/graph_overlap.py on DOT text of the shape CUDA's cudaGraphDebugDotPrint writes:
+which kernels an NCCL kernel node may overlap, from the graph's dependencies alone."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "gpu"))
+
+import graph_overlap  # noqa: E402
+
+
+def _node(i: int, kind: str, name: str) -> str:
+    return (f'"graph_0_node_{i}"[style="solid" shape="rectangle" label="{i}\n{kind}\n'
+            f'ID | {i} | {name}\ngrid | (1,1,1)"];\n')
+
+
+def _dot(nodes: list[str], edges: list[tuple[int, int]]) -> str:
+    body = "".join(nodes) + "".join(f'"graph_0_node_{a}" -> "graph_0_node_{b}";\n'
+                                    for a, b in edges)
+    return f'digraph dot {{\nsubgraph cluster_0 {{\nlabel="graph_0";\n{body}}}\n}}\n'
+
+
+def test_a_forked_allreduce_overlaps_the_kernels_after_its_fork() -> None:
+    # backward b0 -> b1 -> b2 -> b3 -> step; the bucket's copy forks after b1 (its READY),
+    # its NCCL kernel runs beside b2 and b3, and the step joins it.
+    nodes = [_node(0, "KERNEL", "b0"), _node(1, "KERNEL", "b1"), _node(2, "KERNEL", "b2"),
+             _node(3, "KERNEL", "b3"), _node(4, "EVENT_RECORD", "ready"),
+             _node(5, "KERNEL", "ncclDevKernel_AllReduce_Sum_f32_RING_LL"),
+             _node(6, "KERNEL", "sgd_step")]
+    edges = [(0, 1), (1, 2), (2, 3), (3, 6), (1, 4), (4, 5), (5, 6)]
+    graph = graph_overlap.parse(_dot(nodes, edges))
+    assert graph_overlap.overlap(graph) == [("graph_0_node_5", 2, 2, 1)]
+
+
+def test_an_allreduce_after_backward_overlaps_nothing(tmp_path: Path) -> None:
+    nodes = [_node(0, "KERNEL", "b0"), _node(1, "KERNEL", "b1"),
+             _node(2, "KERNEL", "ncclDevKernel_AllReduce"), _node(3, "KERNEL", "sgd_step")]
+    path = tmp_path / "flat.dot"
+    path.write_text(_dot(nodes, [(0, 1), (1, 2), (2, 3)]))
+    text, ok = graph_overlap.report(path)
+    assert ok and "graph_0_node_2" in text
+    assert graph_overlap.overlap(graph_overlap.parse(path.read_text())) == [
+        ("graph_0_node_2", 0, 2, 1)]
+
+
+def test_a_graph_without_nccl_or_a_missing_file_is_said(tmp_path: Path) -> None:
+    path = tmp_path / "plain.dot"
+    path.write_text(_dot([_node(0, "KERNEL", "b0")], []))
+    assert graph_overlap.main([str(path), str(tmp_path / "gone.dot")]) == 1
