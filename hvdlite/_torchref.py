@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,7 +24,7 @@ import torch
 
 from hvdlite._tensorref import Ring, TensorRef, label
 
-__all__ = ["Edge", "array_of", "ref_of", "edge", "entry_of", "views", "counter", "stream_of",
+__all__ = ["Edge", "array_of", "ref_of", "entry_of", "views", "counter", "stream_of",
            "to_torch", "numpy_dtype"]
 
 # torch dtype -> NumPy type string; bfloat16 and the float8 types have no NumPy twin.
@@ -35,7 +35,6 @@ _TYPESTR: dict[torch.dtype, str] = {
 }
 _NP_DTYPE = {k: np.dtype(v) for k, v in _TYPESTR.items()}
 _CUDA_NAMES = tuple(f"cuda:{i}" for i in range(16))
-_MAX_STREAMS = 64  # torch streams remembered (a program uses a few per device)
 
 
 def numpy_dtype(dtype: torch.dtype) -> np.dtype[Any] | None:
@@ -74,7 +73,10 @@ class Edge:
 
 
 _views: dict[int, Edge] = {}
-# The bare lookup by ``id(tensor)``: an entry still to be checked against its tensor (edge()).
+# The bare lookup by ``id(tensor)``: an entry still to be checked against its tensor (its
+# memory, shape, dtype and contiguity, as views() checks them) before it is used; the per-call
+# path of hvdlite/torch/mpi_ops.py inlines that check and reads the dtype and the device from
+# the entry instead of from the tensor.
 entry_of: Callable[[int], Edge | None] = _views.get
 
 
@@ -91,19 +93,6 @@ def _lookup(t: torch.Tensor) -> Edge | None:
     entry = _views.get(id(t))
     if (entry is not None and entry.ptr == t.data_ptr() and entry.shape == t.shape
             and entry.dtype is t.dtype and t.is_contiguous() and entry.alive() is t):
-        return entry
-    return None
-
-
-def edge(t: Any) -> Edge | None:
-    """``t``'s cache entry if ``t`` still holds the memory its array covers, else None (not
-    seen yet, or its memory, shape, dtype or contiguity changed): the single-tensor form of
-    :func:`views`, for a frontend that also reads the dtype and the device from the entry
-    instead of from the tensor (``hvdlite/torch/mpi_ops.py`` inlines it, with
-    :data:`entry_of`, in its per-call path)."""
-    entry = _views.get(id(t))
-    if (entry is not None and entry.ptr == t.data_ptr() and entry.shape == t.shape
-            and entry.dtype is t.dtype and t.is_contiguous()):
         return entry
     return None
 
@@ -238,7 +227,9 @@ def _cupy_view(t: torch.Tensor, storage: Any, shape: tuple[int, ...]) -> Any:
 
 
 _raw_stream: Callable[[int], int] | None = None  # torch's current stream, as a handle
-_streams: dict[tuple[int, int], Any] = {}  # (device, handle) -> its CuPy stream object
+# (device, handle) -> its CuPy stream object: the runtime's bounded table
+# (hvdlite/_gpu/runtime.py's torch_streams), bound at the first CUDA call.
+_streams: Mapping[tuple[int, int], Any] = {}
 
 
 def stream_of(device_id: int) -> Any:
@@ -254,16 +245,13 @@ def stream_of(device_id: int) -> Any:
 
 
 def _new_stream(device_id: int) -> Any:
-    global _raw_stream
-    from hvdlite._gpu.runtime import current_stream
+    global _raw_stream, _streams
+    from hvdlite._gpu import runtime
 
-    stream = current_stream("torch", device_id)
+    stream = runtime.current_stream("torch", device_id)  # kept in runtime.torch_streams
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
     if raw is not None:  # else every call asks runtime.current_stream
-        _raw_stream = raw
-        if len(_streams) >= _MAX_STREAMS:  # streams made per step: keep the table bounded
-            _streams.clear()
-        _streams[(device_id, raw(device_id))] = stream
+        _raw_stream, _streams = raw, runtime.torch_streams
     return stream
 
 

@@ -39,7 +39,7 @@ from hvdlite._observe.tracer import Tracer
 from hvdlite._vocab.entry import finish_all
 from hvdlite.errors import BackendUnavailableError
 
-__all__ = ["GpuRuntime", "import_cupy", "current_stream"]
+__all__ = ["GpuRuntime", "current_stream", "import_cupy", "torch_streams"]
 
 log = logging.getLogger("hvdlite")
 
@@ -63,7 +63,7 @@ def import_cupy() -> Any:
 
 # torch streams as CuPy objects, by (device, raw handle); bounded: a program may make a new
 # stream every step (a reused handle names the same CUDA stream, so a kept entry stays right).
-_torch_streams: Bounded[tuple[int, int], Any] = Bounded(256)
+torch_streams: Bounded[tuple[int, int], Any] = Bounded(256)
 
 
 def current_stream(framework: str, device_id: int) -> Any:
@@ -78,10 +78,10 @@ def current_stream(framework: str, device_id: int) -> Any:
         handle = (raw(device_id) if raw is not None
                   else torch.cuda.current_stream(device_id).cuda_stream)
         key = (device_id, handle)
-        stream = _torch_streams.get(key)
+        stream = torch_streams.get(key)
         if stream is None:
             stream = cupy.cuda.ExternalStream(handle, device_id)
-            _torch_streams.keep(key, stream)
+            torch_streams.keep(key, stream)
         return stream
     return cupy.cuda.get_current_stream(device_id)
 

@@ -86,9 +86,9 @@ def allreduce_one(t: Any, name: str | None, op: ReduceOp, pre: Any, post: Any,
     ``DistributedOptimizer``; ``op`` already resolved. ``inplace``: the result is written
     into ``t``. The tensor goes the core's one route (``hvdlite/_submit.py``): its cached
     array at the edge, its name's lane, recycled result tensors, the core's handle."""
-    # The tensor's cached view, checked (its memory, shape, dtype, contiguity: _torchref.edge,
-    # inlined): what the call needs to know of the tensor (its dtype, device and array) is
-    # read from it, not from torch again.
+    # The tensor's cached view, checked (its memory, shape, dtype, contiguity, as
+    # _torchref.views checks a grouped call's): what the call needs to know of the tensor (its
+    # dtype, device and array) is read from it, not from torch again.
     seen = _entry_of(id(t)) if process_set is _GLOBAL else None
     if (seen is None or seen.ptr != t.data_ptr() or seen.shape != t.shape
             or seen.dtype is not t.dtype or not t.is_contiguous()
