@@ -82,6 +82,14 @@ if command -v nvidia-smi >/dev/null; then
   GPUS=$(timeout 30 nvidia-smi -L | grep -c '^GPU')
   DEVICE="$GPUS x $(timeout 30 nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 fi
+# A CUDA_VISIBLE_DEVICES given from outside (two runs side by side on disjoint GPUs of one
+# host) is the run's set of GPUs: its count, and its first GPU for the shared steps.
+FIRST_GPU=0
+if [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then
+  IFS=, read -r -a _vis <<< "$CUDA_VISIBLE_DEVICES"
+  GPUS=${#_vis[@]} FIRST_GPU=${_vis[0]}
+  DEVICE="$DEVICE, CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES"
+fi
 TREE="${HVDLITE_BENCH_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 if [[ -z "$HVDLITE_BENCH_COMMIT" ]] \
    && [[ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]]; then
@@ -181,14 +189,14 @@ step() {  # step NAME LIMIT_S NP|- ASYNC PYTEST_ARGS... : one pytest run, its ta
   return 0
 }
 
-shared() {  # shared NAME LIMIT_S ASYNC PYTEST_ARGS... : every rank on GPU 0 (n/a on one GPU)
+shared() {  # shared NAME LIMIT_S ASYNC PYTEST_ARGS... : every rank on the first GPU (n/a on one)
   local name=$1 limit=$2 async=$3
   shift 3
   if ((GPUS < 2)); then
     STATUS+=("n/a     $name: one GPU, so the steps above already ran the ranks on one GPU")
     return
   fi
-  CUDA_VISIBLE_DEVICES=0 step "$name" "$limit" "$NP" "$async" "$@"
+  CUDA_VISIBLE_DEVICES=$FIRST_GPU step "$name" "$limit" "$NP" "$async" "$@"
 }
 
 for s in "${STEPS[@]}"; do
