@@ -239,16 +239,25 @@ def rank_one_named(out: str, how: str) -> str:
     return named.group(0)
 
 
+def job_ranks() -> int:
+    """Ranks of the failure jobs: ``HVDLITE_TEST_JOB_RANKS`` (default 2; the GPU script sets
+    it to its NP, so a 4-GPU host runs them with three survivors)."""
+    raw = os.environ.get("HVDLITE_TEST_JOB_RANKS", "2")
+    if not raw.isdigit() or int(raw) < 2:
+        raise ValueError(f"HVDLITE_TEST_JOB_RANKS must be an integer >= 2, got {raw!r}")
+    return int(raw)
+
+
 def rank_one_goes(tmp_path: Path, job: str, how: str, label: str) -> None:
     """Run ``job`` (a script that writes the time rank 1 goes to its first argument, then
-    goes ``how``) as a 2-rank ``hvdliterun`` job: it must end with an error within
-    ``GONE_BOUND_S`` of rank 1 going, hvdlite naming rank 1 (:func:`rank_one_named`), with no
-    traceback through hvdlite's code for a SIGKILL (a raising rank prints its own, as Python
-    does)."""
+    goes ``how``) as an ``hvdliterun`` job of :func:`job_ranks` ranks: it must end with an
+    error within ``GONE_BOUND_S`` of rank 1 going, hvdlite naming rank 1
+    (:func:`rank_one_named`), with no traceback through hvdlite's code for a SIGKILL (a
+    raising rank prints its own, as Python does)."""
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(job), encoding="utf-8")
     stamp = tmp_path / "gone"
-    code, out = run_group([sys.executable, "-m", "hvdlite.run", "-np", "2", "--",
+    code, out = run_group([sys.executable, "-m", "hvdlite.run", "-np", str(job_ranks()), "--",
                            sys.executable, str(script), str(stamp)], clean_env(), 90.0)
     ended = time.time()
     assert code is not None and code != 0, out

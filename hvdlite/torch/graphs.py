@@ -28,6 +28,7 @@ they change. What it returns is the same tensors every replay, overwritten by ea
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -118,6 +119,31 @@ class GraphedStep:
                 dst.copy_(src, non_blocking=True)
 
 
+def _kept_graph() -> tuple[torch.cuda.CUDAGraph, bool]:
+    """A graph whose cudaGraph_t outlives the capture, so that it can be written as DOT.
+    torch 2.11's debug mode alone no longer keeps it (its ``debug_dump`` found no graph on the
+    GPU machine, run 79); ``keep_graph`` (torch >= 2.9) does, and instantiates at the first
+    replay unless asked before (``_dump`` asks). Returns the graph and whether it is kept."""
+    try:
+        graph, kept = torch.cuda.CUDAGraph(keep_graph=True), True
+    except TypeError:  # an older torch: debug mode keeps the graph there
+        graph, kept = torch.cuda.CUDAGraph(), False
+    graph.enable_debug_mode()
+    return graph, kept
+
+
+def _dump(graph: torch.cuda.CUDAGraph, kept: bool, path: str) -> None:
+    graph.debug_dump(path)
+    if kept:
+        graph.instantiate()  # now, not inside the first replay the caller may time
+    if not os.path.exists(path):
+        # Not raised: every rank dumps, and a rank raising here would leave its peers in the
+        # capture check below until the stall timeout.
+        warnings.warn(f"make_graphed_step: torch {torch.__version__} wrote no graph to "
+                      f"{path!r} (CUDAGraph.debug_dump); the step is captured and runs",
+                      RuntimeWarning, stacklevel=3)
+
+
 def make_graphed_step(step_fn: Callable[..., Any], *static_inputs: torch.Tensor,
                       optimizer: Any = None, warmup_steps: int = 3, pool: Any = None,
                       name: str = "graphed_step",
@@ -173,14 +199,12 @@ def make_graphed_step(step_fn: Callable[..., Any], *static_inputs: torch.Tensor,
         if schedule is not None:
             schedules.append(schedule)
     before = [s.launches for s in schedules]
-    graph = torch.cuda.CUDAGraph()
-    if debug_dump is not None:
-        graph.enable_debug_mode()  # keeps the graph after instantiation, for debug_dump
+    graph, kept = (torch.cuda.CUDAGraph(), False) if debug_dump is None else _kept_graph()
     with runtime.capture(schedules), \
             torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         outputs = step_fn(*inputs)
     if debug_dump is not None:
-        graph.debug_dump(os.fspath(debug_dump))
+        _dump(graph, kept, os.fspath(debug_dump))
     # Every rank shows what it captured (per optimizer: its buckets and how many launches the
     # capture took): MismatchError on every rank if they differ, before any replay.
     launches = iter([s.launches - n for s, n in zip(schedules, before, strict=True)])

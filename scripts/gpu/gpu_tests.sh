@@ -23,7 +23,7 @@
 #   shared-torch-sync, -async `-m gpu tests/torch` likewise (a captured step refused clearly) }
 #   np1-sync np1-async        tests/gpu at 1 rank                                          }
 #   jobs                      tests/gpu/test_gpu_ipc_death.py tests/test_captured_step.py,  }
-#                             outside mpirun (they start their own jobs)                   }
+#                             outside mpirun (they start their own jobs, of NP ranks)      }
 # On one GPU the shared steps are the gpu steps again and are left out.
 #
 # Kept under $OUT (default /tmp/hvdlite_gpu_tests): gpu_tests.log (everything), <step>.log
@@ -211,7 +211,8 @@ for s in "${STEPS[@]}"; do
     shared-torch-async) shared shared-torch-async 150 1 -m gpu tests/torch ;;
     np1-sync) step np1-sync 200 1 0 tests/gpu ;;
     np1-async) step np1-async 200 1 1 tests/gpu ;;
-    jobs) step jobs 300 - 0 tests/gpu/test_gpu_ipc_death.py tests/test_captured_step.py ;;
+    jobs) HVDLITE_TEST_JOB_RANKS=$((NP < 2 ? 2 : NP)) \
+            step jobs 300 - 0 tests/gpu/test_gpu_ipc_death.py tests/test_captured_step.py ;;
   esac
 done
 
