@@ -20,12 +20,15 @@ from __future__ import annotations
 import re
 import sys
 from collections import defaultdict
+from itertools import pairwise
 from pathlib import Path
 from typing import NamedTuple
 
-_NODE = re.compile(r'"([^"]+)"\s*\[(.*?)\]\s*;', re.S)
-_EDGE = re.compile(r'"([^"]+)"\s*->\s*"([^"]+)"')
-_LABEL = re.compile(r'label\s*=\s*"((?:[^"\\]|\\.)*)"', re.S)
+# DOT's tokens: a quoted string (escapes kept), an HTML string <...> (nesting), an edge
+# operator, a bracket, '=', ';', ',', braces, or a bare identifier or number. Comments dropped.
+_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"|->|--|[\[\]=;,{}]|[^\s\[\]=;,{}"<>-]+|-|<|>',
+                    re.S)
+_COMMENT = re.compile(r"/\*.*?\*/|^\s*(?://|#).*?$", re.S | re.M)
 
 
 class Graph(NamedTuple):
@@ -34,19 +37,82 @@ class Graph(NamedTuple):
     parents: dict[str, set[str]]
 
 
+def _tokens(text: str) -> list[str]:
+    out: list[str] = []
+    text = _COMMENT.sub(" ", text)
+    i = 0
+    while i < len(text):
+        if text[i] == "<":  # an HTML string: up to its matching '>'
+            depth, j = 0, i
+            while j < len(text):
+                depth += {"<": 1, ">": -1}.get(text[j], 0)
+                j += 1
+                if depth == 0:
+                    break
+            out.append(text[i:j])
+            i = j
+            continue
+        m = _TOKEN.match(text, i)
+        if m is None:
+            i += 1  # whitespace
+            continue
+        out.append(m.group(0))
+        i = m.end()
+    return out
+
+
+def _text(token: str) -> str:
+    if token.startswith('"') and token.endswith('"'):
+        return re.sub(r'\\(.)', lambda m: "\n" if m.group(1) in "nlr" else m.group(1),
+                      token[1:-1])
+    if token.startswith("<") and token.endswith(">"):
+        return token[1:-1]
+    return token
+
+
 def parse(text: str) -> Graph:
-    """The nodes (with their labels) and edges of a DOT graph as CUDA prints it."""
+    """The nodes (with their labels) and edges of a DOT graph: any statement layout (with or
+    without ';', attributes in any order, quoted, HTML or bare, brackets inside labels), as
+    CUDA's cudaGraphDebugDotPrint writes it in each of its modes."""
     labels: dict[str, str] = {}
-    for node, attrs in _NODE.findall(text):
-        found = _LABEL.search(attrs)
-        labels[node] = found.group(1) if found else attrs
     children: dict[str, set[str]] = defaultdict(set)
     parents: dict[str, set[str]] = defaultdict(set)
-    for a, b in _EDGE.findall(text):
-        children[a].add(b)
-        parents[b].add(a)
-        labels.setdefault(a, "")
-        labels.setdefault(b, "")
+    toks = _tokens(text)
+    keywords = {"digraph", "graph", "subgraph", "node", "edge", "strict"}
+    i = 0
+    while i < len(toks):
+        tok = toks[i]
+        if tok in "{};," or tok.lower() in keywords or tok in ("]", "["):
+            if tok == "[":  # attributes of graph/node/edge defaults: skipped
+                while i < len(toks) and toks[i] != "]":
+                    i += 1
+            i += 1
+            continue
+        if i + 1 < len(toks) and toks[i + 1] == "=":  # a graph attribute (label="...")
+            i += 3
+            continue
+        chain = [_text(tok)]  # a node, or the first of an edge chain a -> b -> c
+        i += 1
+        while i + 1 < len(toks) and toks[i] in ("->", "--"):
+            chain.append(_text(toks[i + 1]))
+            i += 2
+        attrs: dict[str, str] = {}
+        if i < len(toks) and toks[i] == "[":
+            i += 1
+            while i < len(toks) and toks[i] != "]":
+                if i + 2 < len(toks) and toks[i + 1] == "=":
+                    attrs[_text(toks[i]).lower()] = _text(toks[i + 2])
+                    i += 3
+                else:
+                    i += 1
+            i += 1
+        for node in chain:
+            labels.setdefault(node, "")
+        if len(chain) == 1:
+            labels[chain[0]] = attrs.get("label", " ".join(attrs.values()))
+        for a, b in pairwise(chain):
+            children[a].add(b)
+            parents[b].add(a)
     return Graph(labels, children, parents)
 
 

@@ -1,5 +1,6 @@
 """The captured step (``hvd.make_graphed_step``) on CUDA, inside an MPI job: replays equal eager
-hvdlite steps bit for bit, keep their buckets on the agreed schedule, refuse inputs of another
+hvdlite steps (bit for bit at two ranks; past two, to fp32 rounding: NCCL may sum in another
+order inside a graph), keep their buckets on the agreed schedule, refuse inputs of another
 shape, refuse a capture that differs between ranks, and refuse to replay after a re-init. Marked
 ``gpu``; at one rank through the N-rank path (``optimizer_size1_shortcut`` off: an NCCL
 communicator of one rank), at two ranks with a GPU each; two ranks sharing a GPU (CUDA IPC) get
@@ -9,6 +10,8 @@ peer gone during replays; the example's CPU fallback), are in ``tests/test_captu
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -107,7 +110,14 @@ def test_captured_steps_equal_eager_steps(hvd: Any) -> None:
     assert opt_c.agreed_schedule.launches == launches  # replays launch nothing from Python
     assert len({float(v) for v in losses}) > 1  # the replays read the new batches
     got, want = _flat(captured), _flat(eager)
-    assert torch.equal(got, want), (got - want).abs().max()
+    if hvd.size() <= 2:
+        assert torch.equal(got, want), (got - want).abs().max()
+    else:
+        # Past two ranks the sum's order is NCCL's choice of algorithm and channels, which a
+        # graph capture may make differently from an eager launch (run 80: 2.2e-08 at 4
+        # ranks): equal to fp32 rounding; the ranks stay bit-equal among themselves (below).
+        bound = 1e-6 * max(1.0, float(want.abs().max()))
+        assert float((got - want).abs().max()) <= bound, (got - want).abs().max()
     everyone = hvd.allgather(got.unsqueeze(0), name="graphs.params")
     assert all(torch.equal(everyone[0], row) for row in everyone)
 
@@ -248,7 +258,16 @@ def test_debug_dump_writes_the_graph_with_its_buckets_nccl_kernels(hvd: Any,
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "gpu"))
     import graph_overlap
 
-    rows = graph_overlap.overlap(graph_overlap.parse(path.read_text()))
+    text = path.read_text(encoding="utf-8", errors="replace")
+    keep = os.environ.get("HVDLITE_TEST_REPORT_DIR")
+    if keep:  # the GPU script brings its report folder back: the DOT goes with it
+        shutil.copy(path, Path(keep) / path.name)
+    graph = graph_overlap.parse(text)
+    rows = graph_overlap.overlap(graph)
     print(f"[rank {hvd.rank()}] {len(opt.bucket_names)} buckets; NCCL nodes (node, concurrent "
           f"kernels, before, after): {rows}")
-    assert len(rows) >= len(opt.bucket_names), (rows, opt.bucket_names)
+    kernels = [lab for lab in graph.labels.values() if graph_overlap.is_kernel(lab)]
+    assert len(rows) >= len(opt.bucket_names), (
+        f"{len(rows)} NCCL kernel nodes for {len(opt.bucket_names)} buckets; the DOT has "
+        f"{len(graph.labels)} nodes, {len(kernels)} kernels, e.g. {kernels[:2]}; its start: "
+        f"{text[:600]!r}")

@@ -49,3 +49,25 @@ def test_a_graph_without_nccl_or_a_missing_file_is_said(tmp_path: Path) -> None:
     path = tmp_path / "plain.dot"
     path.write_text(_dot([_node(0, "KERNEL", "b0")], []))
     assert graph_overlap.main([str(path), str(tmp_path / "gone.dot")]) == 1
+
+
+def test_any_statement_layout_is_read() -> None:
+    # No semicolons, brackets and escaped quotes inside record labels, an HTML label, an edge
+    # chain, comments, graph attributes: the same graph as the forked case above.
+    text = """digraph dot {
+    // cudaGraphDebugDotPrint, verbose
+    subgraph cluster_1 { label="graph_1" graph[style="dashed"]
+    "n0"[shape="record" label="{KERNEL | {ID | 0} | {fn | void k0<float>(a[2], \\"x\\")}}"]
+    "n1" [label=<<b>KERNEL</b> b1>]
+    "n2"[label="{KERNEL|b2}"] "n3"[label="{KERNEL|b3}"]
+    "n4"[label="{EVENT_RECORD|ready}"]
+    "n5"[label="{KERNEL|{fn|_Z23ncclDevKernel_AllReduce_Sum_f32_RING_LLP12ncclDevComm}}"]
+    "n6"[label="{KERNEL|sgd}"]
+    "n0" -> "n1" -> "n2" -> "n3" -> "n6"  /* backward, then the step */
+    "n1" -> "n4"; "n4" -> "n5"
+    "n5" -> "n6"
+    }}
+    """
+    graph = graph_overlap.parse(text)
+    assert graph_overlap.overlap(graph) == [("n5", 2, 2, 1)]
+    assert "k0<float>(a[2]" in graph.labels["n0"]
