@@ -94,7 +94,8 @@ class Variant:
                  **opt_kwargs: Any) -> None:
         self.name = name
         self.model: nn.Module = Tiny(n)
-        base = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        base: torch.optim.Optimizer = torch.optim.SGD(self.model.parameters(), lr=1e-3)
+        self.opt: torch.optim.Optimizer
         if ddp:
             self.model = nn.parallel.DistributedDataParallel(self.model)
             base = torch.optim.SGD(self.model.parameters(), lr=1e-3)
@@ -112,7 +113,8 @@ class Variant:
         self.opt.step()
 
     def grads(self) -> np.ndarray:
-        return np.array([float(p.grad) for p in self.model.parameters()], dtype=np.float32)
+        return np.array([float(p.grad) if p.grad is not None else np.nan
+                         for p in self.model.parameters()], dtype=np.float32)
 
 
 def main() -> None:

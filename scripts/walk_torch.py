@@ -59,11 +59,11 @@ def main() -> None:
             if not walk or walk[-1] != call:
                 walk.append(call)
 
-    threading.setprofile(hook)  # type: ignore[arg-type]
-    sys.setprofile(hook)  # type: ignore[arg-type]
+    threading.setprofile(hook)
+    sys.setprofile(hook)
     step()
     sys.setprofile(None)
-    threading.setprofile(None)  # type: ignore[arg-type]
+    threading.setprofile(None)
     if hvd.rank() == 0:
         for thread, walk in walks.items():
             print(f"thread {thread}:")
