@@ -71,3 +71,26 @@ def test_any_statement_layout_is_read() -> None:
     graph = graph_overlap.parse(text)
     assert graph_overlap.overlap(graph) == [("n5", 2, 2, 1)]
     assert "k0<float>(a[2]" in graph.labels["n0"]
+
+
+def _record(i: int, fn: str) -> str:
+    # The layout cudaGraphDebugDotPrint (CUDA 13, verbose) writes: a record label over several
+    # lines, escaped launch brackets, a node handle table; edges carry attributes of their own
+    # (the first parser took those for nodes and found no NCCL kernel: gpu-validation run 80).
+    return (f'"graph_4_node_{i}"[style="bold" shape="record" label="{{KERNEL\n'
+            f'| {{ID | {i} (topoId: {9 - i}) | {fn}\\<\\<\\<24,544,82240\\>\\>\\>}}\n'
+            '| {{node handle | func handle} | {0x00000000510E77B8 | 0x000000003565F660}}\n'
+            '| {cooperative | 0}\n| {priority | 0}\n}"];\n\n')
+
+
+def test_cudas_record_layout_is_read() -> None:
+    nccl = "_Z39ncclDevKernel_AllReduce_Sum_f32_RING_LL24ncclDevKernelArgsStorageILm4096EE"
+    body = "".join(_record(i, nccl if i == 2 else f"_ZN2at6native6kernel{i}Ev")
+                    for i in range(5))
+    edges = "".join(f'"graph_4_node_{a}" -> "graph_4_node_{b}" [headlabel=0];\n'
+                    for a, b in [(0, 1), (1, 2), (1, 3), (3, 4), (2, 4)])
+    text = (f'digraph dot {{\nsubgraph cluster_4 {{\nlabel="graph_4" graph[style="dashed"];\n'
+            f"{body}{edges}}}\n}}\n")
+    graph = graph_overlap.parse(text)
+    assert sum(map(graph_overlap.is_kernel, graph.labels.values())) == 5
+    assert graph_overlap.overlap(graph) == [("graph_4_node_2", 1, 2, 1)]
