@@ -164,6 +164,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--graph-dump", metavar="DIR", default="",
                    help="with --captured: rank 0 writes each captured variant's CUDA graph as "
                         "DOT into DIR (scripts/gpu/graph_overlap.py reads them)")
+    p.add_argument("--kernel-trace", metavar="DIR", default="",
+                   help="after timing, each variant's --batches-per-iter steps once more under "
+                        "torch.profiler (CUDA kernels): every rank's Chrome trace into DIR, and "
+                        "how much of the NCCL kernels' time ran beside other kernels "
+                        "(scripts/gpu/kernel_overlap.py), rank 0's, in the report")
     p.add_argument("--no-neg", action="store_true",
                    help="leave out the optimizer_schedule-off variant")
     p.add_argument("--no-cuda", action="store_true", help="CPU: gloo for DDP, MPI for hvdlite")
@@ -189,6 +194,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("sizes and counts must be positive")
     if args.captured and args.no_cuda:
         p.error("--captured needs CUDA (a captured step is a CUDA graph); leave out --no-cuda")
+    if args.kernel_trace and args.no_cuda:
+        p.error("--kernel-trace traces CUDA kernels; leave out --no-cuda")
     if args.captured and args.check_steps < CAPTURE_WARMUP:
         p.error(f"--captured needs --check-steps >= {CAPTURE_WARMUP} (a captured variant's "
                 "first call runs that many eager steps)")
@@ -441,6 +448,7 @@ class Env:
         torch.manual_seed(args.seed)
         model = build_model(torch, args.model).to(self.device)
         self.init_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.kernel_overlap: dict[str, dict[str, float]] = {}  # --kernel-trace's, this rank
         self.n_params = sum(p.numel() for p in model.parameters())
         self.grad_shapes = [tuple(p.shape) for p in model.parameters()]
         init = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -637,10 +645,36 @@ def time_training(env: Env) -> dict[str, np.ndarray]:
 
     times = gl.time_round_robin(env.comm, {k: rounds(r) for k, r in runners.items()}, args.iters, 0,
                                 rotate=True)
+    env.kernel_overlap = trace_kernels(env, runners) if args.kernel_trace else {}
     del runners
     if env.cuda:
         torch.cuda.empty_cache()
     return times
+
+
+def trace_kernels(env: Env, runners: dict[str, Runner]) -> dict[str, dict[str, float]]:
+    """--kernel-trace: each variant's ``--batches-per-iter`` steps under torch.profiler (CUDA
+    activity), every rank's trace written to the folder; returns this rank's device's
+    kernel overlap per variant (scripts/gpu/kernel_overlap.py's summary)."""
+    import kernel_overlap
+
+    torch, args = env.torch, env.args
+    root = Path(args.kernel_trace)
+    root.mkdir(parents=True, exist_ok=True)
+    names = {v: k for k, v in SHORT.items()} | {BASE: "plain", HVD: "hvd", DDP: "ddp"}
+    out: dict[str, dict[str, float]] = {}
+    for kind, r in runners.items():
+        env.barrier()
+        activity = [torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activity) as prof:
+            r.steps(args.batches_per_iter)
+            env.sync()
+        slug = names.get(kind) or "".join(c if c.isalnum() else "_" for c in kind)
+        path = root / f"{args.model}_{slug}_rank{env.rank}.json"
+        prof.export_chrome_trace(str(path))
+        mine = kernel_overlap.summary(json.loads(path.read_text(encoding="utf-8")))
+        out[kind] = mine.get(env.device.index) or next(iter(mine.values()), {})
+    return out
 
 
 def time_comm(env: Env) -> dict[str, np.ndarray]:
@@ -813,6 +847,17 @@ def report(env: Env, check: dict[str, Any], train: dict[str, np.ndarray],
         notes.append("g4: TF32 matmuls (as G4), loss = MSE against a random target")
     if not env.cuda:
         notes.append("CPU run (--no-cuda): a smoke test of the code path, no GPU claim")
+    if env.kernel_overlap:
+        res["kernel_overlap"] = env.kernel_overlap
+        cells = [[k, round(v.get("nccl_us", 0.0)), round(v.get("other_us", 0.0)),
+                  round(v.get("overlapped_us", 0.0)),
+                  f"{100 * v.get('overlapped_share', 0.0):.0f}%",
+                  round(v.get("alone_us", 0.0)), int(v.get("nccl_kernels", 0))]
+                 for k, v in env.kernel_overlap.items()]
+        table += "\n" + gl.format_table(
+            [f"kernels of {args.batches_per_iter} steps (rank 0, --kernel-trace)", "NCCL us",
+             "other us", "NCCL beside other us", "share", "NCCL alone us", "NCCL kernels"],
+            cells)
     if env.rank != 0:
         return
     text = "\n".join([*(f"note: {n}" for n in notes), gl.format_targets(targets), table])

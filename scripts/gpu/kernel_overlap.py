@@ -1,0 +1,132 @@
+"""How much of the NCCL kernels' time ran beside other kernels, from a kernel trace.
+
+Reads Chrome-trace JSON as ``torch.profiler`` exports it (``prof.export_chrome_trace``;
+``bench_t1.py --kernel-trace DIR`` writes one per variant and rank) and reports, per device:
+the time some NCCL kernel ran (the union of their intervals), the time some other kernel ran,
+the part of the NCCL time during which another kernel ran too (*overlapped*), and the rest
+(*alone*: communication the step waited for, or that had nothing beside it to hide under).
+Where a captured step's graph allows a bucket's allreduce to run beside backward
+(``scripts/gpu/graph_overlap.py``) and the step still pays for the communication, this tells
+whether the kernels ran side by side at all (issue 39's question after run 83).
+
+    python3 scripts/gpu/kernel_overlap.py trace.json [more.json ...]
+
+Exit status 0 when every file was read and had an NCCL kernel; 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+Interval = tuple[float, float]
+
+
+def _union(spans: list[Interval]) -> list[Interval]:
+    out: list[Interval] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            if b > out[-1][1]:
+                out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def _length(spans: list[Interval]) -> float:
+    return sum(b - a for a, b in spans)
+
+
+def _intersection(xs: list[Interval], ys: list[Interval]) -> float:
+    """Length of the intersection of two sorted, disjoint interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(xs) and j < len(ys):
+        lo, hi = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        if hi > lo:
+            total += hi - lo
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def kernels(trace: dict[str, Any] | list[Any]) -> dict[int, list[tuple[float, float, str]]]:
+    """Each device's kernels as (start us, end us, name), from the trace's complete events of
+    category ``kernel``."""
+    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+    out: dict[int, list[tuple[float, float, str]]] = defaultdict(list)
+    for ev in events:
+        if not isinstance(ev, dict) or ev.get("ph") != "X":
+            continue
+        if str(ev.get("cat", "")).lower() != "kernel":
+            continue
+        args = ev.get("args") or {}
+        device = int(args.get("device", ev.get("pid", 0)) or 0)
+        start, dur = float(ev["ts"]), float(ev.get("dur", 0.0))
+        out[device].append((start, start + dur, str(ev.get("name", ""))))
+    return dict(out)
+
+
+def summary(trace: dict[str, Any] | list[Any]) -> dict[int, dict[str, float]]:
+    """Per device: ``nccl_us`` (union of NCCL kernel time), ``other_us`` (union of the other
+    kernels' time), ``overlapped_us`` (both at once), ``alone_us`` (NCCL with no other
+    kernel), ``span_us`` (first kernel's start to last kernel's end), ``nccl_kernels``,
+    ``other_kernels`` and ``overlapped_share`` (overlapped / NCCL time; 0 without NCCL)."""
+    out: dict[int, dict[str, float]] = {}
+    for device, ks in sorted(kernels(trace).items()):
+        nccl = _union([(a, b) for a, b, n in ks if "nccl" in n.lower()])
+        other = _union([(a, b) for a, b, n in ks if "nccl" not in n.lower()])
+        both = _intersection(nccl, other)
+        n_us = _length(nccl)
+        out[device] = {
+            "nccl_us": n_us, "other_us": _length(other), "overlapped_us": both,
+            "alone_us": n_us - both,
+            "span_us": max(b for _, b, _ in ks) - min(a for a, _, _ in ks),
+            "nccl_kernels": float(sum("nccl" in n.lower() for _, _, n in ks)),
+            "other_kernels": float(sum("nccl" not in n.lower() for _, _, n in ks)),
+            "overlapped_share": both / n_us if n_us else 0.0,
+        }
+    return out
+
+
+def report(path: Path) -> tuple[str, bool]:
+    """One file's lines, and whether it had an NCCL kernel."""
+    try:
+        trace = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return f"== {path}: UNREADABLE ({exc})", False
+    rows = summary(trace)
+    if not rows:
+        return f"== {path}: no kernel events (category 'kernel')", False
+    lines = [f"== {path}",
+             f"{'device':>6} {'NCCL us':>10} {'other us':>10} {'overlapped':>11} "
+             f"{'alone us':>9} {'span us':>10} {'NCCL k':>7} {'other k':>8}"]
+    found = False
+    for dev, r in rows.items():
+        found |= r["nccl_kernels"] > 0
+        lines.append(f"{dev:>6} {r['nccl_us']:>10.0f} {r['other_us']:>10.0f} "
+                     f"{r['overlapped_us']:>6.0f} {100 * r['overlapped_share']:>3.0f}% "
+                     f"{r['alone_us']:>9.0f} {r['span_us']:>10.0f} "
+                     f"{r['nccl_kernels']:>7.0f} {r['other_kernels']:>8.0f}")
+    return "\n".join(lines), found
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print(__doc__)
+        return 2
+    ok = True
+    for p in argv:
+        text, good = report(Path(p))
+        print(text)
+        ok &= good
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

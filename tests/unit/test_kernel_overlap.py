@@ -1,0 +1,60 @@
+"""scripts/gpu/kernel_overlap.py on Chrome traces of torch.profiler's shape: how much of the
+NCCL kernels' time other kernels ran beside, per device."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "gpu"))
+
+import kernel_overlap  # noqa: E402
+
+
+def _kernel(name: str, ts: float, dur: float, device: int = 0) -> dict[str, object]:
+    return {"ph": "X", "cat": "kernel", "name": name, "pid": device, "tid": 7, "ts": ts,
+            "dur": dur, "args": {"device": device, "stream": 7}}
+
+
+def test_overlap_alone_and_devices_are_told_apart() -> None:
+    # device 0: backward 0-100 and 120-200; an allreduce 90-150 (10 + 30 beside backward, 20
+    # alone in 100-120) and one 210-240 (alone); device 1: an allreduce fully under a GEMM.
+    trace = {"traceEvents": [
+        _kernel("sm90_xmma_gemm_bf16", 0, 100), _kernel("elementwise_kernel", 120, 80),
+        _kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 90, 60),
+        _kernel("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 210, 30),
+        _kernel("gemm", 0, 50, device=1), _kernel("ncclKernel_AllReduce", 10, 20, device=1),
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 500},  # not a kernel
+        {"ph": "i", "cat": "kernel", "name": "marker", "ts": 5},
+    ]}
+    s = kernel_overlap.summary(trace)
+    assert s[0]["nccl_us"] == 90 and s[0]["other_us"] == 180
+    assert s[0]["overlapped_us"] == 40 and s[0]["alone_us"] == 50
+    assert s[0]["span_us"] == 240 and s[0]["nccl_kernels"] == 2 and s[0]["other_kernels"] == 2
+    assert s[0]["overlapped_share"] == pytest.approx(40 / 90)
+    assert s[1]["overlapped_us"] == 20 and s[1]["alone_us"] == 0
+
+
+def test_overlapping_kernels_of_one_kind_count_once() -> None:
+    # two NCCL kernels that overlap each other (two communicators) and three compute kernels
+    # on two streams: unions, not sums
+    trace = [_kernel("nccl_a", 0, 50), _kernel("nccl_b", 25, 50),
+             _kernel("k1", 40, 20), _kernel("k2", 45, 20), _kernel("k3", 100, 10)]
+    s = kernel_overlap.summary(trace)[0]
+    assert (s["nccl_us"], s["other_us"], s["overlapped_us"]) == (75, 35, 25)
+
+
+def test_a_trace_without_nccl_or_unreadable_is_said(tmp_path: Path) -> None:
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps({"traceEvents": [_kernel("gemm", 0, 10)]}))
+    text, ok = kernel_overlap.report(plain)
+    assert not ok and "0%" in text
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    assert kernel_overlap.main([str(plain), str(broken)]) == 1
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps([_kernel("ncclDevKernel", 0, 10), _kernel("gemm", 5, 10)]))
+    assert kernel_overlap.main([str(good)]) == 0
