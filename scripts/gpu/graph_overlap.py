@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 import sys
 from collections import defaultdict
+from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
 from typing import NamedTuple
@@ -169,16 +170,22 @@ def report(path: Path) -> tuple[str, bool]:
     return "\n".join(lines), True
 
 
-def main(argv: list[str]) -> int:
+def report_files(argv: list[str], one: Callable[[Path], tuple[str, bool]], usage: str) -> int:
+    """Print ``one(path)``'s text for every file named (``usage`` without any); 0 when each
+    file had what it is read for, 1 otherwise, 2 without files (kernel_overlap.py too)."""
     if not argv:
-        print(__doc__)
+        print(usage)
         return 2
     ok = True
     for p in argv:
-        text, good = report(Path(p))
+        text, good = one(Path(p))
         print(text)
         ok &= good
     return 0 if ok else 1
+
+
+def main(argv: list[str]) -> int:
+    return report_files(argv, report, __doc__ or "")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from graph_overlap import report_files
+
 Interval = tuple[float, float]
 
 
@@ -117,15 +119,7 @@ def report(path: Path) -> tuple[str, bool]:
 
 
 def main(argv: list[str]) -> int:
-    if not argv:
-        print(__doc__)
-        return 2
-    ok = True
-    for p in argv:
-        text, good = report(Path(p))
-        print(text)
-        ok &= good
-    return 0 if ok else 1
+    return report_files(argv, report, __doc__ or "")
 
 
 if __name__ == "__main__":
