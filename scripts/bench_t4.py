@@ -10,7 +10,10 @@ step, each step is timed on every rank and the slowest rank counts; medians are 
 - sync: one 4-byte tensor, ``hvd.allreduce`` (a new tensor) and ``hvd.allreduce_`` (in
   place), one call per step;
 - resnet50: the ResNet-50 gradient set (161 float32 tensors, 102 MB), ``allreduce_async``
-  of every tensor then ``synchronize`` each.
+  of every tensor then ``synchronize`` each;
+- grouped: the set's count of one-element tensors (161; the call's host cost without its
+  payload), one blocking ``grouped_allreduce`` per step, and the persistent form a repeated
+  grouped call opts into (``hvdlite.torch.grouped_allreduce_init``: its agreed schedule).
 
 Every variant's results are checked exactly (values are multiples of 1/2, so the sums and the
 averages over a power-of-two rank count are exact; otherwise to 1e-6) against the average of
@@ -130,6 +133,22 @@ def resnet_case(args: Any) -> Case:
     return case
 
 
+def grouped_case(args: Any) -> Case:
+    n = len(bl.load_shapes("resnet50", 16 if args.quick else None))
+    case = Case(f"grouped ({n} x 4 B)", [(1,)] * n, args, 4)
+    ts, arrs = case.tensors, case.arrays
+    # Collective: every rank builds it at the same point (its check exchange).
+    persist = hvd.grouped_allreduce_init(ts, name="t4.grouped.p")
+    case.variants = {
+        "hvdlite.torch grouped_allreduce": lambda: hvd.grouped_allreduce(
+            ts, name="t4.grouped.t"),
+        "NumPy API grouped_allreduce": lambda: hvdlite.grouped_allreduce(
+            arrs, name="t4.grouped.n"),
+        "hvdlite.torch grouped_allreduce_init (persistent)": persist,
+    }
+    return case
+
+
 def main() -> None:
     bl.install_abort_hook()
     p = bl.base_parser(__doc__.splitlines()[0])
@@ -137,6 +156,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40, help="timed steps per variant (tiny)")
     p.add_argument("--sync-calls", type=int, default=3000, help="timed sync calls per variant")
     p.add_argument("--resnet-steps", type=int, default=6, help="timed steps per variant")
+    p.add_argument("--grouped-calls", type=int, default=300,
+                   help="timed grouped calls per variant (the ResNet-50 set's count of tiny "
+                        "tensors)")
     p.add_argument("--cache-capacity", type=int, default=None,
                    help="hvdlite's cache_capacity (default: its own). The tiny case's four "
                         "variants use 4,000 names in turn: past the default 1,024, every call "
@@ -147,14 +169,15 @@ def main() -> None:
                         "every rank, rank 0's table printed and in the JSON)")
     args = p.parse_args()
     if args.quick:
-        args.steps, args.sync_calls, args.resnet_steps = 6, 200, 2
+        args.steps, args.sync_calls, args.resnet_steps, args.grouped_calls = 6, 200, 2, 20
     comm = MPI.COMM_WORLD
     bl.check_size(comm, args.np)
     meta = bl.run_metadata(comm, args)
     torch.set_num_threads(1)
     hvd.init(**({} if args.cache_capacity is None else {"cache_capacity": args.cache_capacity}))
     plan = [(tiny_case(args), args.steps, 5), (sync_case(args), args.sync_calls, 100),
-            (resnet_case(args), args.resnet_steps, 1)]
+            (resnet_case(args), args.resnet_steps, 1),
+            (grouped_case(args), args.grouped_calls, 20)]
     results: dict[str, Any] = {}
     counts: dict[str, int] = {}
     wanted = [w.strip() for w in args.profile.split(",") if w.strip()]
@@ -186,7 +209,8 @@ def report(comm: MPI.Comm, args: Any, meta: dict[str, Any], results: dict[str, A
     for label, variants in results.items():
         for name, st in variants.items():
             base = name.replace("hvdlite.torch", "NumPy API")
-            ratio = st["median_s"] / variants[base]["median_s"] if base != name else None
+            ratio = (st["median_s"] / variants[base]["median_s"]
+                     if base != name and base in variants else None)
             rows.append([label, name, bl.us(st["median_s"]), bl.us(st["p99_s"]),
                          bl.us(st["median_s"] / counts[label]),
                          "" if ratio is None else f"{ratio:.2f}x"])
