@@ -2,7 +2,8 @@
 # Issue 41's scaling on one machine: bench_t1.py for each model at each rank count (a GPU per
 # rank: the first N GPUs), then scripts/gpu/scaling.py's per-GPU table of every variant at
 # every count. Models by argument (default resnet50); NPS ("1 2 4"), ITERS (8), T1_ARGS
-# (default: the captured steps and DDP with bucket views beside the default step), LIMIT_S
+# (default: the captured steps, the captured limit and the flat captured step, and DDP with
+# bucket views, beside the default step), LIMIT_S
 # (540: no launch starts after this many seconds; what is left is named), OUT.
 #
 #   NPS="1 2 4" OUT=$OUT scripts/gpu/scaling.sh resnet50
@@ -13,7 +14,7 @@ mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HVDLITE_BENCH_COMMIT="${HVDLITE_BENCH_COMMIT:-}"
 read -r -a NPS <<< "${NPS:-1 2 4}"
-read -r -a ARGS <<< "${T1_ARGS:---captured --variants hvd_g,plain_g,ddp_views --no-neg}"
+read -r -a ARGS <<< "${T1_ARGS:---captured --variants hvd_g,plain_g,flat_g,ddp_views --no-neg}"
 ITERS="${ITERS:-8}" LIMIT_S="${LIMIT_S:-540}"
 GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 (($#)) || set -- resnet50
