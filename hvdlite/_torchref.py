@@ -173,9 +173,8 @@ def array_of(t: torch.Tensor, what: Any, name: str | None = None) -> Any:
 def ref_of(t: torch.Tensor, what: Any, name: str | None = None) -> TensorRef:
     """``t`` as the core's :class:`TensorRef` (framework ``"torch"``; results are handed back
     as torch tensors), cached with its array; errors as :func:`array_of`."""
-    entry = _views.get(id(t))
-    if (entry is None or entry.ptr != t.data_ptr() or entry.shape != t.shape
-            or entry.dtype is not t.dtype or not t.is_contiguous() or entry.alive() is not t):
+    entry = _lookup(t)
+    if entry is None:
         entry = _insert(t, label(what, name))
     return entry.ref
 
