@@ -35,9 +35,15 @@ REFUSED_EXIT = 2
 
 
 def install_abort_hook() -> None:
-    """Abort the whole MPI job on an uncaught exception so no rank is left waiting."""
+    """Abort the whole MPI job on an uncaught exception so no rank is left waiting (in this
+    process only: a child forked later, a compile worker say, inherits the hook but is no
+    rank, and its failure is its parent's to report)."""
+    owner = os.getpid()
 
     def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        if os.getpid() != owner:
+            sys.__excepthook__(kind, value, tb)
+            return
         rank = MPI.COMM_WORLD.Get_rank()
         sys.stderr.write(f"[rank {rank}] uncaught exception, aborting the job:\n")
         traceback.print_exception(kind, value, tb)

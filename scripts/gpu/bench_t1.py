@@ -91,6 +91,11 @@ BASE_C = "compiled: plain torch"
 HVD_C = "compiled: hvdlite default"
 HVD_C_ALT = "compiled: hvdlite, gradient_as_bucket_view flipped"
 DDP_C = "compiled: torch DDP"
+# Checked, never timed: DDP with other buckets, whose distance from DDP is the rounding that
+# summing each gradient in another order leaves (the correctness check's scale past 2 ranks).
+DDP_ORDER = "torch DDP, 1 MB buckets (the reduction-order reference)"
+ORDER_BUCKET_MB = 1.0
+ORDER_X = 2.0  # a variant may differ from DDP this many times what DDP_ORDER does
 HVD_CTA = {n: f"hvdlite, optimizer_max_ctas={n}" for n in (2, 4, 8, 16)}
 HVD_G = "captured: hvdlite step (make_graphed_step)"
 FLAT_G = "captured: plain step + one flat allreduce after backward"
@@ -104,7 +109,7 @@ LOCAL = (BASE, BASE_C, PLAIN_G)  # no communication: each rank trains on its own
 CAPTURE_WARMUP = 3  # eager steps a captured variant's first call runs before capturing
 HVDS = (HVD, HVD_ALT, HVD_NEG, HVD_ASYNC, HVD_C, HVD_C_ALT, HVD_G, HVD_CR, HVD_GR,
         *HVD_CTA.values())
-DDPS = (DDP, DDP_VIEWS, DDP_C)
+DDPS = (DDP, DDP_VIEWS, DDP_C, DDP_ORDER)
 COMPILED = (BASE_C, HVD_C, HVD_C_ALT, DDP_C)
 TRANSFORMERS = ("vit_b_16", "gpt2")
 SHORT = {"hvd_g": HVD_G, "flat_g": FLAT_G, "plain_g": PLAIN_G, "alt": HVD_ALT, "neg": HVD_NEG,
@@ -260,8 +265,10 @@ class Runner:
             from torch.nn.parallel import DistributedDataParallel
 
             ids = [env.device.index] if env.cuda else None
+            cap = {"bucket_cap_mb": ORDER_BUCKET_MB} if kind == DDP_ORDER else {}
             self.forward = DistributedDataParallel(self.model, device_ids=ids,
-                                                   gradient_as_bucket_view=kind == DDP_VIEWS)
+                                                   gradient_as_bucket_view=kind == DDP_VIEWS,
+                                                   **cap)
         regions = None
         if kind in REGIONED:
             regions = env.hvd.compile_regions(self.model)
@@ -561,7 +568,8 @@ def check_steps(asked: int, size: int) -> int:
     a BatchNorm ResNet-18's parameters apart by 16-19% of their change in 10 steps (CPU), as
     ResNet-18 (7.5e-4) and ResNet-50 (0.10) did at 4 GPUs (run 81). So past two ranks the
     check compares after the fewest steps that still replay a captured step once (the
-    warm-up, the capture, one replay), where rounding has not grown past the tolerance."""
+    warm-up, the capture, one replay), and the tolerance there is scaled by the rounding
+    measured in the same launch (:func:`check_correctness`)."""
     return asked if size <= 2 else min(asked, CAPTURE_WARMUP + 1)
 
 
@@ -569,7 +577,12 @@ def check_correctness(env: Env) -> dict[str, Any]:
     """``--check-steps`` steps of every variant the launch times (and of the references they
     are compared with) from the same start: each moved from the start; each distributed one
     identical on every rank and equal to its reference (:func:`reference_of`) within the
-    tolerance. Refuses otherwise."""
+    tolerance. Refuses otherwise.
+
+    Past two ranks the tolerance against eager DDP is at least ``ORDER_X`` times how far DDP
+    with other buckets (``DDP_ORDER``) moved from DDP in the same steps: the rounding of
+    another summation order, measured rather than guessed (BatchNorm ResNets at 4 GPUs
+    differed by 2.3e-4 after 4 steps where the fixed bound was 1.1e-4, run 86)."""
     torch, args = env.torch, env.args
     cudnn = torch.backends.cudnn
     cudnn.deterministic, cudnn.benchmark = True, False
@@ -578,6 +591,8 @@ def check_correctness(env: Env) -> dict[str, Any]:
     local = [k for k in timed if k in LOCAL]
     distributed = [k for k in timed if k not in local]
     refs = sorted({reference_of(env, k) for k in distributed}, key=(DDP, DDP_C).index)
+    if env.size > 2 and DDP in refs:
+        refs.append(DDP_ORDER)
     flats: dict[str, Any] = {}
     firsts: dict[str, float] = {}
     for kind in [*refs, *local, *(k for k in distributed if k not in refs)]:
@@ -599,10 +614,15 @@ def check_correctness(env: Env) -> dict[str, Any]:
     for kind, first in firsts.items():
         out[f"{kind}: first call s"] = round(first, 2)
     bounds = {}
-    for ref in refs:
+    for ref in (r for r in refs if r != DDP_ORDER):
         scale = env.max_over_ranks(float(flats[ref].abs().max()))
         bounds[ref] = args.atol + args.rtol * scale
-        out[f"bound vs {ref}"] = bounds[ref]
+    if DDP_ORDER in flats:
+        order = env.max_over_ranks(float((flats[DDP_ORDER] - flats[DDP]).abs().max()))
+        out[f"{DDP_ORDER}: max abs diff vs {DDP}"] = order
+        bounds[DDP] = max(bounds[DDP], ORDER_X * order)
+    for ref, bound in bounds.items():
+        out[f"bound vs {ref}"] = bound
     for kind, flat in flats.items():
         moved = env.max_over_ranks(float((flat - env.init_flat).abs().max()))
         gl.check_all(env.comm, moved > 0, f"{kind}: parameters moved in {steps} "
@@ -614,7 +634,7 @@ def check_correctness(env: Env) -> dict[str, Any]:
         gl.check_all(env.comm, len(set(digests)) == 1,
                      f"{kind}: parameters identical on every rank", f"digests {digests}")
         ref = reference_of(env, kind)
-        if kind == ref:
+        if kind in (ref, DDP_ORDER):
             continue
         diff = env.max_over_ranks(float((flat - flats[ref]).abs().max()))
         out[f"{kind}: max abs diff vs {ref}"] = diff
