@@ -48,6 +48,9 @@ def install_abort_hook() -> None:
         sys.stderr.write(f"[rank {rank}] uncaught exception, aborting the job:\n")
         traceback.print_exception(kind, value, tb)
         sys.stderr.flush()
+        # The launcher forwards stderr through a pipe it stops reading once the job is
+        # aborted: give it a moment, or the traceback is lost (mpirun --output-filename).
+        time.sleep(2.0)
         MPI.COMM_WORLD.Abort(1)
 
     sys.excepthook = hook

@@ -37,8 +37,10 @@ not have ``--np`` ranks. Each variant's first call there is timed (the slowest r
 reported as ``<variant>: first call s``; for a compiled variant it includes compiling its code,
 which gives issue 39's compile-time target on a GPU (by regions <= 1.5x the compiled model
 alone). The check compiles in launch order (compiled DDP, then the compiled model alone, then
-the rest), and kernels an earlier variant compiled are cached for later ones: a figure of this
-launch, not of a cold compile.
+the rest); before each compiled variant dynamo is reset, and inductor's FX graph and autograd
+caches are off during the check, so each first call compiles its graphs anew (Triton's
+kernel binaries stay cached by source: a kernel the same as an earlier variant's is not
+built twice).
 
 Timing (cuDNN autotuning on): ``--warmup`` steps per variant, then ``--iters`` rounds; a round
 runs ``--batches-per-iter`` steps of each variant in turn (barrier, host clock, the steps, a
@@ -265,10 +267,9 @@ class Runner:
             from torch.nn.parallel import DistributedDataParallel
 
             ids = [env.device.index] if env.cuda else None
-            cap = {"bucket_cap_mb": ORDER_BUCKET_MB} if kind == DDP_ORDER else {}
-            self.forward = DistributedDataParallel(self.model, device_ids=ids,
-                                                   gradient_as_bucket_view=kind == DDP_VIEWS,
-                                                   **cap)
+            self.forward = DistributedDataParallel(
+                self.model, device_ids=ids, gradient_as_bucket_view=kind == DDP_VIEWS,
+                bucket_cap_mb=ORDER_BUCKET_MB if kind == DDP_ORDER else None)
         regions = None
         if kind in REGIONED:
             regions = env.hvd.compile_regions(self.model)
@@ -560,6 +561,30 @@ def reference_of(env: Env, kind: str) -> str:
     return DDP_C if compiled else DDP
 
 
+_COMPILE_CACHES = (("torch._inductor.config", "fx_graph_cache"),
+                   ("torch._functorch.config", "enable_autograd_cache"))
+
+
+def compile_caches(torch: Any, on: bool | dict[str, Any] | None) -> dict[str, Any]:
+    """Inductor's FX graph cache and the AOT autograd cache turned ``on`` or off (a dict: the
+    settings a former call returned; None: left as they are), dynamo's caches cleared;
+    returns the settings they had. Off, the next compiled variant's first call compiles its
+    graphs anew: the caches' keys would match an earlier variant's graphs and turn its
+    compile into a load."""
+    import importlib
+
+    torch._dynamo.reset()
+    had = {}
+    for path, name in _COMPILE_CACHES:
+        module = importlib.import_module(path)
+        if hasattr(module, name):
+            had[name] = getattr(module, name)
+            value = on.get(name, had[name]) if isinstance(on, dict) else on
+            if value is not None:
+                setattr(module, name, value)
+    return had
+
+
 def check_steps(asked: int, size: int) -> int:
     """Steps the correctness check compares after. Two ranks' sum is the same in any order,
     so every variant equals its reference bit for bit however its buckets are cut; past two,
@@ -595,7 +620,11 @@ def check_correctness(env: Env) -> dict[str, Any]:
         refs.append(DDP_ORDER)
     flats: dict[str, Any] = {}
     firsts: dict[str, float] = {}
+    caches: dict[str, Any] = {}
     for kind in [*refs, *local, *(k for k in distributed if k not in refs)]:
+        if _compiled(kind, args):
+            caches = caches or compile_caches(torch, False)
+            compile_caches(torch, None)
         r = Runner(env, kind)
         # A captured variant's first call runs CAPTURE_WARMUP eager steps (then captures).
         calls = steps - CAPTURE_WARMUP + 1 if kind in CAPTURED else steps
@@ -610,6 +639,8 @@ def check_correctness(env: Env) -> dict[str, Any]:
         env.sync()
         flats[kind] = r.flat()
         del r
+    if caches:  # the timed variants compile with the caches as the user has them
+        compile_caches(torch, caches)
     out: dict[str, Any] = {"steps": steps, "atol": args.atol, "rtol": args.rtol}
     for kind, first in firsts.items():
         out[f"{kind}: first call s"] = round(first, 2)
