@@ -73,12 +73,16 @@ import os, sys, time
 from mpi4py import MPI
 from hvdlite._exit import abort_job, exit_guard
 comm = MPI.COMM_WORLD
+if comm.Get_rank() == 1 and sys.argv[1] == "both":
+    abort_job(comm, "both abort: rank 1's reason", 5)
 if comm.Get_rank() == 1:
     time.sleep(60)  # user code that never calls MPI or hvdlite again
     sys.exit(0)
 mode = sys.argv[1]
 if mode == "abort":
     abort_job(comm, "tensor 'grad.w' stalled: rank 1 never submitted it", 3)
+if mode == "both":
+    abort_job(comm, "both abort: rank 0's reason", 5)
 if mode == "guard":
     # Arm the guard and leave: the exit itself then waits in MPI_Finalize for rank 1.
     exit_guard(1.0, "rank 1 is absent; exit guarded", comm=comm, backstop_s=0.5)
@@ -100,6 +104,18 @@ def test_abort_job_ends_a_job_whose_peer_is_busy(tmp_path: Path, launcher: str) 
     assert "[hvdlite rank 0] tensor 'grad.w' stalled: rank 1 never submitted it" in out
     if launcher == "hvdliterun":
         assert "rank 0 (host" in out and "failed first with exit code 3" in out, out
+
+
+def test_every_aborting_rank_says_why(tmp_path: Path) -> None:
+    # Ranks that abort at once each print their reason: the launcher stops forwarding output
+    # when the job is aborted, and without abort_job's pause 2 of 10 such lines were lost.
+    script = _script(tmp_path, _STUCK_PEER)
+    for _ in range(3):
+        code, out, took = _job("mpiexec", 2, sys.executable, script, "both")
+        assert code == 5, out
+        assert took < 10, f"the job took {took:.1f} s to end"
+        for rank in (0, 1):
+            assert f"[hvdlite rank {rank}] both abort: rank {rank}'s reason" in out, out
 
 
 @pytest.mark.parametrize("launcher", ["mpiexec", "hvdliterun"])
