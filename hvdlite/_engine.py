@@ -141,7 +141,8 @@ class Engine:
                 cfg = self.config
                 default = self.local_rank % max(cupy.cuda.runtime.getDeviceCount(), 1)
                 self._gpu = GpuRuntime(default, cfg.async_completion,
-                                       cfg.timeline_device_events, self.tracer)
+                                       cfg.timeline_device_events, self.tracer,
+                                       cfg.stream_priority)
                 if self._gpu.cpu_sync:
                     log.warning("hvdlite: the timeline is on, so device inputs and completions "
                                 "are waited on the CPU (true times in the trace, less overlap); "

@@ -177,6 +177,13 @@ def _parse_log_level(value: object) -> str:
 
 
 IPC_MODES = ("auto", "always", "off")
+STREAM_PRIORITIES = ("high", "normal")
+
+
+def _parse_stream_priority(value: object) -> str:
+    if isinstance(value, str) and value.strip().lower() in STREAM_PRIORITIES:
+        return value.strip().lower()
+    raise ValueError(f"expected one of {', '.join(STREAM_PRIORITIES)}, got {value!r}")
 
 
 def _parse_ipc(value: object) -> str:
@@ -388,6 +395,13 @@ class Config:
              "take (NCCL_MAX_CTAS for that communicator alone): an NCCL kernel holds its SMs "
              "for as long as it waits for a peer, so fewer leave more of the GPU to the "
              "backward pass the buckets overlap. 0 = NCCL's choice.",
+    )  # fmt: skip
+    stream_priority: str = _knob(
+        kind="choice", parse=_parse_stream_priority, default="high", unit="",
+        choices=STREAM_PRIORITIES,
+        help="CUDA priority of hvdlite's streams (collectives, their copies, the agreed "
+             "schedules): high puts their kernels ahead of compute waiting for SMs; normal "
+             "(DDP's default) queues them with it.",
     )  # fmt: skip
     log_level: str = _knob(
         kind="choice", parse=_parse_log_level, default="warning", unit="",

@@ -1,11 +1,11 @@
 """The NCCL transport of an agreed schedule (the contract: ``_backends/base.py``,
 :class:`~hvdlite._backends.base.ScheduleTransport`).
 
-Its own communicator and high-priority stream; slot ``i`` is, on that stream, a wait on a READY
-event recorded on the producer's stream, the pre-scale (if any), one in-place
-``ncclAllReduce`` (``ncclAvg`` for a plain float Average), the post-scale (if any) and a DONE
-event. No host wait, no lock, no allocation per launch: the calls are resolved once, when the
-schedule opens (the NCCL types and ops from ``_backends/nccl.py``'s table).
+Its own communicator and stream (``config.stream_priority``, high by default); slot ``i`` is,
+on that stream, a wait on a READY event recorded on the producer's stream, the pre-scale (if
+any), one in-place ``ncclAllReduce`` (``ncclAvg`` for a plain float Average), the post-scale (if
+any) and a DONE event. No host wait, no lock, no allocation per launch: the calls are resolved
+once, when the schedule opens (the NCCL types and ops from ``_backends/nccl.py``'s table).
 """
 
 from __future__ import annotations
@@ -40,14 +40,14 @@ class NcclScheduleTransport:
 
     def __init__(self, cupy: Any, device_id: int, slots: Sequence[Slot],
                  buffers: Sequence[tuple[int, int]], uid: Any, rank: int, size: int,
-                 max_ctas: int = 0) -> None:
+                 max_ctas: int = 0, priority: int = -1000) -> None:
         from cupy.cuda import nccl
 
         self.cupy, self.device_id, self.size = cupy, device_id, size
         cuda = cupy.cuda
         self.comm: Any = new_communicator(cupy, nccl, device_id, size, uid, rank, max_ctas)
         with cuda.Device(device_id):
-            self.stream = cuda.Stream(non_blocking=True, priority=-1000)
+            self.stream = cuda.Stream(non_blocking=True, priority=priority)
             n = len(slots)
             self._ready = [cuda.Event(block=False, disable_timing=True) for _ in range(n)]
             self._done = [cuda.Event(block=False, disable_timing=True) for _ in range(n)]

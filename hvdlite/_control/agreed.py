@@ -295,9 +295,10 @@ class Schedules:
 
         uid = bytes(root["uid"]) if root["bytes"] else tuple(root["uid"])
         engine = self.scheduler.engine
-        return NcclScheduleTransport(engine.gpu_runtime().cupy, device_id, slots, buffers, uid,
-                                     channel.rank, channel.size,
-                                     engine.config.optimizer_max_ctas)
+        gpu = engine.gpu_runtime()
+        return NcclScheduleTransport(gpu.cupy, device_id, slots, buffers, uid, channel.rank,
+                                     channel.size, engine.config.optimizer_max_ctas,
+                                     gpu.priority)
 
     # -- capture control ---------------------------------------------------------------------
     @contextlib.contextmanager

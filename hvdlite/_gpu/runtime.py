@@ -2,7 +2,7 @@
 
 How the streams meet (one device; time flows down)::
 
-    caller stream        hvdlite stream (high priority, non-blocking)     the waiting thread
+    caller stream        hvdlite stream (stream_priority, non-blocking)   the waiting thread
     -------------        --------------------------------------------     ------------------
     producer kernel
     record READY ----+   (negotiated once READY has completed on every
@@ -43,7 +43,8 @@ __all__ = ["GpuRuntime", "current_stream", "import_cupy", "torch_streams"]
 
 log = logging.getLogger("hvdlite")
 
-_HIGHEST_PRIORITY = -1000
+# CUDA stream priority per config.stream_priority (CUDA clamps -1000 to the device's greatest).
+PRIORITIES = {"high": -1000, "normal": 0}
 _META_SLOTS = 64  # pinned staging slots for bucket metadata, reused round robin
 _META_SLOT_BYTES = 64 * 1024  # room for 4095 tensors per bucket
 _MAX_IN_FLIGHT = 4096  # buckets enqueued and not yet retired before retiring waits
@@ -89,13 +90,11 @@ def current_stream(framework: str, device_id: int) -> Any:
 class DeviceContext:
     """Per-device state: the hvdlite stream, READY events, metadata staging."""
 
-    def __init__(self, cupy: Any, device_id: int) -> None:
+    def __init__(self, cupy: Any, device_id: int, priority: int) -> None:
         self.cupy = cupy
         self.device_id = device_id
         with cupy.cuda.Device(device_id):
-            # High priority: collectives and their copies should not queue behind compute.
-            # CUDA clamps an out-of-range priority to the greatest the device has.
-            self.stream = cupy.cuda.Stream(non_blocking=True, priority=_HIGHEST_PRIORITY)
+            self.stream = cupy.cuda.Stream(non_blocking=True, priority=priority)
             self._pinned = cupy.cuda.alloc_pinned_memory(_META_SLOTS * _META_SLOT_BYTES)
             self._meta_dev = cupy.empty(_META_SLOTS * _META_SLOT_BYTES // 8, dtype=np.int64)
         self._host = np.frombuffer(self._pinned, dtype=np.int64)
@@ -224,9 +223,11 @@ class GpuRuntime:
     """All device state of one engine: contexts per device and the retirement queue."""
 
     def __init__(self, default_device: int, async_completion: bool, device_events: bool,
-                 tracer: Tracer) -> None:
+                 tracer: Tracer, stream_priority: str = "high") -> None:
         self.cupy = import_cupy()
         self.default_device = default_device
+        #: The CUDA priority of every stream hvdlite makes (``config.stream_priority``).
+        self.priority = PRIORITIES[stream_priority]
         self.tracer = tracer
         self._async = async_completion
         self._device_events = device_events
@@ -262,7 +263,8 @@ class GpuRuntime:
             with self._lock:
                 ctx = self._contexts.get(device_id)
                 if ctx is None:
-                    ctx = self._contexts[device_id] = DeviceContext(self.cupy, device_id)
+                    ctx = self._contexts[device_id] = DeviceContext(self.cupy, device_id,
+                                                                        self.priority)
         return ctx
 
     def record_ready(self, framework: str, device_id: int, stream: Any) -> Any:

@@ -191,3 +191,25 @@ def test_torch_cuda_tensors(hvd: Any, completion: str) -> None:
     torch.cuda.current_stream(dev).synchronize()
     assert isinstance(got, torch.Tensor) and got.device == dev
     assert torch.all(got == _expect_sum(hvd, lambda k: k + 1))
+
+
+@pytest.mark.parametrize("priority", ["high", "normal"])
+def test_stream_priority_follows_the_knob(hvd: Any, priority: str) -> None:
+    # Every stream hvdlite makes takes config.stream_priority: the device's greatest for high
+    # (CUDA clamps the -1000 asked), 0 (DDP's default) for normal; results unchanged.
+    torch = import_torch()
+    from hvdlite._api import default_engine
+
+    device = cupy.cuda.runtime.getDevice()
+    least, greatest = torch.cuda.Stream.priority_range()
+    want = greatest if priority == "high" else 0
+    with reinit(hvd, stream_priority=priority):
+        x = cupy.full(N, hvd.rank() + 1, dtype=cupy.int32)
+        got = hvd.allreduce(x, op=hvd.Sum, name=f"prio.{priority}")
+        cupy.cuda.get_current_stream().synchronize()
+        assert (cupy.asnumpy(got) == int(_expect_sum(hvd, lambda k: k + 1))).all()
+        gpu = default_engine().gpu_runtime()
+        stream = gpu.context(device).stream
+        asked = torch.cuda.ExternalStream(stream.ptr, device=f"cuda:{device}").priority
+        assert (gpu.priority, asked) == ({"high": -1000, "normal": 0}[priority], want), \
+            f"stream priority range [{least}, {greatest}]"

@@ -53,6 +53,7 @@ EXPECTED_DEFAULTS = {
     "optimizer_schedule": True,
     "optimizer_host_schedule": False,
     "optimizer_max_ctas": 0,
+    "stream_priority": "high",
     "log_level": "warning",
     "nvtx": False,
 }
@@ -102,6 +103,7 @@ ENV_CASES = {
     "optimizer_schedule": ("HVDLITE_OPTIMIZER_SCHEDULE", None, "0", False),
     "optimizer_host_schedule": ("HVDLITE_OPTIMIZER_HOST_SCHEDULE", None, "1", True),
     "optimizer_max_ctas": ("HVDLITE_OPTIMIZER_MAX_CTAS", None, "4", 4),
+    "stream_priority": ("HVDLITE_STREAM_PRIORITY", None, " Normal", "normal"),
     "log_level": ("HVDLITE_LOG_LEVEL", "HOROVOD_LOG_LEVEL", "DEBUG", "debug"),
     "nvtx": ("HVDLITE_NVTX", None, "TRUE", True),
     "timeline_device_events": ("HVDLITE_TIMELINE_DEVICE_EVENTS", None, "yes", True),
@@ -392,6 +394,7 @@ def _non_default_config() -> Config:
         optimizer_schedule=False,
         optimizer_host_schedule=True,
         optimizer_max_ctas=6,
+        stream_priority="normal",
         log_level="trace",
         nvtx=True,
         start_timeout_s=5.0,
