@@ -401,7 +401,8 @@ class Config:
         choices=STREAM_PRIORITIES,
         help="CUDA priority of hvdlite's streams (collectives, their copies, the agreed "
              "schedules): high puts their kernels ahead of compute waiting for SMs; normal "
-             "(DDP's default) queues them with it.",
+             "(DDP's default) queues them with it. An agreed schedule takes the value it has "
+             "when the schedule opens.",
     )  # fmt: skip
     log_level: str = _knob(
         kind="choice", parse=_parse_log_level, default="warning", unit="",

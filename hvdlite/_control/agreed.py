@@ -292,13 +292,16 @@ class Schedules:
 
             return MpiScheduleTransport(channel.agreed_comm.Dup(), slots, buffers)
         from hvdlite._backends.schedule_nccl import NcclScheduleTransport
+        from hvdlite._gpu.runtime import PRIORITIES
 
         uid = bytes(root["uid"]) if root["bytes"] else tuple(root["uid"])
         engine = self.scheduler.engine
-        gpu = engine.gpu_runtime()
+        cfg, gpu = engine.config, engine.gpu_runtime()
+        # The knobs as they are when the schedule opens (the optimizer's: at the end of its
+        # first step), like the CTA cap, not as they were at init.
         return NcclScheduleTransport(gpu.cupy, device_id, slots, buffers, uid, channel.rank,
-                                     channel.size, engine.config.optimizer_max_ctas,
-                                     gpu.priority)
+                                     channel.size, cfg.optimizer_max_ctas,
+                                     PRIORITIES[cfg.stream_priority])
 
     # -- capture control ---------------------------------------------------------------------
     @contextlib.contextmanager

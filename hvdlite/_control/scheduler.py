@@ -387,10 +387,20 @@ class Scheduler:
                 and all(e.handle is handle for c in channels for e in c.entries.values()))
 
     def run(self) -> None:
+        isolated = False
         while True:
             woken = self._wait_for_work()
-            if self.schedules:
-                self.schedules.watch()  # at most once a second
+            try:
+                if not isolated and self.engine.gpu is not None:
+                    # Before this thread's first device call: another thread's graph capture
+                    # must not fail this thread's event queries (nor they the capture).
+                    self.engine.gpu.own_thread()
+                    isolated = True
+                if self.schedules:
+                    self.schedules.watch()  # at most once a second
+            except BaseException as exc:  # noqa: BLE001 - must reach every caller
+                self.die(exc)
+                return
             if woken and not self.stop_requested:
                 self._settle()
             elif (time.perf_counter() - self.last_cycle < self.engine.negotiator.cycle_s

@@ -39,7 +39,8 @@ from hvdlite._observe.tracer import Tracer
 from hvdlite._vocab.entry import finish_all
 from hvdlite.errors import BackendUnavailableError
 
-__all__ = ["GpuRuntime", "current_stream", "import_cupy", "torch_streams"]
+__all__ = ["GpuRuntime", "current_stream", "import_cupy", "isolate_from_captures",
+           "torch_streams"]
 
 log = logging.getLogger("hvdlite")
 
@@ -65,6 +66,25 @@ def import_cupy() -> Any:
 # torch streams as CuPy objects, by (device, raw handle); bounded: a program may make a new
 # stream every step (a reused handle names the same CUDA stream, so a kept entry stays right).
 torch_streams: Bounded[tuple[int, int], Any] = Bounded(256)
+
+
+def isolate_from_captures() -> str:
+    """Make the calling thread's CUDA calls ignore stream captures that other threads run:
+    its capture interaction mode becomes THREAD_LOCAL (PyTorch's NCCL watchdog does the
+    same). In the default (GLOBAL) mode, while any thread captures a CUDA graph in global
+    mode (``torch.cuda.graph``'s default), this thread's event queries and allocations fail,
+    and the capture with them. Returns '' once done, else why not (cuda-python missing, or
+    the driver's error); the mode is then left as it was."""
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        return "cuda-python is not installed (pip install cuda-bindings, or hvdlite[gpu])"
+    try:
+        mode = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        err, _ = driver.cuThreadExchangeStreamCaptureMode(mode)
+    except Exception as exc:  # a cuda-python too old or too new for this driver
+        return f"cuThreadExchangeStreamCaptureMode failed: {exc}"
+    return "" if int(err) == 0 else f"cuThreadExchangeStreamCaptureMode failed: {err!r}"
 
 
 def current_stream(framework: str, device_id: int) -> Any:
@@ -234,6 +254,7 @@ class GpuRuntime:
         self._contexts: dict[int, DeviceContext] = {}
         self._waiters: dict[tuple[str, int], Callable[[Any, Any], None]] = {}
         self._lock = threading.Lock()
+        self._warned_isolation = False
         self.retirer = Retirer()
 
     # The timeline can start and stop at run time, so these follow it.
@@ -337,6 +358,18 @@ class GpuRuntime:
 
             self._waiters[key] = waiter
         return waiter
+
+    def own_thread(self) -> None:
+        """Called once by each thread hvdlite owns that makes CUDA calls (its background
+        thread): isolates it from other threads' graph captures (:func:`isolate_from_captures`),
+        or warns once that it cannot."""
+        why = isolate_from_captures()
+        if why and not self._warned_isolation:
+            self._warned_isolation = True
+            log.warning("hvdlite: its background thread keeps CUDA's global capture mode (%s): "
+                        "a CUDA graph captured on another thread with capture_error_mode="
+                        "'global' (torch.cuda.graph's default) while hvdlite has device work in "
+                        "flight can fail; capture with capture_error_mode='thread_local'", why)
 
     def synchronize(self) -> None:
         """Wait for everything hvdlite enqueued on its streams (used at shutdown)."""

@@ -99,6 +99,9 @@ DDP_ORDER = "torch DDP, 1 MB buckets (the reduction-order reference)"
 ORDER_BUCKET_MB = 1.0
 ORDER_X = 2.0  # a variant may differ from DDP this many times what DDP_ORDER does
 HVD_CTA = {n: f"hvdlite, optimizer_max_ctas={n}" for n in (2, 4, 8, 16)}
+# The optimizer's schedule on a stream of normal priority (DDP's), eager and captured.
+HVD_PRIO = "hvdlite, stream_priority=normal"
+HVD_G_PRIO = "captured: hvdlite step, stream_priority=normal"
 HVD_G = "captured: hvdlite step (make_graphed_step)"
 FLAT_G = "captured: plain step + one flat allreduce after backward"
 PLAIN_G = "captured: plain step, no communication (the captured limit)"
@@ -106,17 +109,18 @@ PLAIN_G = "captured: plain step, no communication (the captured limit)"
 HVD_CR = "compiled by regions: hvdlite default"
 HVD_GR = "captured: hvdlite step, compiled by regions"
 REGIONED = (HVD_CR, HVD_GR)
-CAPTURED = (HVD_G, FLAT_G, HVD_GR, PLAIN_G)
+CAPTURED = (HVD_G, FLAT_G, HVD_GR, PLAIN_G, HVD_G_PRIO)
 LOCAL = (BASE, BASE_C, PLAIN_G)  # no communication: each rank trains on its own batch
 CAPTURE_WARMUP = 3  # eager steps a captured variant's first call runs before capturing
 HVDS = (HVD, HVD_ALT, HVD_NEG, HVD_ASYNC, HVD_C, HVD_C_ALT, HVD_G, HVD_CR, HVD_GR,
-        *HVD_CTA.values())
+        *HVD_CTA.values(), HVD_PRIO, HVD_G_PRIO)
 DDPS = (DDP, DDP_VIEWS, DDP_C, DDP_ORDER)
 COMPILED = (BASE_C, HVD_C, HVD_C_ALT, DDP_C)
 TRANSFORMERS = ("vit_b_16", "gpt2")
 SHORT = {"hvd_g": HVD_G, "flat_g": FLAT_G, "plain_g": PLAIN_G, "alt": HVD_ALT, "neg": HVD_NEG,
          "ddp_views": DDP_VIEWS, "plain_c": BASE_C, "hvd_c": HVD_C,
          "hvd_c_alt": HVD_C_ALT, "ddp_c": DDP_C, "hvd_cr": HVD_CR, "hvd_gr": HVD_GR,
+         "prio": HVD_PRIO, "hvd_g_prio": HVD_G_PRIO,
          **{f"cta{n}": v for n, v in HVD_CTA.items()}}
 COMM_HVD = "comm alone: hvdlite grouped_allreduce of every gradient"
 COMM_TORCH = "comm alone: torch.distributed all_reduce, one flat buffer"
@@ -294,6 +298,8 @@ class Runner:
         for n, v in HVD_CTA.items():
             if kind == v:
                 self.first = {"optimizer_max_ctas": n}
+        if kind in (HVD_PRIO, HVD_G_PRIO):
+            self.first = {"stream_priority": "normal"}
         mse = args.model in ("g4", "transformer")
         self.loss = torch.nn.functional.mse_loss if mse else torch.nn.functional.cross_entropy
         self.amp = args.autocast == "bf16"
@@ -340,11 +346,14 @@ class Runner:
             self.graph()
             return
         dump = self._dump_path()
-        if self.kind in (HVD_G, HVD_GR):  # as a user writes it
-            self.graph = self.env.hvd.make_graphed_step(lambda: self._eager_step(),
-                                                        optimizer=self.opt,
-                                                        warmup_steps=CAPTURE_WARMUP,
-                                                        debug_dump=dump)
+        if self.kind in (HVD_G, HVD_GR, HVD_G_PRIO):  # as a user writes it
+            # Its first warm-up step opens the schedule, under the variant's knobs.
+            first, self.first = self.first, {}
+            with self.env.knobs(**first):
+                self.graph = self.env.hvd.make_graphed_step(lambda: self._eager_step(),
+                                                            optimizer=self.opt,
+                                                            warmup_steps=CAPTURE_WARMUP,
+                                                            debug_dump=dump)
             return
         side = torch.cuda.Stream()  # torch's recipe: warm up on a side stream, then capture
         side.wait_stream(torch.cuda.current_stream())
@@ -535,8 +544,8 @@ class Env:
             keep = {SHORT[v.strip()] for v in self.args.variants.split(",")}
             if any(_compiled(k, self.args) for k in keep):  # their references come along
                 keep |= {BASE_C, DDP_C}
-            out = [v for v in [*out, *HVD_CTA.values()]
-                   if v in keep or v in (BASE, HVD, DDP)]
+            opt_in = [*HVD_CTA.values(), HVD_PRIO, HVD_G_PRIO]  # only where asked for
+            out = [v for v in [*out, *opt_in] if v in keep or v in (BASE, HVD, DDP)]
         return out
 
     def barrier(self) -> None:

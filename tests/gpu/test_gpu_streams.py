@@ -213,3 +213,37 @@ def test_stream_priority_follows_the_knob(hvd: Any, priority: str) -> None:
         asked = torch.cuda.ExternalStream(stream.ptr, device=f"cuda:{device}").priority
         assert (gpu.priority, asked) == ({"high": -1000, "normal": 0}[priority], want), \
             f"stream priority range [{least}, {greatest}]"
+
+
+def test_graph_captured_beside_work_in_flight(hvd: Any) -> None:
+    # A CUDA graph captured on this thread in CUDA's global mode (torch.cuda.graph's default)
+    # while hvdlite's background thread polls a collective still running: neither the capture
+    # nor hvdlite may fail. In global mode the thread's event query would fail (and the
+    # capture with it); hvdlite's thread is isolated from other threads' captures.
+    torch = import_torch()
+    pytest.importorskip("cuda.bindings", reason="cuda-python (pip install cuda-bindings) "
+                        "isolates hvdlite's thread from other threads' captures")
+    side = cupy.cuda.Stream(non_blocking=True)
+    x = cupy.zeros(N, dtype=cupy.float64)
+    slow_fill(x, hvd.rank() + 1, ms=400, stream=side)  # keeps the collective in flight
+    h = hvd.allreduce_async(x, name="capture.beside", op=hvd.Sum, stream=side)
+    a = torch.ones(1024, device="cuda")
+    warm = torch.cuda.Stream()
+    warm.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(warm):
+        b = a * 2
+    torch.cuda.current_stream().wait_stream(warm)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # capture_error_mode="global"
+        b = a * 2
+        time.sleep(0.2)  # hvdlite's cycles poll the collective meanwhile
+        b = b + 1
+    graph.replay()
+    torch.cuda.synchronize()
+    assert float(b.min()) == 3.0 and float(b.max()) == 3.0
+    got = h.wait()
+    cupy.cuda.get_current_stream().synchronize()
+    want = _expect_sum(hvd, lambda k: k + 1)
+    assert float(got.min()) == want and float(got.max()) == want
+    again = hvd.allreduce(cupy.ones(8, dtype=cupy.float64), name="capture.after", op=hvd.Sum)
+    assert float(again.sum()) == 8 * hvd.size()
