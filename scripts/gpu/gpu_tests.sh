@@ -36,9 +36,11 @@
 # test that failed anywhere and every test that ran in no step (skipped wherever collected),
 # with the reasons, and per completion mode the tests that ran in neither of its steps.
 #
-# Environment: NP (2), OUT, BUDGET_S (560), PYTHON (python3), HVDLITE_BENCH_COMMIT (the commit
-# the tree is: the device copy's .git can lag behind it), LAUNCH (a launcher prefix replacing
-# the system Open MPI's mpirun, e.g. ".venv/bin/mpiexec"; -n NP is appended).
+# Environment: NP (2), OUT, BUDGET_S (560), PYTHON (python3), WHEELS (build/wheels: the
+# cuda-bindings and cuda-pathfinder wheels installed when cuda-python is missing),
+# HVDLITE_BENCH_COMMIT (the commit the tree is: the device copy's .git can lag behind it),
+# LAUNCH (a launcher prefix replacing the system Open MPI's mpirun, e.g. ".venv/bin/mpiexec";
+# -n NP is appended).
 # Exit status 0 only if every step ran and exited 0, and the tally's verdict is OK: no test
 # failed and every test ran in some step (INCOMPLETE, tally.py's exit 3, names those that did
 # not; run the other group and tally both folders: `python3 scripts/gpu/tally.py OUT1 OUT2`).
@@ -96,8 +98,19 @@ if [[ -z "$HVDLITE_BENCH_COMMIT" ]] \
   TREE="$TREE (dirty)"
 fi
 
+# hvdlite[gpu]'s cuda-python (the background thread's isolation from other threads' graph
+# captures): a machine with no index to install from takes it from WHEELS (default
+# build/wheels, where the caller put the wheels for its Python) if it is missing.
+WHEELS="${WHEELS:-build/wheels}"
+if ! "$PY" -c "import cuda.bindings" 2>/dev/null \
+   && compgen -G "$WHEELS/cuda_bindings-*.whl" >/dev/null; then
+  timeout 120 "$PY" -m pip install -q --no-index --no-deps "$WHEELS"/cuda_*.whl 2>&1 | tail -2
+fi
+CUDA_PYTHON=$("$PY" -c "import cuda.bindings as b; print(b.__version__)" 2>/dev/null \
+              || echo "missing")
+
 echo "=== gpu_tests.sh: NP=$NP, $DEVICE, tree $TREE, steps: ${STEPS[*]}, budget $BUDGET_S s," \
-     "OUT=$OUT"
+     "OUT=$OUT, cuda-python $CUDA_PYTHON"
 date -u
 git log -1 --format='git HEAD %h %s' 2>/dev/null
 echo "HVDLITE_BENCH_COMMIT=${HVDLITE_BENCH_COMMIT:-(unset: the tree is git HEAD above)}"
