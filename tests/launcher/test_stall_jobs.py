@@ -205,6 +205,46 @@ def test_a_failed_background_loop_ends_the_job_with_its_cause(tmp_path: Path) ->
     assert "Traceback" not in out, out  # no traceback from hvdlite's own plumbing
 
 
+# Rank 1's background thread fails between cycles (in its look at the agreed schedules, the
+# stall watch): the failure is sticky and reaches every rank, as a failed cycle's does, and the
+# job ends with its cause, instead of the thread ending alone.
+_BROKEN_WATCH = """
+import time, numpy as np, hvdlite as hvd
+from hvdlite._control.agreed import Schedules
+from hvdlite._engine import default_engine
+hvd.init()
+hvd.barrier()
+if hvd.rank() == 1:
+    class Broken(Schedules):
+        def __bool__(self):
+            return True
+        def watch(self):
+            raise OSError("injected watch failure")
+    default_engine().scheduler.schedules.__class__ = Broken
+time.sleep(0.5)  # the background loop looks between cycles (a call may run its own cycle)
+try:
+    hvd.allreduce(np.ones(4, np.float32), name="doomed", op=hvd.Sum)
+except hvd.HvdliteError as exc:
+    print(f"rank {hvd.rank()} HvdliteError: {exc}", flush=True)
+try:
+    hvd.allreduce(np.ones(1), name="never")
+except hvd.HvdliteError as exc:
+    print(f"rank {hvd.rank()} again: {type(exc).__name__}", flush=True)
+time.sleep(30)  # the engine's exit guard ends the job, not this script
+"""
+
+
+def test_a_failed_look_between_cycles_ends_the_job_with_its_cause(tmp_path: Path) -> None:
+    script = write_script(tmp_path, "broken_watch.py", _BROKEN_WATCH)
+    rc, out, elapsed = _mpiexec_job(script)
+    assert rc not in (0, None), out  # None: the job timed out
+    assert elapsed < 15, f"job took {elapsed:.1f} s to end: {out}"
+    assert "rank 0 HvdliteError" in out and "rank 1 HvdliteError" in out, out
+    assert "rank 0 again: HvdliteError" in out and "rank 1 again: HvdliteError" in out, out
+    assert "[hvdlite rank 1] " in out and "injected watch failure" in out, out
+    assert "Exception in thread" not in out, out  # the thread did not end on its own
+
+
 # A signal handler's exception (here an alarm) in a rank waiting on a collective no peer has
 # submitted: the wait is abandoned, and the engine and the job go on (as in Horovod).
 _ALARM = """
