@@ -98,9 +98,9 @@ def abort_job(comm: Any, reason: str, exitcode: int = 1, *,
     (waiting at most ``ending.TIMELINE_CLOSE_S`` for its writer), leaves the failure report
     for ``hvdliterun``, flushes stdio and, ``DRAIN_S`` later (the launcher has forwarded the
     reason by then), calls ``comm.Abort(exitcode)``, which makes the MPI launcher end every
-    rank. If MPI is already finalized, or Abort fails or does not end the
-    process within ``ABORT_GRACE_S``, the process ends with ``os._exit(exitcode)``. Safe from
-    any thread; ``comm`` may be None (no MPI: just exit).
+    rank. If MPI is already finalized, or Abort fails or does not end the process within
+    ``ABORT_GRACE_S``, the process ends with ``os._exit(exitcode)``. Safe from any thread;
+    ``comm`` may be None (no MPI: just exit).
     """
     ending.announce(reason, comm)
     if timeline is not None:

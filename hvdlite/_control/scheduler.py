@@ -392,8 +392,8 @@ class Scheduler:
             woken = self._wait_for_work()
             try:
                 if not isolated and self.engine.gpu is not None:
-                    # Before this thread's first device call: another thread's graph capture
-                    # must not fail this thread's event queries (nor they the capture).
+                    # As soon as there is a device: another thread's graph capture must not
+                    # fail this thread's event queries (nor they the capture).
                     self.engine.gpu.own_thread()
                     isolated = True
                 if self.schedules:

@@ -246,7 +246,8 @@ class GpuRuntime:
                  tracer: Tracer, stream_priority: str = "high") -> None:
         self.cupy = import_cupy()
         self.default_device = default_device
-        #: The CUDA priority of every stream hvdlite makes (``config.stream_priority``).
+        #: The CUDA priority of the per-device streams (``config.stream_priority`` at init;
+        #: an agreed schedule's stream takes the knob's value when the schedule opens).
         self.priority = PRIORITIES[stream_priority]
         self.tracer = tracer
         self._async = async_completion
