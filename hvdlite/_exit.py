@@ -44,8 +44,8 @@ __all__ = ["ExitGuard", "abort_job", "exit_guard"]
 ABORT_GRACE_S = 5.0  # comm.Abort that has not ended the process by then: os._exit
 # The MPI launcher forwards a rank's stderr through a pipe that it stops reading once the job
 # is aborted: a reason written just before comm.Abort was lost for 2 of 10 ranks aborting at
-# once (MPICH's mpiexec) and for every rank in GPU runs under Open MPI's mpirun. A pause this
-# long lets the launcher read it first.
+# once under MPICH's mpiexec (and, inferred, in GPU runs under Open MPI's mpirun that ended
+# with no reason). A pause this long lets the launcher read it first.
 DRAIN_S = 0.5
 BACKSTOP_S = 2.0  # the watchdog process acts this long after the guard's bound
 _TERM_GRACE_S = 1.0  # the watchdog's SIGTERM -> SIGKILL delay

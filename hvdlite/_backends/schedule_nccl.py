@@ -40,7 +40,7 @@ class NcclScheduleTransport:
 
     def __init__(self, cupy: Any, device_id: int, slots: Sequence[Slot],
                  buffers: Sequence[tuple[int, int]], uid: Any, rank: int, size: int,
-                 max_ctas: int = 0, priority: int = -1000) -> None:
+                 max_ctas: int, priority: int) -> None:
         from cupy.cuda import nccl
 
         self.cupy, self.device_id, self.size = cupy, device_id, size

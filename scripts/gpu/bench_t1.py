@@ -361,16 +361,16 @@ class Runner:
             for _ in range(CAPTURE_WARMUP):
                 self._eager_step()
         torch.cuda.current_stream().wait_stream(side)
-        # keep_graph (torch >= 2.9) keeps the cudaGraph_t to dump (torch 2.11's debug mode
-        # alone does not: gpu-validation run 79); instantiated after the dump.
-        graph = torch.cuda.CUDAGraph(keep_graph=dump is not None)
-        if dump is not None:
-            graph.enable_debug_mode()
+        if dump is None:
+            graph = torch.cuda.CUDAGraph()
+        else:  # a graph kept to be written as DOT, as make_graphed_step keeps its own
+            from hvdlite.torch.graphs import _dump, _kept_graph
+
+            graph, kept = _kept_graph()
         with torch.cuda.graph(graph):
             self._eager_step()
         if dump is not None:
-            graph.debug_dump(dump)
-            graph.instantiate()
+            _dump(graph, kept, dump)
         self.graph = graph.replay
 
     def _dump_path(self) -> str | None:

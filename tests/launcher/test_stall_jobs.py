@@ -172,6 +172,30 @@ def test_exit_with_a_collective_in_flight_and_a_peer_absent_is_bounded(tmp_path:
     assert out.count("collectives pending") == 1, out  # the reason, printed once
 
 
+# What the failure-job scripts do once it has happened: a call (it raises on every rank), then
+# another (the same sticky error).
+_TWO_CALLS = """
+try:
+    hvd.allreduce(np.ones(4, np.float32), name="doomed", op=hvd.Sum)
+except hvd.HvdliteError as exc:
+    print(f"rank {hvd.rank()} HvdliteError: {exc}", flush=True)
+try:
+    hvd.allreduce(np.ones(1), name="never")
+except hvd.HvdliteError as exc:
+    print(f"rank {hvd.rank()} again: {type(exc).__name__}", flush=True)
+"""
+
+
+def _failed_job(tmp_path: Path, name: str, script: str) -> str:
+    """Run a failure job; every rank must have raised twice and the job ended within 15 s."""
+    rc, out, elapsed = _mpiexec_job(write_script(tmp_path, name, script))
+    assert rc not in (0, None), out  # None: the job timed out
+    assert elapsed < 15, f"job took {elapsed:.1f} s to end: {out}"
+    for r in (0, 1):
+        assert f"rank {r} HvdliteError" in out and f"rank {r} again: HvdliteError" in out, out
+    return out
+
+
 # Rank 1's data plane breaks in the middle of a collective: its loop fails, tells rank 0, and
 # the job ends on its own (the exit guard), with the cause named.
 _BROKEN = """
@@ -182,26 +206,14 @@ if hvd.rank() == 1:
     def broken(bucket, entries):
         raise OSError("injected transport failure")
     default_engine().mpi.run = broken
-try:
-    hvd.allreduce(np.ones(4, np.float32), name="doomed", op=hvd.Sum)
-except hvd.HvdliteError as exc:
-    print(f"rank {hvd.rank()} HvdliteError: {exc}", flush=True)
-try:
-    hvd.allreduce(np.ones(1), name="never")  # the same sticky error, on every rank
-except hvd.HvdliteError as exc:
-    print(f"rank {hvd.rank()} again: {type(exc).__name__}", flush=True)
-    sys.exit(1)
+""" + _TWO_CALLS + """
+sys.exit(1)
 """
 
 
 def test_a_failed_background_loop_ends_the_job_with_its_cause(tmp_path: Path) -> None:
-    script = write_script(tmp_path, "broken.py", _BROKEN)
-    rc, out, elapsed = _mpiexec_job(script)
-    assert rc not in (0, None), out  # None: the job timed out
-    assert elapsed < 15, f"job took {elapsed:.1f} s to end: {out}"
-    assert "rank 1 HvdliteError" in out and "injected transport failure" in out, out
-    assert "rank 0 HvdliteError" in out and "rank 1 failed" in out, out
-    assert "rank 0 again: HvdliteError" in out and "rank 1 again: HvdliteError" in out, out
+    out = _failed_job(tmp_path, "broken.py", _BROKEN)
+    assert "injected transport failure" in out and "rank 1 failed" in out, out
     assert "Traceback" not in out, out  # no traceback from hvdlite's own plumbing
 
 
@@ -222,25 +234,13 @@ if hvd.rank() == 1:
             raise OSError("injected watch failure")
     default_engine().scheduler.schedules.__class__ = Broken
 time.sleep(0.5)  # the background loop looks between cycles (a call may run its own cycle)
-try:
-    hvd.allreduce(np.ones(4, np.float32), name="doomed", op=hvd.Sum)
-except hvd.HvdliteError as exc:
-    print(f"rank {hvd.rank()} HvdliteError: {exc}", flush=True)
-try:
-    hvd.allreduce(np.ones(1), name="never")
-except hvd.HvdliteError as exc:
-    print(f"rank {hvd.rank()} again: {type(exc).__name__}", flush=True)
+""" + _TWO_CALLS + """
 time.sleep(30)  # the engine's exit guard ends the job, not this script
 """
 
 
 def test_a_failed_look_between_cycles_ends_the_job_with_its_cause(tmp_path: Path) -> None:
-    script = write_script(tmp_path, "broken_watch.py", _BROKEN_WATCH)
-    rc, out, elapsed = _mpiexec_job(script)
-    assert rc not in (0, None), out  # None: the job timed out
-    assert elapsed < 15, f"job took {elapsed:.1f} s to end: {out}"
-    assert "rank 0 HvdliteError" in out and "rank 1 HvdliteError" in out, out
-    assert "rank 0 again: HvdliteError" in out and "rank 1 again: HvdliteError" in out, out
+    out = _failed_job(tmp_path, "broken_watch.py", _BROKEN_WATCH)
     assert "[hvdlite rank 1] " in out and "injected watch failure" in out, out
     assert "Exception in thread" not in out, out  # the thread did not end on its own
 
