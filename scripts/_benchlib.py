@@ -45,9 +45,13 @@ def install_abort_hook() -> None:
             sys.__excepthook__(kind, value, tb)
             return
         rank = MPI.COMM_WORLD.Get_rank()
-        sys.stderr.write(f"[rank {rank}] uncaught exception, aborting the job:\n")
-        traceback.print_exception(kind, value, tb)
-        sys.stderr.flush()
+        # The process's own stderr, not sys.stderr: torch.distributed's excepthook (set when a
+        # process group starts) calls this one with sys.stderr swapped for a buffer it prints
+        # afterwards, which an abort never reaches.
+        err = sys.__stderr__ or sys.stderr
+        err.write(f"[rank {rank}] uncaught exception, aborting the job:\n")
+        traceback.print_exception(kind, value, tb, file=err)
+        err.flush()
         # The launcher forwards stderr through a pipe it stops reading once the job is
         # aborted: give it a moment, or the traceback is lost (mpirun --output-filename).
         time.sleep(2.0)
