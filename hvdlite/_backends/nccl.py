@@ -528,14 +528,17 @@ class NcclBackend:
     def abort(self) -> None:
         """The job is ending with an error: abort the NCCL communicators (``ncclCommAbort``),
         so NCCL kernels waiting for a rank that will never come return and a thread blocked
-        on their completion wakes (the engine failed their entries first). IPC steps need
-        none: their device waits only on events recorded before a failure-aware barrier."""
+        on their completion wakes (the engine failed their entries first); and release the
+        IPC communicators' device waits the same way (``IpcCommunicator.release``: a stream
+        parked on a semaphore of a dead peer passes; the IPC ones stay for ``shutdown``)."""
         for key, comm in list(self._made.items()):
             if key[0] == "nccl":
                 try:
                     comm.abort()
                 finally:
                     del self._made[key]
+            else:
+                comm.release()
         self._comms.clear()
 
     def shutdown(self) -> None:
