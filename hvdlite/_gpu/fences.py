@@ -99,9 +99,9 @@ class FlagFences:
 
     name = "flags"
 
-    def __init__(self, cupy: Any, device_id: int, rank: int, size: int, slots: int) -> None:
-        self.rank, self.size = rank, size
-        self.sem = Semaphores(cupy, device_id, rank, size, slots)
+    def __init__(self, sem: Semaphores) -> None:
+        self.rank, self.size = sem.rank, sem.size
+        self.sem = sem
         self.record = HANDLE
 
     def handles(self) -> bytes:

@@ -145,7 +145,8 @@ class IpcCommunicator:
             self._agree(protocol)
             self._base = rt.malloc(_SLOTS * self.capacity)
             self.fences: EventFences | FlagFences = (
-                FlagFences(cupy, device_id, self.rank, self.size, _SLOTS)
+                FlagFences(semaphores.Semaphores(cupy, device_id, self.rank, self.size,
+                                                 _SLOTS))
                 if self.protocol == "flags" else
                 EventFences(cupy, device_id, self.rank, self.size, _SLOTS, self.mpi, wait))
             self._exchange()
