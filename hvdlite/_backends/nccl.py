@@ -13,6 +13,7 @@ event; nothing here waits for the device on the CPU (except with the timeline on
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -33,6 +34,8 @@ from hvdlite._vocab.plans import unit_groups
 from hvdlite.config import Config
 
 __all__ = ["NcclBackend", "nccl_dtype", "nccl_op", "new_communicator"]
+
+log = logging.getLogger("hvdlite")
 
 _MAX_REDUCTIONS = 256  # (dtype, op, factors) kept: a step uses a few
 _NCCL_BFLOAT16 = 9  # ncclBfloat16 in nccl.h: CuPy's binding names it only in newer releases
@@ -537,8 +540,11 @@ class NcclBackend:
                     comm.abort()
                 finally:
                     del self._made[key]
-            else:
+                continue
+            try:  # (a release that fails must not keep the NCCL ones from their abort)
                 comm.release()
+            except Exception:
+                log.exception("hvdlite: releasing the CUDA IPC waits of GPU %d failed", key[1])
         self._comms.clear()
 
     def shutdown(self) -> None:

@@ -181,7 +181,7 @@ class IpcCommunicator:
         rt = self.cupy.cuda.runtime
         record = HANDLE + self.fences.record
         mine = np.frombuffer(bytes(rt.ipcGetMemHandle(self._base)) + self.fences.handles(),
-                             dtype=np.uint8)
+                             dtype=np.uint8).copy()
         assert mine.size == record
         table = np.empty((self.size, record), dtype=np.uint8)
         self._wait(self.mpi.Iallgather(mine, table))
