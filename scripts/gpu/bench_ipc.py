@@ -97,6 +97,11 @@ class Transports:
             req.Wait()
 
         self.ipc = IpcCommunicator(gpu.comm, gpu.cupy, nccl, gpu.device_id, slot, wait)
+        # The agreed protocol's fallback beside it, same slot: what the semaphores change.
+        self.ipc_events = (IpcCommunicator(gpu.comm, gpu.cupy, nccl, gpu.device_id, slot, wait,
+                                           protocol="events")
+                           if self.ipc.protocol != "events" else None)
+        self.protocol = f"{self.ipc.protocol} ({self.ipc.protocol_why})"
         self.ipc_big = (IpcCommunicator(gpu.comm, gpu.cupy, nccl, gpu.device_id, big_slot, wait)
                         if big_slot > slot else None)
         self.raw = None if gpu.shared else gl.RawNccl(gpu)
@@ -115,6 +120,8 @@ class Transports:
     def close(self) -> None:
         self.gpu.sync()
         self.ipc.destroy()
+        if self.ipc_events is not None:
+            self.ipc_events.destroy()
         if self.ipc_big is not None:
             self.ipc_big.destroy()
         if self.raw is not None:
@@ -124,6 +131,8 @@ class Transports:
 def variants(t: Transports, src: Any, dst: Any, big: bool,
              stream: Any = None) -> dict[str, Callable[[], None]]:
     out = {"IPC": t.ipc_call(t.ipc, src, dst, stream)}
+    if t.ipc_events is not None:
+        out["IPC, events protocol"] = t.ipc_call(t.ipc_events, src, dst, stream)
     if big and t.ipc_big is not None:
         out["IPC, one slot per call"] = t.ipc_call(t.ipc_big, src, dst, stream)
     if t.raw is not None:
@@ -237,7 +246,8 @@ def main(argv: list[str] | None = None) -> None:
     i1 = I1_QUICK if args.quick else I1_SIZES
     i2 = I2_QUICK if args.quick else I2_SIZES
     t = Transports(gpu, slot, max(i2) if "I2" not in args.skip else 0)
-    res: dict[str, Any] = {"shared_gpu": gpu.shared, "slot_bytes": slot}
+    res: dict[str, Any] = {"shared_gpu": gpu.shared, "slot_bytes": slot,
+                           "protocol": t.protocol}
     if "I1" not in args.skip:
         res["I1"] = bench_sizes(gpu, t, i1, args.reps_small, 20, False, 0)
     if "I2" not in args.skip:
@@ -279,8 +289,9 @@ def report(gpu: Launch, res: dict[str, Any], slot: int) -> None:
         if claim and "compute with IPC" in i3:
             targets.append(gl.target("I3: compute slowed by concurrent IPC",
                                      i3["compute with IPC"]["slowdown"], MAX_I3))
-    notes = [f"IPC staging slot {gl.human_bytes(slot)} (two per rank); device time includes "
-             "the stream's idle time during IPC's host barrier"]
+    notes = [f"IPC staging slot {gl.human_bytes(slot)} (two per rank); IPC's protocol: "
+             f"{res.get('protocol')}; device time includes the stream's idle time while it "
+             "waits for the peers (a barrier, or their flags)"]
     if gpu.shared:
         notes.append(f"ranks share a GPU: NCCL cannot run, IPC only; {NO_CLAIMS} (no MPS): "
                      "correctness only, no targets")
