@@ -1,7 +1,8 @@
 """A rank that dies or raises while its peers stream device collectives: every survivor ends
 within 15 s, the rank named, no traceback from hvdlite's code (for SIGKILL).
 
-Real ``hvdliterun`` jobs of 2 ranks. The transport they must take is
+Real ``hvdliterun`` jobs of ``HVDLITE_TEST_JOB_RANKS`` ranks (default 2;
+``jobs_util.job_ranks``). The transport they must take is
 ``HVDLITE_TEST_EXPECT_TRANSPORT`` (``ipc`` or ``nccl``); by default ``nccl`` where this host has
 two GPUs or more (each rank gets its own: NCCL under the default policy) and ``ipc`` on one
 GPU (the ranks share it). The job checks the transport its engine picked before anything else.
