@@ -5,7 +5,7 @@
   slowest rank's, median of ``--reps-small``). Target (2 GPUs): IPC <= 0.5x NCCL up to 64 KiB.
 - I2: allreduce of 64, 128 and 256 MiB, device time, median of ``--reps-large``; IPC with
   hvdlite's default staging slot (``ipc_buffer_bytes``, 16 MiB: a large call moves in chunks,
-  one host barrier each) and with one slot as large as the call (informational). Target
+  ordered by the protocol's fences) and with one slot as large as the call (informational). Target
   (2 GPUs): IPC (default slot) <= 0.9x NCCL.
 - I3: ``--mm-reps`` 4096 x 4096 float32 matmuls on the compute stream, timed by events on it,
   alone and with a 64 MiB allreduce running repeatedly on a second stream for the whole
@@ -13,9 +13,11 @@
   ranks), through IPC and through NCCL. Target (2 GPUs): IPC slows compute by <= 3%.
 
 How IPC moves data (``hvdlite/_gpu/ipc.py``): each rank copies its input into its staging slot
-(``cudaMemcpyAsync``), records an interprocess event, a host barrier, then a kernel on the
+(``cudaMemcpyAsync``), signals its peers and waits for theirs (device semaphores: stream memory
+operations; or, the fallback, interprocess events and a host barrier), then a kernel on the
 caller's stream reads every rank's slot and reduces. Its device time therefore includes the
-stream's idle time while the host barrier runs: what a caller of the transport waits for.
+stream's idle time while the host issues those steps (and, with events, runs the barrier):
+what a caller of the transport waits for. The report says which protocol ran.
 
 Every variant's result is checked exact (integer-valued floats, a float64 reference from every
 rank's inputs) before timing and again after. Where the launch's ranks share a GPU (2 ranks on
