@@ -150,10 +150,13 @@ class NcclBackend:
 
     def _make(self, kind: str, device_id: int) -> Any:
         if kind == "ipc":
-            from hvdlite._gpu.ipc import IpcCommunicator
+            from hvdlite._gpu.ipc import ONESHOT_BYTES, IpcCommunicator
 
+            # One-shot kernels spin on an SM: only where every rank has a GPU of its own.
+            own = self.placement is not None and not self.placement.shared
             return IpcCommunicator(self.mpi, self.cupy, self.nccl, device_id,
-                                   self.config.ipc_buffer_bytes, self._wait)
+                                   self.config.ipc_buffer_bytes, self._wait,
+                                   oneshot_bytes=ONESHOT_BYTES if own else 0)
         uid = self.nccl.get_unique_id() if self.rank == 0 else None
         uid = self.mpi.bcast(uid, root=0)
         return new_communicator(self.cupy, self.nccl, device_id, self.size, uid, self.rank)

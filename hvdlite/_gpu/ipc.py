@@ -42,6 +42,15 @@ Why each fence:
   share one GPU (their contexts take turns on it) never need two kernels of different ranks
   running at once. No MPI call is made per step.
 
+One-shot steps. Where every rank has a GPU of its own and the flags protocol runs, a step
+that is one small reduced piece (an allreduce, a reduce's root: ``ONESHOT_BYTES`` or less) is
+one kernel (``kernels.ipc_oneshot``): it waits, copies, signals and reduces exactly as the
+step above, its fences done by one thread spinning on the same flags instead of one stream
+memory operation each, so the host issues one launch where the memop step issues about eight
+driver calls (what bounded I1 in gpu-validation run 82). Ranks that share a GPU never take it:
+their contexts take turns on the GPU, and a kernel spinning for a peer that cannot run would
+crawl.
+
 With events (the fallback) the step is the same, with WRITTEN and READ as event records and a
 failure-aware MPI barrier between the WRITTEN records and their waits (``_gpu/fences.py``
 says why).
@@ -68,10 +77,10 @@ from mpi4py import MPI
 
 from hvdlite._gpu import semaphores
 from hvdlite._gpu.fences import HANDLE, EventFences, FlagFences
-from hvdlite._gpu.kernels import ipc_reduce
+from hvdlite._gpu.kernels import ipc_oneshot, ipc_reduce
 from hvdlite._gpu.mapping import PeerMappings
 
-__all__ = ["IpcCommunicator", "PROTOCOLS"]
+__all__ = ["IpcCommunicator", "ONESHOT_BYTES", "PROTOCOLS", "oneshot_pull"]
 
 log = logging.getLogger("hvdlite")
 
@@ -82,6 +91,10 @@ _LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
 _D2D = 3  # cudaMemcpyDeviceToDevice
 _MAPPINGS = 64  # unpinned peer mappings kept open (registered buffers; slots are pinned)
 _ALL = -1  # a piece every rank pushes
+# Largest allreduce run as one kernel (kernels.ipc_oneshot) where the ranks have a GPU each and
+# the flags protocol runs: one block reduces it, and the crossover against the stream-memop
+# step is to be measured (bench_ipc.py, I1) and recorded.
+ONESHOT_BYTES = 64 * 1024
 
 _NP_OF = ("int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32",
           "float64")
@@ -120,7 +133,7 @@ class IpcCommunicator:
 
     def __init__(self, comm: MPI.Intracomm, cupy: Any, nccl: Any, device_id: int,
                  slot_bytes: int, wait: Callable[[MPI.Request], None],
-                 protocol: str = "auto") -> None:
+                 protocol: str = "auto", oneshot_bytes: int = 0) -> None:
         if protocol not in PROTOCOLS:
             raise ValueError(f"IpcCommunicator protocol must be one of {PROTOCOLS}, got "
                              f"{protocol!r}")
@@ -150,6 +163,16 @@ class IpcCommunicator:
                 if self.protocol == "flags" else
                 EventFences(cupy, device_id, self.rank, self.size, _SLOTS, self.mpi, wait))
             self._exchange()
+            # One-shot steps (``oneshot_bytes`` > 0: the caller's ranks have a GPU each):
+            # every rank's slot and inbox pointers as device tables, made once.
+            self.oneshot_bytes = oneshot_bytes if self.protocol == "flags" else 0
+            self.oneshot_steps = 0  # steps run as one kernel (tests, the doctor)
+            if self.oneshot_bytes:
+                inboxes = self.fences.sem.inboxes  # type: ignore[union-attr]
+                self._oneshot_tables = (
+                    [cupy.asarray(np.array([self._slots[r][k] for r in range(self.size)],
+                                           dtype=np.uint64)) for k in range(_SLOTS)],
+                    cupy.asarray(np.array(inboxes, dtype=np.uint64)))
 
     # -- setup ------------------------------------------------------------------------------
     def _agree(self, protocol: str) -> None:
@@ -336,6 +359,12 @@ class IpcCommunicator:
         first = self._step < _SLOTS
         self._step += 1
         me = self.rank
+        one = oneshot_pull(step, self.oneshot_bytes)
+        # The kernel keeps the memop step's flag protocol, so ranks may take either path for
+        # one step (a reduce's root reduces; its other ranks only stage).
+        if one is not None:
+            self._oneshot(one[0], one[1], slot, epoch, first, stream)
+            return
         fences = self.fences
         fences.before_write(stream, slot, epoch, first)
         mine = self._slots[me][slot]
@@ -353,16 +382,45 @@ class IpcCommunicator:
                     self._reduce(piece, pull, slot, stream)
         fences.after_read(stream, slot, epoch)
 
+    def _oneshot(self, piece: _Piece, pull: _Pull, slot: int, epoch: int, first: bool,
+                 stream: int) -> None:
+        dtype, op = pull.reduce  # type: ignore[misc]
+        slots, inboxes = self._oneshot_tables
+        self.oneshot_steps += 1
+        with self._stream(stream):
+            ipc_oneshot(self._ops[op], dtype.name, self.size, _SLOTS, piece.src, slots[slot],
+                        inboxes, pull.dst, piece.nbytes // dtype.itemsize, self.rank, slot,
+                        epoch, first)
+
+    def _stream(self, stream: int) -> Any:
+        """The CuPy object of a raw stream pointer (made once per stream)."""
+        target = self._streams.get(stream)
+        if target is None:
+            target = self._streams[stream] = self.cupy.cuda.ExternalStream(stream,
+                                                                           self.device_id)
+        return target
+
     def _reduce(self, piece: _Piece, pull: _Pull, slot: int, stream: int) -> None:
         dtype, op = pull.reduce  # type: ignore[misc]
         count = piece.nbytes // dtype.itemsize
         if count == 0:
             return
-        target = self._streams.get(stream)
-        if target is None:
-            target = self._streams[stream] = self.cupy.cuda.ExternalStream(stream,
-                                                                           self.device_id)
-        with target:  # (the caller's current stream is put back by _run)
+        with self._stream(stream):  # (the caller's current stream is put back by _run)
             ipc_reduce(self._ops[op], dtype.name,
                        [self._slots[r][slot] + piece.offsets[r] for r in range(self.size)],
                        pull.dst, count)
+
+
+def oneshot_pull(step: list[_Piece], limit: int) -> tuple[_Piece, _Pull] | None:
+    """The piece and its reduction where ``step`` is one piece every rank pushes and this
+    rank reduces (an allreduce; a reduce's root), of at most ``limit`` bytes: a step the
+    one-shot kernel runs. Pure."""
+    if len(step) != 1:
+        return None
+    piece = step[0]
+    if piece.pusher != _ALL or len(piece.pulls) != 1 or not 0 < piece.nbytes <= limit:
+        return None
+    pull = piece.pulls[0]
+    if pull.reduce is None or pull.reduce[0].itemsize == 0:
+        return None
+    return piece, pull

@@ -90,7 +90,7 @@ class Transports:
     def __init__(self, gpu: Launch, slot: int, big_slot: int) -> None:
         from cupy.cuda import nccl
 
-        from hvdlite._gpu.ipc import IpcCommunicator
+        from hvdlite._gpu.ipc import ONESHOT_BYTES, IpcCommunicator
 
         self.nccl = nccl
         self.gpu = gpu
@@ -98,7 +98,13 @@ class Transports:
         def wait(req: MPI.Request) -> None:
             req.Wait()
 
-        self.ipc = IpcCommunicator(gpu.comm, gpu.cupy, nccl, gpu.device_id, slot, wait)
+        # As the engine makes it: one-shot kernels for small calls where each rank has a GPU.
+        oneshot = 0 if gpu.shared else ONESHOT_BYTES
+        self.ipc = IpcCommunicator(gpu.comm, gpu.cupy, nccl, gpu.device_id, slot, wait,
+                                   oneshot_bytes=oneshot)
+        # The same without them, beside it: every small call a step of stream memory ops.
+        self.ipc_memops = (IpcCommunicator(gpu.comm, gpu.cupy, nccl, gpu.device_id, slot, wait)
+                           if self.ipc.oneshot_bytes else None)
         # The agreed protocol's fallback beside it, same slot: what the semaphores change.
         self.ipc_events = (IpcCommunicator(gpu.comm, gpu.cupy, nccl, gpu.device_id, slot, wait,
                                            protocol="events")
@@ -122,6 +128,8 @@ class Transports:
     def close(self) -> None:
         self.gpu.sync()
         self.ipc.destroy()
+        if self.ipc_memops is not None:
+            self.ipc_memops.destroy()
         if self.ipc_events is not None:
             self.ipc_events.destroy()
         if self.ipc_big is not None:
@@ -133,6 +141,8 @@ class Transports:
 def variants(t: Transports, src: Any, dst: Any, big: bool,
              stream: Any = None) -> dict[str, Callable[[], None]]:
     out = {"IPC": t.ipc_call(t.ipc, src, dst, stream)}
+    if t.ipc_memops is not None and not big:
+        out["IPC, no one-shot kernel"] = t.ipc_call(t.ipc_memops, src, dst, stream)
     if t.ipc_events is not None:
         out["IPC, events protocol"] = t.ipc_call(t.ipc_events, src, dst, stream)
     if big and t.ipc_big is not None:

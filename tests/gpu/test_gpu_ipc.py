@@ -344,3 +344,28 @@ def test_release_lets_a_stream_past_a_peer_that_never_signals(hvd: Any) -> None:
         assert time.monotonic() - t0 < 3.0
     MPI.COMM_WORLD.Barrier()
     ipc.destroy()
+
+
+def test_one_shot_kernel_for_small_calls_with_a_gpu_each(hvd: Any, restart: Any) -> None:
+    # With a GPU per rank, a small allreduce over IPC is one kernel (its fences done by the
+    # kernel on the flag protocol's flags); larger ones are stream-memop steps; both in turn
+    # over many steps (both slots, many epochs), every result exact, every op, a reduce too.
+    if _shares_gpu():
+        pytest.skip("ranks share a GPU: the one-shot kernel spins on an SM, so it is off")
+    restart(ipc="always", fusion_threshold="1KiB")
+    comm = _backend().communicator(cupy.cuda.Device().id)
+    if comm.protocol != "flags":
+        pytest.skip(f"the one-shot kernel needs the flags protocol: {comm.protocol_why}")
+    r, n = hvd.rank(), hvd.size()
+    before = comm.oneshot_steps
+    for step in range(40):
+        for dtype, count in (("int32", 7), ("float64", 3000), ("float16", 100)):
+            inputs = all_inputs(300 + step, n, (count,), dtype)
+            op = ("Sum", "Max", "Min")[step % 3]
+            got = hvd.allreduce(cupy.asarray(inputs[r]), name=f"one.{dtype}", op=getattr(hvd, op))
+            _exact(got, reference_allreduce(inputs, op), f"step {step} {op} {dtype}")
+        big = all_inputs(900 + step, n, (40_000,), "int64")  # 320 KB: stream-memop steps
+        got = hvd.allreduce(cupy.asarray(big[r]), name="one.big", op=hvd.Sum)
+        _exact(got, reference_allreduce(big, "Sum"), f"step {step} large")
+    assert comm.oneshot_steps - before >= 40 * 3, comm.oneshot_steps - before
+    restart()

@@ -223,3 +223,48 @@ def test_flag_protocol_orders_every_interleaving(size: int, seed: int) -> None:
 @pytest.mark.parametrize("seed", range(4))
 def test_flag_protocol_across_the_epoch_wrap(seed: int) -> None:
     _simulate(3, steps=10, start=2 * (sem.MOD - 3), seed=seed)
+
+
+# -- the one-shot kernel's step (a GPU per rank): which steps take it, and what it computes ------
+def _reduced(nbytes: int, dtype: str = "float32") -> Any:
+    from hvdlite._gpu.ipc import _ALL, _Piece, _Pull
+
+    return _Piece(_ALL, nbytes, 0x1000, [_Pull(0x2000, reduce=(np.dtype(dtype), 0))],
+                  np.dtype(dtype).itemsize)
+
+
+def test_only_one_small_reduced_piece_takes_the_one_shot_kernel() -> None:
+    from hvdlite._gpu.ipc import _ALL, _Piece, _Pull, oneshot_pull
+
+    small, big = _reduced(256), _reduced(1 << 20)
+    assert oneshot_pull([small], 64 * 1024) == (small, small.pulls[0])
+    assert oneshot_pull([big], 64 * 1024) is None  # over the limit
+    assert oneshot_pull([small], 0) is None  # off (ranks that share a GPU)
+    assert oneshot_pull([small, _reduced(256)], 64 * 1024) is None  # a group: two pieces
+    staged_only = _Piece(_ALL, 256, 0x1000, [], 4)  # a reduce's other ranks
+    assert oneshot_pull([staged_only], 64 * 1024) is None
+    copied = _Piece(1, 256, 0x1000, [_Pull(0x2000, 1)])  # a broadcast: a copy, not a reduce
+    assert oneshot_pull([copied], 64 * 1024) is None
+    assert oneshot_pull([_reduced(0)], 64 * 1024) is None
+
+
+@pytest.mark.parametrize("op", ["sum", "avg", "prod", "max", "min"])
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_one_shot_source_keeps_the_flag_protocol(op: str, ranks: int) -> None:
+    # The kernel's flags are the memop step's (flag_index's layout; WRITTEN to the peers, READ
+    # to every rank, each at the step's epoch), and it reduces in rank order (the same bits on
+    # every rank). What it computes on a GPU is tests/gpu/test_gpu_ipc.py's.
+    from hvdlite._gpu.kernels import oneshot_source
+
+    name, code = oneshot_source(op, ranks, 2, "float16" if op == "max" else "float32")
+    assert name in code and f"hvd_oneshot_{op}_{ranks}_2_" in name
+    assert f"(((kind) * 2 + (slot)) * {ranks} + (peer))" in code  # sem.flag_index's layout
+    for i in range(ranks):
+        assert f"a{i} = " in code
+    assert code.index("a0 = ") < code.index(f"a{ranks - 1} = ")
+    assert "st_release(FLAG(inboxes[r], 0, slot, me), epoch)" in code  # WRITTEN to peers
+    assert "st_release(FLAG(inboxes[r], 1, slot, me), epoch)" in code  # READ to every rank
+    assert "await_flag(FLAG(mine, 1, slot, r), epoch - 1u)" in code  # READ of the last use
+    assert ("/ (" in code) == (op == "avg")
+    for k in (sem.WRITTEN, sem.READ):
+        assert sem.flag_index(k, 1, ranks - 1, 2, ranks) == (k * 2 + 1) * ranks + ranks - 1
