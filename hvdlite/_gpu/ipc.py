@@ -387,6 +387,7 @@ class IpcCommunicator:
         dtype, op = pull.reduce  # type: ignore[misc]
         slots, inboxes = self._oneshot_tables
         self.oneshot_steps += 1
+        self.fences.sem.awaits(epoch)  # type: ignore[union-attr]  # (what release() passes)
         with self._stream(stream):
             ipc_oneshot(self._ops[op], dtype.name, self.size, _SLOTS, piece.src, slots[slot],
                         inboxes, pull.dst, piece.nbytes // dtype.itemsize, self.rank, slot,

@@ -197,11 +197,16 @@ class Semaphores:
         _check(self._drv.cuStreamWriteValue32(stream, self._flag(to, kind, slot, self.rank),
                                               epoch, 0), "cuStreamWriteValue32")
 
+    def awaits(self, epoch: int) -> None:
+        """Note that this rank's streams may wait for ``epoch`` (what :meth:`release` must pass):
+        :meth:`wait` notes its own; a one-shot kernel's waits are noted by its caller."""
+        if cyclic_geq(epoch, self.epoch):
+            self.epoch = epoch
+
     def wait(self, stream: int, kind: int, slot: int, peer: int, epoch: int) -> None:
         """On ``stream``, before its later work: wait until ``peer`` signalled ``kind`` for
         ``slot`` at ``epoch`` or later (cyclically)."""
-        if cyclic_geq(epoch, self.epoch):
-            self.epoch = epoch
+        self.awaits(epoch)
         _check(self._drv.cuStreamWaitValue32(stream, self._flag(self.rank, kind, slot, peer),
                                              epoch, self._geq), "cuStreamWaitValue32")
 
