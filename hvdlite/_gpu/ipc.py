@@ -80,7 +80,8 @@ from hvdlite._gpu.fences import HANDLE, EventFences, FlagFences
 from hvdlite._gpu.kernels import ipc_oneshot, ipc_reduce
 from hvdlite._gpu.mapping import PeerMappings
 
-__all__ = ["IpcCommunicator", "ONESHOT_BYTES", "PROTOCOLS", "oneshot_pull"]
+__all__ = ["IpcCommunicator", "ONESHOT_BYTES", "PROTOCOLS", "TWO_SHOT_BYTES", "oneshot_pull",
+           "two_shot_phases"]
 
 log = logging.getLogger("hvdlite")
 
@@ -95,6 +96,12 @@ _ALL = -1  # a piece every rank pushes
 # the flags protocol runs: one block reduces it, and the crossover against the stream-memop
 # step is to be measured (bench_ipc.py, I1) and recorded.
 ONESHOT_BYTES = 64 * 1024
+# From this many ranks, an allreduce larger than TWO_SHOT_BYTES (not in a group) goes in two
+# phases: a reduce-scatter (each rank reduces its 1/n of every rank's input) and an all-gather
+# of the reduced parts; each rank then reads 2(n-1)/n of the bytes from its peers instead of
+# (n-1) times them. The crossover is to be measured at 4 GPUs (issue 41's I1-I2) and recorded.
+TWO_SHOT_RANKS = 4
+TWO_SHOT_BYTES = 256 * 1024
 
 _NP_OF = ("int8", "uint8", "int32", "uint32", "int64", "uint64", "float16", "float32",
           "float64")
@@ -248,6 +255,11 @@ class IpcCommunicator:
     def allReduce(self, send: int, recv: int, count: int, dtype: int, op: int,  # noqa: N802
                   stream: int) -> None:
         t = self._types[dtype]
+        if (self._group is None and self.size >= TWO_SHOT_RANKS
+                and count * t.itemsize > TWO_SHOT_BYTES):
+            for phase in two_shot_phases(send, recv, count, t, op, self.rank, self.size):
+                self._run(phase, stream)  # the second phase reads what the first wrote
+            return
         self._add([_Piece(_ALL, count * t.itemsize, send,
                           [_Pull(recv, reduce=(t, op))], t.itemsize)], stream)
 
@@ -425,3 +437,21 @@ def oneshot_pull(step: list[_Piece], limit: int) -> tuple[_Piece, _Pull] | None:
     if pull.reduce is None or pull.reduce[0].itemsize == 0:
         return None
     return piece, pull
+
+
+def two_shot_phases(send: int, recv: int, count: int, dtype: np.dtype, op: int, rank: int,
+                    size: int) -> list[list[_Piece]]:
+    """The pieces of a two-shot allreduce, by phase: every rank stages its whole input and
+    rank ``r`` reduces part ``r`` (elements ``[r*count//size, (r+1)*count//size)``) into
+    ``recv``; then rank ``r`` stages its reduced part and every other rank copies it into its
+    ``recv``. Pure; each rank computes its own (the sizes are the same on all)."""
+    item = dtype.itemsize
+    bounds = [r * count // size for r in range(size + 1)]
+    parts = [((bounds[r] * item), (bounds[r + 1] - bounds[r]) * item) for r in range(size)]
+    scatter = [_Piece(_ALL, nb, send + off,
+                      [_Pull(recv + off, reduce=(dtype, op))] if r == rank else [], item)
+               for r, (off, nb) in enumerate(parts)]
+    gather = [_Piece(r, nb, recv + off if r == rank else 0,
+                     [] if r == rank else [_Pull(recv + off, r)])
+              for r, (off, nb) in enumerate(parts)]
+    return [scatter, gather]

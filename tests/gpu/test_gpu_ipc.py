@@ -369,3 +369,25 @@ def test_one_shot_kernel_for_small_calls_with_a_gpu_each(hvd: Any, restart: Any)
         _exact(got, reference_allreduce(big, "Sum"), f"step {step} large")
     assert comm.oneshot_steps - before >= 40 * 3, comm.oneshot_steps - before
     restart()
+
+
+def test_two_shot_allreduce_from_four_ranks(hvd: Any, restart: Any) -> None:
+    # From 4 ranks a large allreduce over IPC is a reduce-scatter then an all-gather (each
+    # rank reads 2(n-1)/n of the bytes instead of n-1 times them); in chunks of a small slot
+    # too, in place and not, every result exact.
+    from hvdlite._gpu.ipc import TWO_SHOT_BYTES, TWO_SHOT_RANKS
+
+    r, n = hvd.rank(), hvd.size()
+    if n < TWO_SHOT_RANKS:
+        pytest.skip(f"the two-shot allreduce starts at {TWO_SHOT_RANKS} ranks")
+    for slot in ("16MiB", "64KiB"):
+        restart(ipc="always", ipc_buffer_bytes=slot)
+        for dtype, op in (("int32", "Sum"), ("float64", "Max"), ("int64", "Min")):
+            count = TWO_SHOT_BYTES // np.dtype(dtype).itemsize * 3 + 7  # uneven parts
+            inputs = all_inputs(500, n, (count,), dtype)
+            got = hvd.allreduce(cupy.asarray(inputs[r]), name=f"two.{dtype}", op=getattr(hvd, op))
+            _exact(got, reference_allreduce(inputs, op), f"two-shot {op} {dtype}, slot {slot}")
+            x = cupy.asarray(inputs[r])
+            hvd.allreduce_(x, name=f"two.inplace.{dtype}", op=getattr(hvd, op))
+            _exact(x, reference_allreduce(inputs, op), f"in place {op} {dtype}, slot {slot}")
+    restart()

@@ -268,3 +268,65 @@ def test_one_shot_source_keeps_the_flag_protocol(op: str, ranks: int) -> None:
     assert ("/ (" in code) == (op == "avg")
     for k in (sem.WRITTEN, sem.READ):
         assert sem.flag_index(k, 1, ranks - 1, 2, ranks) == (k * 2 + 1) * ranks + ranks - 1
+
+
+# -- the two-shot allreduce (4+ ranks, large calls): its pieces, run on a model of the steps -----
+def _run_model(phases_of: list[list[list[Any]]], mem: list[np.ndarray]) -> None:
+    """Each phase as one step (the memop step's order: every push, then every pull), on every
+    rank's memory (``mem[r]``: bytes; addresses are offsets into it)."""
+    from hvdlite._gpu.ipc import _ALL
+
+    size = len(mem)
+    for phase in range(len(phases_of[0])):
+        pieces = [phases_of[r][phase] for r in range(size)]
+        staged: dict[tuple[int, int], np.ndarray] = {}
+        for r in range(size):
+            for i, p in enumerate(pieces[r]):
+                if p.nbytes and (p.pusher == _ALL or p.pusher == r):
+                    staged[r, i] = mem[r][p.src:p.src + p.nbytes].copy()
+        for me in range(size):
+            for i, p in enumerate(pieces[me]):
+                for pull in p.pulls:
+                    if pull.reduce is None:
+                        got = staged[pull.src, i]
+                    else:
+                        dt = pull.reduce[0]
+                        got = sum(staged[r, i].view(dt) for r in range(size)).astype(dt)
+                        got = got.view(np.uint8)
+                    mem[me][pull.dst:pull.dst + p.nbytes] = got
+
+
+@pytest.mark.parametrize("size", [4, 5, 8])
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("dtype", ["int32", "float64"])
+def test_two_shot_allreduce_sums_every_rank_input(size: int, in_place: bool, dtype: str) -> None:
+    from hvdlite._gpu.ipc import two_shot_phases
+
+    dt = np.dtype(dtype)
+    count = 1001  # not a multiple of any size: uneven parts
+    send, recv = 0, 0 if in_place else count * dt.itemsize
+    rng = np.random.default_rng(size)
+    inputs = [rng.integers(-1000, 1000, count).astype(dt) for _ in range(size)]
+    mem = []
+    for r in range(size):
+        m = np.zeros(2 * count * dt.itemsize, dtype=np.uint8)
+        m[send:send + count * dt.itemsize] = inputs[r].view(np.uint8)
+        mem.append(m)
+    phases = [two_shot_phases(send, recv, count, dt, 0, r, size) for r in range(size)]
+    assert all(len(p) == 2 for p in phases)
+    _run_model(phases, mem)
+    want = sum(inputs).astype(dt)
+    for r in range(size):
+        got = mem[r][recv:recv + count * dt.itemsize].view(dt)
+        np.testing.assert_array_equal(got, want, err_msg=f"rank {r}")
+
+
+def test_two_shot_parts_cover_the_buffer_once() -> None:
+    from hvdlite._gpu.ipc import two_shot_phases
+
+    dt = np.dtype("float32")
+    scatter, gather = two_shot_phases(0, 4096, 3, dt, 0, 1, 4)  # fewer elements than ranks
+    assert [p.nbytes for p in scatter] == [0, 4, 4, 4]
+    assert sum(p.nbytes for p in gather) == 12
+    assert [len(p.pulls) for p in scatter] == [0, 1, 0, 0]  # rank 1 reduces part 1 only
+    assert [len(p.pulls) for p in gather] == [1, 0, 1, 1]  # and copies the others' parts
