@@ -13,6 +13,7 @@ event; nothing here waits for the device on the CPU (except with the timeline on
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -33,6 +34,8 @@ from hvdlite._vocab.plans import unit_groups
 from hvdlite.config import Config
 
 __all__ = ["NcclBackend", "nccl_dtype", "nccl_op", "new_communicator"]
+
+log = logging.getLogger("hvdlite")
 
 _MAX_REDUCTIONS = 256  # (dtype, op, factors) kept: a step uses a few
 _NCCL_BFLOAT16 = 9  # ncclBfloat16 in nccl.h: CuPy's binding names it only in newer releases
@@ -147,10 +150,13 @@ class NcclBackend:
 
     def _make(self, kind: str, device_id: int) -> Any:
         if kind == "ipc":
-            from hvdlite._gpu.ipc import IpcCommunicator
+            from hvdlite._gpu.ipc import ONESHOT_BYTES, IpcCommunicator
 
+            # One-shot kernels spin on an SM: only where every rank has a GPU of its own.
+            own = self.placement is not None and not self.placement.shared
             return IpcCommunicator(self.mpi, self.cupy, self.nccl, device_id,
-                                   self.config.ipc_buffer_bytes, self._wait)
+                                   self.config.ipc_buffer_bytes, self._wait,
+                                   oneshot_bytes=ONESHOT_BYTES if own else 0)
         uid = self.nccl.get_unique_id() if self.rank == 0 else None
         uid = self.mpi.bcast(uid, root=0)
         return new_communicator(self.cupy, self.nccl, device_id, self.size, uid, self.rank)
@@ -528,14 +534,20 @@ class NcclBackend:
     def abort(self) -> None:
         """The job is ending with an error: abort the NCCL communicators (``ncclCommAbort``),
         so NCCL kernels waiting for a rank that will never come return and a thread blocked
-        on their completion wakes (the engine failed their entries first). IPC steps need
-        none: their device waits only on events recorded before a failure-aware barrier."""
+        on their completion wakes (the engine failed their entries first); and release the
+        IPC communicators' device waits the same way (``IpcCommunicator.release``: a stream
+        parked on a semaphore of a dead peer passes; the IPC ones stay for ``shutdown``)."""
         for key, comm in list(self._made.items()):
             if key[0] == "nccl":
                 try:
                     comm.abort()
                 finally:
                     del self._made[key]
+                continue
+            try:  # (a release that fails must not keep the NCCL ones from their abort)
+                comm.release()
+            except Exception:
+                log.exception("hvdlite: releasing the CUDA IPC waits of GPU %d failed", key[1])
         self._comms.clear()
 
     def shutdown(self) -> None:

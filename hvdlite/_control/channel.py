@@ -187,8 +187,8 @@ class Channel:
 
     # -- the end --------------------------------------------------------------------------
     def abort_device(self) -> None:
-        """The job is ending with an error: abort this set's NCCL communicators (the NCCL
-        watchdog: see ``NcclBackend.abort``)."""
+        """The job is ending with an error: abort this set's NCCL communicators and release
+        its CUDA IPC waits (the NCCL watchdog: see ``NcclBackend.abort``)."""
         backend = self.backends.get("cuda")
         if backend is not None:
             backend.abort()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-__all__ = ["batched_copy", "CTYPES"]
+__all__ = ["batched_copy", "CTYPES", "ipc_oneshot", "ipc_reduce"]
 
 # Element type of the kernel for each wire dtype (complex travels as pairs of its real type).
 CTYPES = {
@@ -205,3 +205,112 @@ def ipc_reduce(op: str, wire: str, inputs: list[int], out: int, count: int) -> N
     _ipc_kernel(op, len(inputs), wire)(
         (blocks,), (_THREADS,), (*[np.uint64(p) for p in inputs], np.uint64(out),
                                  cupy.int64(count)))
+
+
+# -- CUDA IPC, one-shot: a whole small allreduce step in one kernel (a GPU per rank) --------------
+# The step of ``_gpu/ipc.py`` with the flag protocol's fences done by the kernel itself instead
+# of one stream memory operation each: thread 0 waits for every rank's READ of this rank's slot
+# (its previous use), the block copies the input in, thread 0 publishes WRITTEN to the peers
+# and waits for theirs, the block reduces every rank's slot in rank order (the same bits on
+# every rank, as ``ipc_reduce``), thread 0 publishes READ to every rank. Flags are 32-bit epochs
+# compared cyclically (``semaphores.cyclic_geq``), at ``flag_index``'s place in each inbox, so
+# this path and the stream-memop path interleave, and ``Semaphores.release`` (the flags set far
+# ahead) lets a kernel parked on a dead peer finish. One block: the calls this takes are small
+# (``ipc.ONESHOT_BYTES``), and a block barrier orders its copy, signals and reads. Spinning on
+# an SM is why ranks that share a GPU never take it (their contexts take turns on the GPU).
+_ONESHOT_THREADS = 1024
+
+_ONESHOT_SOURCE = r"""
+#include <cuda_fp16.h>
+#define F(x) {widen}(x)
+#define L(x) {narrow}(x)
+__device__ __forceinline__ unsigned int ld_acquire(const unsigned int* p) {{
+    unsigned int v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}}
+__device__ __forceinline__ void st_release(unsigned int* p, unsigned int v) {{
+    asm volatile("st.release.sys.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}}
+__device__ __forceinline__ void await_flag(const unsigned int* p, unsigned int epoch) {{
+    while ((int)(ld_acquire(p) - epoch) < 0) {{ }}
+}}
+// flag_index(kind, slot, peer) = (kind * SLOTS + slot) * RANKS + peer; WRITTEN 0, READ 1.
+#define FLAG(inbox, kind, slot, peer) \
+    ((unsigned int*)(inbox) + (((kind) * {slots} + (slot)) * {ranks} + (peer)))
+extern "C" __global__ void {name}(const {ctype}* x,  // x may be y (in place)
+        const unsigned long long* __restrict__ slot_ptrs,
+        const unsigned long long* __restrict__ inboxes, {ctype}* y,
+        long long n, int me, int slot, unsigned int epoch, int first) {{
+    const unsigned long long mine = inboxes[me];
+    if (threadIdx.x == 0 && !first) {{
+        for (int r = 0; r < {ranks}; ++r) await_flag(FLAG(mine, 1, slot, r), epoch - 1u);
+    }}
+    __syncthreads();
+    {ctype}* own = ({ctype}*)slot_ptrs[me];
+    for (long long k = threadIdx.x; k < n; k += blockDim.x) own[k] = x[k];
+    __syncthreads();
+    if (threadIdx.x == 0) {{
+        __threadfence_system();
+        for (int r = 0; r < {ranks}; ++r)
+            if (r != me) st_release(FLAG(inboxes[r], 0, slot, me), epoch);
+        for (int r = 0; r < {ranks}; ++r)
+            if (r != me) await_flag(FLAG(mine, 0, slot, r), epoch);
+    }}
+    __syncthreads();
+    for (long long k = threadIdx.x; k < n; k += blockDim.x) {{
+        {loads}
+        {ctype} v = a0;
+        {steps}
+        {finish}
+        y[k] = v;
+    }}
+    __syncthreads();
+    if (threadIdx.x == 0) {{
+        __threadfence_system();
+        for (int r = 0; r < {ranks}; ++r) st_release(FLAG(inboxes[r], 1, slot, me), epoch);
+    }}
+}}
+"""
+
+
+@functools.cache
+def _oneshot_kernel(op: str, ranks: int, slots: int, wire: str) -> Any:
+    import cupy
+
+    return cupy.RawKernel(*reversed(oneshot_source(op, ranks, slots, wire)))
+
+
+def oneshot_source(op: str, ranks: int, slots: int, wire: str) -> tuple[str, str]:
+    """(name, CUDA source) of the one-shot kernel for ``op`` over ``ranks`` ranks' slots of
+    ``wire`` elements (pure: no CuPy)."""
+    ctype = CTYPES[wire]
+    half = wire == "float16"
+    loads = " ".join(f"const {ctype} a{i} = ((const {ctype}*)slot_ptrs[{i}])[k];"
+                     for i in range(ranks))
+    steps = "\n        ".join(_IPC_STEP[op].format(i=i).replace(f"a{i}[k]", f"a{i}")
+                              for i in range(1, ranks))
+    finish = (f"v = L(F(v) / ({'float' if half else ctype}){ranks});"
+              if op == "avg" and ranks > 1 else "")
+    name = f"hvd_oneshot_{op}_{ranks}_{slots}_{wire}"
+    code = _ONESHOT_SOURCE.format(
+        widen="__half2float" if half else "", narrow="__float2half" if half else f"({ctype})",
+        slots=slots, ranks=ranks, name=name, ctype=ctype, loads=loads, steps=steps,
+        finish=finish)
+    return name, code
+
+
+def ipc_oneshot(op: str, wire: str, ranks: int, slots: int, x: int, slot_table: Any,
+                inbox_table: Any, y: int, count: int, me: int, slot: int, epoch: int,
+                first: bool) -> None:
+    """One step of a small allreduce in one kernel on the current stream (see above):
+    ``x`` this rank's input, ``y`` its output (device pointers, ``count`` elements of
+    ``wire``); ``slot_table``: a device uint64 array of every rank's pointer to ``slot``'s
+    staging memory, ``inbox_table`` of every rank's flag inbox, both in this context."""
+    import cupy
+    import numpy as np
+
+    _oneshot_kernel(op, ranks, slots, wire)(
+        (1,), (_ONESHOT_THREADS,),
+        (np.uint64(x), slot_table, inbox_table, np.uint64(y), cupy.int64(count),
+         cupy.int32(me), cupy.int32(slot), np.uint32(epoch), cupy.int32(int(first))))

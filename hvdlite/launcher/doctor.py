@@ -360,6 +360,7 @@ def _run_self_tests(hvd: Any, report: Report, seconds: float, cupy: Any, device:
     report.info("device test", f"ok: {done} allreduces on GPU {device} in {took:.1f} s, "
                                f"all exact")
     report.info("device transport", _transport_line())
+    report.info("IPC step ordering", _ipc_sync_line())
     report.info("GPU peer access", _peer_line())
     return True
 
@@ -399,6 +400,19 @@ def _transport_line() -> str:
            "one host, peer access" if where.one_host and where.peer_access else
            "one host, no peer access" if where.one_host else "several hosts")
     return f"{_TRANSPORTS[backend.transport]} ({why}: {where.describe()})"
+
+
+def _ipc_sync_line() -> str:
+    """How the global set's CUDA IPC steps are ordered: device semaphores, or the fallback
+    (interprocess events and an MPI barrier per step) and why (``_gpu/semaphores.py``)."""
+    from hvdlite._api import default_engine
+
+    backend: Any = default_engine().global_channel.backends.get("cuda")
+    made = {} if backend is None else backend._made
+    ipc = [comm for (kind, _), comm in made.items() if kind == "ipc"]
+    if not ipc:
+        return "not applicable (no CUDA IPC communicator was made)"
+    return ipc[0].protocol_why
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@
   slowest rank's, median of ``--reps-small``). Target (2 GPUs): IPC <= 0.5x NCCL up to 64 KiB.
 - I2: allreduce of 64, 128 and 256 MiB, device time, median of ``--reps-large``; IPC with
   hvdlite's default staging slot (``ipc_buffer_bytes``, 16 MiB: a large call moves in chunks,
-  one host barrier each) and with one slot as large as the call (informational). Target
+  ordered by the protocol's fences) and with one slot as large as the call (informational). Target
   (2 GPUs): IPC (default slot) <= 0.9x NCCL.
 - I3: ``--mm-reps`` 4096 x 4096 float32 matmuls on the compute stream, timed by events on it,
   alone and with a 64 MiB allreduce running repeatedly on a second stream for the whole
@@ -13,9 +13,11 @@
   ranks), through IPC and through NCCL. Target (2 GPUs): IPC slows compute by <= 3%.
 
 How IPC moves data (``hvdlite/_gpu/ipc.py``): each rank copies its input into its staging slot
-(``cudaMemcpyAsync``), records an interprocess event, a host barrier, then a kernel on the
+(``cudaMemcpyAsync``), signals its peers and waits for theirs (device semaphores: stream memory
+operations; or, the fallback, interprocess events and a host barrier), then a kernel on the
 caller's stream reads every rank's slot and reduces. Its device time therefore includes the
-stream's idle time while the host barrier runs: what a caller of the transport waits for.
+stream's idle time while the host issues those steps (and, with events, runs the barrier):
+what a caller of the transport waits for. The report says which protocol ran.
 
 Every variant's result is checked exact (integer-valued floats, a float64 reference from every
 rank's inputs) before timing and again after. Where the launch's ranks share a GPU (2 ranks on
@@ -88,7 +90,7 @@ class Transports:
     def __init__(self, gpu: Launch, slot: int, big_slot: int) -> None:
         from cupy.cuda import nccl
 
-        from hvdlite._gpu.ipc import IpcCommunicator
+        from hvdlite._gpu.ipc import ONESHOT_BYTES, IpcCommunicator
 
         self.nccl = nccl
         self.gpu = gpu
@@ -96,7 +98,18 @@ class Transports:
         def wait(req: MPI.Request) -> None:
             req.Wait()
 
-        self.ipc = IpcCommunicator(gpu.comm, gpu.cupy, nccl, gpu.device_id, slot, wait)
+        # As the engine makes it: one-shot kernels for small calls where each rank has a GPU.
+        oneshot = 0 if gpu.shared else ONESHOT_BYTES
+        self.ipc = IpcCommunicator(gpu.comm, gpu.cupy, nccl, gpu.device_id, slot, wait,
+                                   oneshot_bytes=oneshot)
+        # The same without them, beside it: every small call a step of stream memory ops.
+        self.ipc_memops = (IpcCommunicator(gpu.comm, gpu.cupy, nccl, gpu.device_id, slot, wait)
+                           if self.ipc.oneshot_bytes else None)
+        # The agreed protocol's fallback beside it, same slot: what the semaphores change.
+        self.ipc_events = (IpcCommunicator(gpu.comm, gpu.cupy, nccl, gpu.device_id, slot, wait,
+                                           protocol="events")
+                           if self.ipc.protocol != "events" else None)
+        self.protocol = f"{self.ipc.protocol} ({self.ipc.protocol_why})"
         self.ipc_big = (IpcCommunicator(gpu.comm, gpu.cupy, nccl, gpu.device_id, big_slot, wait)
                         if big_slot > slot else None)
         self.raw = None if gpu.shared else gl.RawNccl(gpu)
@@ -115,6 +128,10 @@ class Transports:
     def close(self) -> None:
         self.gpu.sync()
         self.ipc.destroy()
+        if self.ipc_memops is not None:
+            self.ipc_memops.destroy()
+        if self.ipc_events is not None:
+            self.ipc_events.destroy()
         if self.ipc_big is not None:
             self.ipc_big.destroy()
         if self.raw is not None:
@@ -124,6 +141,10 @@ class Transports:
 def variants(t: Transports, src: Any, dst: Any, big: bool,
              stream: Any = None) -> dict[str, Callable[[], None]]:
     out = {"IPC": t.ipc_call(t.ipc, src, dst, stream)}
+    if t.ipc_memops is not None and not big:
+        out["IPC, no one-shot kernel"] = t.ipc_call(t.ipc_memops, src, dst, stream)
+    if t.ipc_events is not None:
+        out["IPC, events protocol"] = t.ipc_call(t.ipc_events, src, dst, stream)
     if big and t.ipc_big is not None:
         out["IPC, one slot per call"] = t.ipc_call(t.ipc_big, src, dst, stream)
     if t.raw is not None:
@@ -237,7 +258,8 @@ def main(argv: list[str] | None = None) -> None:
     i1 = I1_QUICK if args.quick else I1_SIZES
     i2 = I2_QUICK if args.quick else I2_SIZES
     t = Transports(gpu, slot, max(i2) if "I2" not in args.skip else 0)
-    res: dict[str, Any] = {"shared_gpu": gpu.shared, "slot_bytes": slot}
+    res: dict[str, Any] = {"shared_gpu": gpu.shared, "slot_bytes": slot,
+                           "protocol": t.protocol}
     if "I1" not in args.skip:
         res["I1"] = bench_sizes(gpu, t, i1, args.reps_small, 20, False, 0)
     if "I2" not in args.skip:
@@ -279,8 +301,9 @@ def report(gpu: Launch, res: dict[str, Any], slot: int) -> None:
         if claim and "compute with IPC" in i3:
             targets.append(gl.target("I3: compute slowed by concurrent IPC",
                                      i3["compute with IPC"]["slowdown"], MAX_I3))
-    notes = [f"IPC staging slot {gl.human_bytes(slot)} (two per rank); device time includes "
-             "the stream's idle time during IPC's host barrier"]
+    notes = [f"IPC staging slot {gl.human_bytes(slot)} (two per rank); IPC's protocol: "
+             f"{res.get('protocol')}; device time includes the stream's idle time while it "
+             "waits for the peers (a barrier, or their flags)"]
     if gpu.shared:
         notes.append(f"ranks share a GPU: NCCL cannot run, IPC only; {NO_CLAIMS} (no MPS): "
                      "correctness only, no targets")

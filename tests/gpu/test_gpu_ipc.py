@@ -212,3 +212,182 @@ def test_the_callers_current_stream_is_kept(hvd: Any, restart: Any) -> None:
             hvd.allreduce(x, name="keep.stream", op=hvd.Sum)
             assert cupy.cuda.get_current_stream().ptr == stream.ptr, f"call {i}"
     restart()
+
+
+# -- device semaphores (issue 40): no MPI and no host wait per step; the release -----------------
+def _bindings() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("cuda") is not None and \
+        importlib.util.find_spec("cuda.bindings") is not None
+
+
+def _direct(protocol: str, slot_bytes: int = 1 << 16) -> tuple[Any, list[int]]:
+    """An IpcCommunicator over COMM_WORLD whose MPI waits are counted (every MPI request it
+    makes goes through ``wait``)."""
+    from cupy.cuda import nccl
+
+    from hvdlite._gpu.ipc import IpcCommunicator
+
+    calls = [0]
+
+    def wait(req: MPI.Request) -> None:
+        calls[0] += 1
+        req.Wait()
+
+    ipc = IpcCommunicator(MPI.COMM_WORLD, cupy, nccl, cupy.cuda.Device().id, slot_bytes, wait,
+                          protocol=protocol)
+    return ipc, calls
+
+
+def test_the_engine_orders_ipc_steps_by_device_semaphores(hvd: Any, restart: Any) -> None:
+    """With cuda-python installed, the engine's IPC communicator takes device semaphores."""
+    restart(ipc="always")
+    hvd.allreduce(cupy.ones(8, cupy.float32), name="sem.probe", op=hvd.Sum)
+    comms = [c for (kind, _), c in _backend()._made.items() if kind == "ipc"]
+    assert comms, "no IPC communicator was made under ipc=always"
+    want = "flags" if _bindings() else "events"
+    assert comms[0].protocol == want, comms[0].protocol_why
+    restart()
+
+
+@pytest.mark.parametrize("protocol", ["flags", "events"])
+def test_mpi_calls_per_step(hvd: Any, protocol: str) -> None:
+    """Device semaphores make no MPI call per collective, chunked ones included; the event
+    protocol makes one barrier per step (so the count is what it claims to be)."""
+    if protocol == "flags" and not _bindings():
+        pytest.skip("cuda-python (cuda-bindings) is not installed")
+    from cupy.cuda import nccl
+
+    r, n = hvd.rank(), hvd.size()
+    ipc, calls = _direct(protocol, slot_bytes=4096)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    at_setup = calls[0]
+    steps = 0
+    for count in (1, 1000, 1024, 5000, 40_000):  # up to 40 chunks of a 4 KiB slot
+        inputs = all_inputs(90 + count % 7, n, (count,), "float32")
+        x = cupy.asarray(inputs[r])
+        out = cupy.empty_like(x)
+        for _ in range(3):
+            ipc.allReduce(x.data.ptr, out.data.ptr, x.size, nccl.NCCL_FLOAT32, nccl.NCCL_SUM,
+                          stream.ptr)
+            steps += -(-x.nbytes // 4096)
+        stream.synchronize()
+        _exact(out, reference_allreduce(inputs, "Sum"), f"{protocol} allreduce {count}")
+    made = calls[0] - at_setup
+    assert made == (0 if protocol == "flags" else steps), (protocol, made, steps)
+    ipc.destroy()
+
+
+def test_a_call_does_not_wait_for_a_late_peer(hvd: Any) -> None:
+    """With device semaphores a rank's call returns while a peer has not called yet; its
+    stream waits on the device, and the result is exact once the peer came."""
+    if not _bindings():
+        pytest.skip("cuda-python (cuda-bindings) is not installed")
+    from cupy.cuda import nccl
+
+    r, n = hvd.rank(), hvd.size()
+    if n < 2:
+        pytest.skip("needs 2 ranks")
+    ipc, _ = _direct("flags")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    inputs = all_inputs(97, n, (3000,), "float64")
+    x = cupy.asarray(inputs[r])
+    out = cupy.zeros_like(x)
+    ipc.allReduce(x.data.ptr, out.data.ptr, x.size, nccl.NCCL_FLOAT64, nccl.NCCL_SUM,
+                  stream.ptr)  # warm: the reduce kernel is compiled on first use
+    stream.synchronize()
+    with stream:
+        out[...] = 0
+    MPI.COMM_WORLD.Barrier()
+    late = 1.5
+    if r == n - 1:
+        time.sleep(late)
+    t0 = time.monotonic()
+    ipc.allReduce(x.data.ptr, out.data.ptr, x.size, nccl.NCCL_FLOAT64, nccl.NCCL_SUM,
+                  stream.ptr)
+    returned = time.monotonic() - t0
+    stream.synchronize()
+    waited = time.monotonic() - t0
+    _exact(out, reference_allreduce(inputs, "Sum"), "allreduce with a late peer")
+    if r != n - 1:
+        assert returned < late / 3, f"rank {r}'s call took {returned:.2f} s: it waited"
+        assert waited > late / 2, f"rank {r}'s stream finished after {waited:.2f} s: too soon"
+    ipc.destroy()
+
+
+def test_release_lets_a_stream_past_a_peer_that_never_signals(hvd: Any) -> None:
+    """Rank 0 enqueues one collective no peer matches (as if they had died): its stream is
+    parked on a semaphore until release() sets its flags ahead; then it drains."""
+    if not _bindings():
+        pytest.skip("cuda-python (cuda-bindings) is not installed")
+    from cupy.cuda import nccl
+
+    r, n = hvd.rank(), hvd.size()
+    if n < 2:
+        pytest.skip("needs 2 ranks")
+    ipc, _ = _direct("flags")
+    stream = cupy.cuda.Stream(non_blocking=True)
+    x = cupy.ones(256, cupy.float32)
+    cupy.cuda.Stream.null.synchronize()  # (x's fill ran on the default stream)
+    ipc.allReduce(x.data.ptr, x.data.ptr, x.size, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, stream.ptr)
+    stream.synchronize()
+    MPI.COMM_WORLD.Barrier()
+    if r == 0:
+        ipc.allReduce(x.data.ptr, x.data.ptr, x.size, nccl.NCCL_FLOAT32, nccl.NCCL_SUM,
+                      stream.ptr)
+        time.sleep(0.5)
+        assert not stream.done, "the unmatched step finished: nothing waited for the peers"
+        t0 = time.monotonic()
+        assert ipc.release(), "release() did not drain the stream"
+        stream.synchronize()
+        assert time.monotonic() - t0 < 3.0
+    MPI.COMM_WORLD.Barrier()
+    ipc.destroy()
+
+
+def test_one_shot_kernel_for_small_calls_with_a_gpu_each(hvd: Any, restart: Any) -> None:
+    # With a GPU per rank, a small allreduce over IPC is one kernel (its fences done by the
+    # kernel on the flag protocol's flags); larger ones are stream-memop steps; both in turn
+    # over many steps (both slots, many epochs), every result exact, every op, a reduce too.
+    if _shares_gpu():
+        pytest.skip("ranks share a GPU: the one-shot kernel spins on an SM, so it is off")
+    restart(ipc="always", fusion_threshold="1KiB")
+    comm = _backend().communicator(cupy.cuda.Device().id)
+    if comm.protocol != "flags":
+        pytest.skip(f"the one-shot kernel needs the flags protocol: {comm.protocol_why}")
+    r, n = hvd.rank(), hvd.size()
+    before = comm.oneshot_steps
+    for step in range(40):
+        for dtype, count in (("int32", 7), ("float64", 3000), ("float16", 100)):
+            inputs = all_inputs(300 + step, n, (count,), dtype)
+            op = ("Sum", "Max", "Min")[step % 3]
+            got = hvd.allreduce(cupy.asarray(inputs[r]), name=f"one.{dtype}", op=getattr(hvd, op))
+            _exact(got, reference_allreduce(inputs, op), f"step {step} {op} {dtype}")
+        big = all_inputs(900 + step, n, (40_000,), "int64")  # 320 KB: stream-memop steps
+        got = hvd.allreduce(cupy.asarray(big[r]), name="one.big", op=hvd.Sum)
+        _exact(got, reference_allreduce(big, "Sum"), f"step {step} large")
+    assert comm.oneshot_steps - before >= 40 * 3, comm.oneshot_steps - before
+    restart()
+
+
+def test_two_shot_allreduce_from_four_ranks(hvd: Any, restart: Any) -> None:
+    # From 4 ranks a large allreduce over IPC is a reduce-scatter then an all-gather (each
+    # rank reads 2(n-1)/n of the bytes instead of n-1 times them); in chunks of a small slot
+    # too, in place and not, every result exact.
+    from hvdlite._gpu.ipc import TWO_SHOT_BYTES, TWO_SHOT_RANKS
+
+    r, n = hvd.rank(), hvd.size()
+    if n < TWO_SHOT_RANKS:
+        pytest.skip(f"the two-shot allreduce starts at {TWO_SHOT_RANKS} ranks")
+    for slot in ("16MiB", "64KiB"):
+        restart(ipc="always", ipc_buffer_bytes=slot)
+        for dtype, op in (("int32", "Sum"), ("float64", "Max"), ("int64", "Min")):
+            count = TWO_SHOT_BYTES // np.dtype(dtype).itemsize * 3 + 7  # uneven parts
+            inputs = all_inputs(500, n, (count,), dtype)
+            got = hvd.allreduce(cupy.asarray(inputs[r]), name=f"two.{dtype}", op=getattr(hvd, op))
+            _exact(got, reference_allreduce(inputs, op), f"two-shot {op} {dtype}, slot {slot}")
+            x = cupy.asarray(inputs[r])
+            hvd.allreduce_(x, name=f"two.inplace.{dtype}", op=getattr(hvd, op))
+            _exact(x, reference_allreduce(inputs, op), f"in place {op} {dtype}, slot {slot}")
+    restart()

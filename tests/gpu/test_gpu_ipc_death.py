@@ -1,12 +1,16 @@
 """A rank that dies or raises while its peers stream device collectives: every survivor ends
 within 15 s, the rank named, no traceback from hvdlite's code (for SIGKILL).
 
-Real ``hvdliterun`` jobs of 2 ranks. The transport they must take is
+Real ``hvdliterun`` jobs of ``HVDLITE_TEST_JOB_RANKS`` ranks (default 2;
+``jobs_util.job_ranks``). The transport they must take is
 ``HVDLITE_TEST_EXPECT_TRANSPORT`` (``ipc`` or ``nccl``); by default ``nccl`` where this host has
 two GPUs or more (each rank gets its own: NCCL under the default policy) and ``ipc`` on one
 GPU (the ranks share it). The job checks the transport its engine picked before anything else.
 
-- ipc: rank 1 goes between two rounds of streamed allreduces, while rank 0 submits the next.
+- ipc (device semaphores, issue 40, where cuda-python is installed): rank 1 goes *inside* an
+  IPC collective, as below for NCCL: rank 0's stream is then parked on a semaphore rank 1
+  never signals; the launcher (SIGKILL) or hvdlite's failure notice (raise: ``Engine.stopped``
+  -> ``NcclBackend.abort`` -> ``IpcCommunicator.release``) must end it.
 - nccl (the NCCL watchdog of the GPU-failures issue): rank 1 goes *inside* an NCCL collective.
   At round 300 rank 1 first queues ~1-2 s of matmuls on its stream that produce the input of
   one more allreduce, submits it, waits until hvdlite enqueued it on the device (so both
@@ -21,6 +25,7 @@ Run it outside any MPI launcher (it launches its own jobs):
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -37,6 +42,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(120)]
 
 EXPECT = os.environ.get("HVDLITE_TEST_EXPECT_TRANSPORT") or (
     "nccl" if cupy.cuda.runtime.getDeviceCount() >= 2 else "ipc")
+# The IPC steps' ordering: device semaphores where cuda-python is installed (issue 40).
+PROTOCOL = "flags" if importlib.util.find_spec("cuda") is not None and \
+    importlib.util.find_spec("cuda.bindings") is not None else "events"
 if EXPECT not in ("ipc", "nccl"):
     raise ValueError(f"HVDLITE_TEST_EXPECT_TRANSPORT must be ipc or nccl, got {EXPECT!r}")
 
@@ -50,8 +58,12 @@ hvd.init()
 cupy.cuda.Device(hvd.local_rank() % cupy.cuda.runtime.getDeviceCount()).use()
 xs = [cupy.full(4096 * (k + 1), 1.0, cupy.float32) for k in range(8)]
 hvd.allreduce(xs[0], name="warm-up")
-transport = default_engine().global_channel.backends["cuda"].transport
+backend = default_engine().global_channel.backends["cuda"]
+transport = backend.transport
 assert transport == {expect!r}, f"transport {{transport!r}}, expected {expect!r}"
+if transport == "ipc":
+    protocol = [c for (kind, _), c in backend._made.items() if kind == "ipc"][0].protocol
+    assert protocol == {protocol!r}, f"IPC protocol {{protocol!r}}, expected {protocol!r}"
 inside = {inside!r}
 if inside:
     # Everything allocated and warmed now: a fresh cudaMalloc issued while the matmuls run
@@ -84,5 +96,5 @@ for i in range(1_000_000):
 
 @pytest.mark.parametrize("how", list(GONE))
 def test_a_rank_gone_mid_stream_ends_the_job(tmp_path: Path, how: str) -> None:
-    job = _STREAM.format(how=GONE[how], expect=EXPECT, inside=EXPECT == "nccl")
+    job = _STREAM.format(how=GONE[how], expect=EXPECT, inside=True, protocol=PROTOCOL)
     rank_one_goes(tmp_path, job, how, EXPECT)

@@ -1,4 +1,5 @@
-"""Importing hvdlite has no side effects: no MPI initialisation, no CuPy, no torch."""
+"""Importing hvdlite has no side effects: no MPI initialisation, no CuPy (nor cuda-python),
+no torch."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 _PROBE = """
 import sys
 import hvdlite, hvdlite.config, hvdlite.errors
-heavy = [m for m in ("mpi4py.MPI", "cupy", "torch") if m in sys.modules]
+heavy = [m for m in ("mpi4py.MPI", "cupy", "torch", "cuda.bindings") if m in sys.modules]
 print(",".join(heavy) or "none")
 """
 
@@ -31,7 +32,7 @@ got = hvd.allreduce(np.arange(4.0), name="host", op=hvd.Sum)
 assert got.tolist() == [0.0, 1.0, 2.0, 3.0], got
 hvd.shutdown()
 gpu = sorted(m for m in sys.modules if m.startswith(("hvdlite._gpu", "hvdlite._backends.nccl",
-                                                     "cupy")))
+                                                     "cupy", "cuda.bindings")))
 print(",".join(gpu) or "none")
 """
 
