@@ -353,6 +353,7 @@ def test_one_shot_kernel_for_small_calls_with_a_gpu_each(hvd: Any, restart: Any)
     if _shares_gpu():
         pytest.skip("ranks share a GPU: the one-shot kernel spins on an SM, so it is off")
     restart(ipc="always", fusion_threshold="1KiB")
+    hvd.allreduce(cupy.ones(4, cupy.float32), name="one.probe", op=hvd.Sum)  # makes the backend
     comm = _backend().communicator(cupy.cuda.Device().id)
     if comm.protocol != "flags":
         pytest.skip(f"the one-shot kernel needs the flags protocol: {comm.protocol_why}")
