@@ -36,6 +36,7 @@ import torch
 
 from hvdlite import _runtime_api as runtime
 from hvdlite.errors import HvdliteError
+from hvdlite.torch._rehearsal import rehearsing
 
 __all__ = ["GraphedStep", "make_graphed_step"]
 
@@ -49,6 +50,19 @@ def _optimizers(optimizer: Any) -> list[Any]:
             raise TypeError(f"make_graphed_step: optimizer must be a hvdlite.torch."
                             f"DistributedOptimizer (or a list of them), got {type(o).__name__}")
     return items
+
+
+def _compiling_failed(exc: BaseException) -> bool:
+    """Whether torch.compile failed in ``exc`` or the error it ended in (a capture invalidated
+    by a compile is reported by ``capture_end``, the compile's error as its context)."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if type(e).__module__.startswith(("torch._dynamo", "torch._inductor")):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _check_inputs(inputs: Sequence[Any]) -> list[torch.Tensor]:
@@ -153,7 +167,10 @@ def make_graphed_step(step_fn: Callable[..., Any], *static_inputs: torch.Tensor,
     Collective over the members of each ``optimizer``'s process set (every rank captures
     together). Runs ``warmup_steps`` eager steps first on a side stream (at least 2: the first
     agrees the buckets, after it the optimizer launches them on its agreed schedule, which is
-    what gets captured), then captures one step (as with torch, capturing runs nothing: the
+    what gets captured; during the last, ``torch.cuda.is_current_stream_capturing()`` answers
+    True on this thread, so code that branches on it around a compiled region, as Hugging
+    Face's causal mask does, compiles the capture's variant then, not inside the capture),
+    then captures one step (as with torch, capturing runs nothing: the
     first replay is the step after the warm-up ones), then checks that every rank captured the
     same launches. ``optimizer``: the
     ``DistributedOptimizer`` (or a list of them) the step uses; each must run its buckets on
@@ -171,7 +188,9 @@ def make_graphed_step(step_fn: Callable[..., Any], *static_inputs: torch.Tensor,
     records each replay as one span ``GRAPH_REPLAY`` on the track ``name``; ``hvd.stats()``
     counts replays under ``"graphs"``. After an elastic reset capture again (the graph holds
     the old world's communicators). Blocking: returns once captured. Raises
-    :class:`~hvdlite.MismatchError` on every rank if ranks captured different launches.
+    :class:`~hvdlite.MismatchError` on every rank if ranks captured different launches, and
+    :class:`~hvdlite.HvdliteError` (from torch's error) if a compiled part of the step compiled
+    again during the capture.
     """
     if debug_dump is not None and not isinstance(debug_dump, (str, os.PathLike)):
         raise TypeError(f"make_graphed_step: debug_dump must be a path (str or os.PathLike), "
@@ -185,7 +204,9 @@ def make_graphed_step(step_fn: Callable[..., Any], *static_inputs: torch.Tensor,
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(warmup_steps):
+        for _ in range(warmup_steps - 1):
+            step_fn(*inputs)
+        with rehearsing():  # the last one as the capture will see it (compiled regions)
             step_fn(*inputs)
     torch.cuda.current_stream().wait_stream(side)
     schedules = []
@@ -200,9 +221,19 @@ def make_graphed_step(step_fn: Callable[..., Any], *static_inputs: torch.Tensor,
             schedules.append(schedule)
     before = [s.launches for s in schedules]
     graph, kept = (torch.cuda.CUDAGraph(), False) if debug_dump is None else _kept_graph()
-    with runtime.capture(schedules), \
-            torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        outputs = step_fn(*inputs)
+    try:
+        with runtime.capture(schedules), \
+                torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            outputs = step_fn(*inputs)
+    except Exception as exc:
+        if not _compiling_failed(exc):
+            raise
+        raise HvdliteError(
+            "make_graphed_step: a compiled part of the step compiled again during the capture "
+            "(its guards failed: its inputs differed from the warm-up steps'), and compiling "
+            "cannot run inside a capture; run with TORCH_LOGS=recompiles to see the guard, and "
+            f"make the step's inputs to that part the same in every step ({type(exc).__name__})"
+        ) from exc
     if debug_dump is not None:
         _dump(graph, kept, os.fspath(debug_dump))
     # Every rank shows what it captured (per optimizer: its buckets and how many launches the

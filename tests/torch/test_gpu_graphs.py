@@ -271,3 +271,94 @@ def test_debug_dump_writes_the_graph_with_its_buckets_nccl_kernels(hvd: Any,
         f"{len(rows)} NCCL kernel nodes for {len(opt.bucket_names)} buckets; the DOT has "
         f"{len(graph.labels)} nodes, {len(kernels)} kernels, e.g. {kernels[:2]}; its start: "
         f"{text[:600]!r}")
+
+
+class _MaskedBlock(torch.nn.Module):
+    """A block compiled on its own, whose input depends on whether the stream is capturing
+    (as a Hugging Face causal mask does: None outside a capture, a tensor inside)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(64, 64)
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        h = torch.tanh(self.lin(h))
+        return h if mask is None else h * mask
+
+
+class _MaskedModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.block, self.out = (torch.nn.Linear(16, 64), _MaskedBlock(),
+                                          torch.nn.Linear(64, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        capturing = torch.cuda.is_current_stream_capturing()
+        mask = torch.ones(64, device=x.device) if capturing else None  # same math either way
+        return self.out(self.block(h, mask))
+
+
+def test_a_region_compiled_for_the_capture_during_warm_up(hvd: Any) -> None:
+    """A compiled region whose input differs under capture (a mask made only then) is compiled
+    for it during the last warm-up step (make_graphed_step's rehearsal), never inside the
+    capture, where compiling fails (GPT-2 by regions); the replays equal eager steps."""
+    if not _lane_expected(hvd):
+        pytest.skip("the captured step needs a GPU per rank (NCCL)")
+    dev = _device(hvd)
+    eager, captured = _MaskedModel().to(dev), _MaskedModel().to(dev)
+    in_capture: list[bool] = []
+
+    def backend(gm: torch.fx.GraphModule, _inputs: Any) -> Any:
+        in_capture.append(bool(torch._C._cuda_isCurrentStreamCapturing()))  # the true answer
+        return gm.forward
+
+    torch._dynamo.reset()
+    captured.block.compile(backend=backend)
+    opt_e, opt_c = _optimizer(hvd, eager, "mask_e"), _optimizer(hvd, captured, "mask_c")
+    batches = [_batch(s, hvd.rank(), dev) for s in range(6)]
+    graphed = hvd.make_graphed_step(_mse_step(captured, opt_c), batches[0][0].clone(),
+                                    batches[0][1].clone(), optimizer=opt_c)
+    assert in_capture == [False, False], in_capture  # no mask, then the capture's mask
+    for x, y in batches[1:]:
+        graphed(x, y)
+    step = _mse_step(eager, opt_e)
+    for x, y in [batches[0]] * 3 + batches[1:]:
+        step(x, y)
+    torch.cuda.synchronize(dev)
+    got, want = _flat(captured), _flat(eager)
+    assert float((got - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max()))
+    assert not torch.cuda.is_current_stream_capturing()  # torch's own answer again
+    assert torch.cuda.is_current_stream_capturing is torch.cuda.graphs.is_current_stream_capturing
+
+
+def test_a_recompile_inside_the_capture_is_the_clear_error(hvd: Any) -> None:
+    """A compiled part whose inputs change at the capture itself (here a factor that differs
+    from the warm-up steps') would compile inside the capture: HvdliteError saying so, from
+    dynamo's error, on every rank."""
+    if not _lane_expected(hvd):
+        pytest.skip("the captured step needs a GPU per rank (NCCL)")
+    dev = _device(hvd)
+    model = _model(dev)
+    opt = _optimizer(hvd, model, "recompile")
+    torch._dynamo.reset()
+    def times(h: torch.Tensor, k: float) -> torch.Tensor:
+        return h * k + 0.0
+
+    scale = torch.compile(times, backend="eager", dynamic=False)
+    calls = [0]
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> None:
+        calls[0] += 1
+        opt.zero_grad()
+        k = 1.0 if calls[0] <= 3 else 2.0  # the capture (the 4th call) sees another constant
+        torch.nn.functional.mse_loss(scale(model(x), k), y).backward()
+        opt.step()
+
+    x, y = _batch(0, hvd.rank(), dev)
+    with torch._dynamo.config.patch(error_on_recompile=True), \
+            pytest.raises(hvd.HvdliteError, match="compiled again during the capture") as err:
+        hvd.make_graphed_step(train_step, x, y, optimizer=opt, warmup_steps=3)
+    assert "torch._dynamo" in type(err.value.__cause__).__module__ or \
+        "torch._dynamo" in type(err.value.__cause__.__context__).__module__
