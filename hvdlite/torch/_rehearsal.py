@@ -6,9 +6,12 @@ capture (SDPA's ``is_causal`` then masks) and an explicit mask tensor inside one
 compiled during the warm-up steps guards on ``attention_mask is None``; at the capture that guard
 fails, dynamo compiles the region again, and compiling runs CUDA work on the capturing stream,
 which invalidates the capture (``operation not permitted when stream is capturing``; GPT-2 by
-regions, session 5's runs). :func:`rehearsing` makes ``torch.cuda.is_current_stream_capturing()``
-answer True on the calling thread during the last warm-up step, so the region compiles for the
-capture's inputs then, and the capture finds its code compiled.
+regions, gpu-validation run 93). ``make_graphed_step`` runs its last warm-up step and the
+capture inside :func:`rehearsing`, which makes ``torch.cuda.is_current_stream_capturing()``
+answer True on the calling thread, so the region compiles for the capture's inputs during that
+warm-up step, and the capture finds its code compiled. The capture runs inside it too, so
+compiled code that calls the function itself sees the same function object (dynamo guards on
+it) and the same answer in both.
 
 The answer changes on the calling thread only (hvdlite's background thread and any other thread
 get the true one) and only while a rehearsal runs: torch's function is wrapped for the time of

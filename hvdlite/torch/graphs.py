@@ -27,6 +27,7 @@ they change. What it returns is the same tensors every replay, overwritten by ea
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -50,6 +51,39 @@ def _optimizers(optimizer: Any) -> list[Any]:
             raise TypeError(f"make_graphed_step: optimizer must be a hvdlite.torch."
                             f"DistributedOptimizer (or a list of them), got {type(o).__name__}")
     return items
+
+
+def _schedules(opts: list[Any]) -> list[Any]:
+    """The agreed schedules the optimizers' buckets run on (after the warm-up steps)."""
+    schedules = []
+    for opt in opts:
+        schedule = opt.agreed_schedule
+        if opt.bucket_names and schedule is None:
+            raise HvdliteError(f"make_graphed_step: {type(opt).__name__}'s buckets are not on "
+                               f"an agreed schedule: {opt.unscheduled_reason}; "
+                               "run this step eagerly (a captured step needs CUDA buckets "
+                               "over NCCL, a GPU per rank)")
+        if schedule is not None:
+            schedules.append(schedule)
+    return schedules
+
+
+def _capture(graph: torch.cuda.CUDAGraph, pool: Any, schedules: list[Any],
+             step_fn: Callable[..., Any], inputs: list[torch.Tensor]) -> Any:
+    """``step_fn(*inputs)`` captured into ``graph``; its outputs."""
+    try:
+        with runtime.capture(schedules), \
+                torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            return step_fn(*inputs)
+    except Exception as exc:
+        if not _compiling_failed(exc):
+            raise
+        raise HvdliteError(
+            "make_graphed_step: a compiled part of the step compiled again during the capture "
+            "(its guards failed: its inputs differed from the warm-up steps'), and compiling "
+            "cannot run inside a capture; run with TORCH_LOGS=recompiles to see the guard, and "
+            f"make the step's inputs to that part the same in every step ({type(exc).__name__})"
+        ) from exc
 
 
 def _compiling_failed(exc: BaseException) -> bool:
@@ -167,9 +201,10 @@ def make_graphed_step(step_fn: Callable[..., Any], *static_inputs: torch.Tensor,
     Collective over the members of each ``optimizer``'s process set (every rank captures
     together). Runs ``warmup_steps`` eager steps first on a side stream (at least 2: the first
     agrees the buckets, after it the optimizer launches them on its agreed schedule, which is
-    what gets captured; during the last, ``torch.cuda.is_current_stream_capturing()`` answers
-    True on this thread, so code that branches on it around a compiled region, as Hugging
-    Face's causal mask does, compiles the capture's variant then, not inside the capture),
+    what gets captured; during the last and the capture,
+    ``torch.cuda.is_current_stream_capturing()`` answers True on this thread, so code that
+    branches on it around a compiled region, as Hugging Face's causal mask does, compiles
+    the capture's variant then, not inside the capture),
     then captures one step (as with torch, capturing runs nothing: the
     first replay is the step after the warm-up ones), then checks that every rank captured the
     same launches. ``optimizer``: the
@@ -203,37 +238,19 @@ def make_graphed_step(step_fn: Callable[..., Any], *static_inputs: torch.Tensor,
     world = runtime.running()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmup_steps - 1):
-            step_fn(*inputs)
-        with rehearsing():  # the last one as the capture will see it (compiled regions)
-            step_fn(*inputs)
-    torch.cuda.current_stream().wait_stream(side)
-    schedules = []
-    for opt in opts:
-        schedule = opt.agreed_schedule
-        if opt.bucket_names and schedule is None:
-            raise HvdliteError(f"make_graphed_step: {type(opt).__name__}'s buckets are not on "
-                               f"an agreed schedule: {opt.unscheduled_reason}; "
-                               "run this step eagerly (a captured step needs CUDA buckets "
-                               "over NCCL, a GPU per rank)")
-        if schedule is not None:
-            schedules.append(schedule)
-    before = [s.launches for s in schedules]
-    graph, kept = (torch.cuda.CUDAGraph(), False) if debug_dump is None else _kept_graph()
-    try:
-        with runtime.capture(schedules), \
-                torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            outputs = step_fn(*inputs)
-    except Exception as exc:
-        if not _compiling_failed(exc):
-            raise
-        raise HvdliteError(
-            "make_graphed_step: a compiled part of the step compiled again during the capture "
-            "(its guards failed: its inputs differed from the warm-up steps'), and compiling "
-            "cannot run inside a capture; run with TORCH_LOGS=recompiles to see the guard, and "
-            f"make the step's inputs to that part the same in every step ({type(exc).__name__})"
-        ) from exc
+    # The last warm-up step and the capture are rehearsed (see _rehearsal.py): compiled code
+    # sees the same answer and the same function in both, so the capture compiles nothing.
+    with contextlib.ExitStack() as rehearsal:
+        with torch.cuda.stream(side):
+            for k in range(warmup_steps):
+                if k == warmup_steps - 1:
+                    rehearsal.enter_context(rehearsing())
+                step_fn(*inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        schedules = _schedules(opts)
+        before = [s.launches for s in schedules]
+        graph, kept = (torch.cuda.CUDAGraph(), False) if debug_dump is None else _kept_graph()
+        outputs = _capture(graph, pool, schedules, step_fn, inputs)
     if debug_dump is not None:
         _dump(graph, kept, os.fspath(debug_dump))
     # Every rank shows what it captured (per optimizer: its buckets and how many launches the

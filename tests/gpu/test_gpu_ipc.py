@@ -279,18 +279,24 @@ def test_mpi_calls_per_step(hvd: Any, protocol: str) -> None:
     ipc.destroy()
 
 
+def _flags_pair(hvd: Any) -> tuple[Any, Any, Any]:
+    """A flags-protocol IPC communicator of every rank, a stream of its own and CuPy's nccl
+    module (for the op and dtype codes); skips without cuda-python or a peer."""
+    if not _bindings():
+        pytest.skip("cuda-python (cuda-bindings) is not installed")
+    if hvd.size() < 2:
+        pytest.skip("needs 2 ranks")
+    from cupy.cuda import nccl
+
+    ipc, _ = _direct("flags")
+    return ipc, cupy.cuda.Stream(non_blocking=True), nccl
+
+
 def test_a_call_does_not_wait_for_a_late_peer(hvd: Any) -> None:
     """With device semaphores a rank's call returns while a peer has not called yet; its
     stream waits on the device, and the result is exact once the peer came."""
-    if not _bindings():
-        pytest.skip("cuda-python (cuda-bindings) is not installed")
-    from cupy.cuda import nccl
-
+    ipc, stream, nccl = _flags_pair(hvd)
     r, n = hvd.rank(), hvd.size()
-    if n < 2:
-        pytest.skip("needs 2 ranks")
-    ipc, _ = _direct("flags")
-    stream = cupy.cuda.Stream(non_blocking=True)
     inputs = all_inputs(97, n, (3000,), "float64")
     x = cupy.asarray(inputs[r])
     out = cupy.zeros_like(x)
@@ -319,15 +325,8 @@ def test_a_call_does_not_wait_for_a_late_peer(hvd: Any) -> None:
 def test_release_lets_a_stream_past_a_peer_that_never_signals(hvd: Any) -> None:
     """Rank 0 enqueues one collective no peer matches (as if they had died): its stream is
     parked on a semaphore until release() sets its flags ahead; then it drains."""
-    if not _bindings():
-        pytest.skip("cuda-python (cuda-bindings) is not installed")
-    from cupy.cuda import nccl
-
-    r, n = hvd.rank(), hvd.size()
-    if n < 2:
-        pytest.skip("needs 2 ranks")
-    ipc, _ = _direct("flags")
-    stream = cupy.cuda.Stream(non_blocking=True)
+    ipc, stream, nccl = _flags_pair(hvd)
+    r = hvd.rank()
     x = cupy.ones(256, cupy.float32)
     cupy.cuda.Stream.null.synchronize()  # (x's fill ran on the default stream)
     ipc.allReduce(x.data.ptr, x.data.ptr, x.size, nccl.NCCL_FLOAT32, nccl.NCCL_SUM, stream.ptr)

@@ -59,17 +59,24 @@ def test_restored_after_an_error() -> None:
     assert torch.cuda.is_current_stream_capturing is original
 
 
-def test_a_region_compiled_while_rehearsing_serves_the_capture() -> None:
-    # Eager code picks a region's input by the capture state (a mask, as Hugging Face's
-    # causal mask); warmed up once plainly and once rehearsing, the region has both
-    # variants compiled, so the capture's inputs (the same answer, from torch) compile nothing.
+def _counting() -> tuple[list[str], object]:
     compiles: list[str] = []
 
     def backend(gm: torch.fx.GraphModule, _inputs: object) -> object:
         compiles.append("compiled")
         return gm.forward
 
+    return compiles, backend
+
+
+def test_a_region_compiled_while_rehearsing_serves_the_capture() -> None:
+    # make_graphed_step's flow: warm-up steps, the last one rehearsed, then the capture inside
+    # the same rehearsal. Eager code picks a region's input by the capture state (a mask, as
+    # Hugging Face's causal mask does): the rehearsed step compiles the capture's variant, so
+    # the capture (torch's answer True as well) compiles nothing.
+    compiles, backend = _counting()
     torch._dynamo.reset()
+
     def block(h: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
         h = h + 1
         return h if m is None else h * m
@@ -83,8 +90,32 @@ def test_a_region_compiled_while_rehearsing_serves_the_capture() -> None:
     step()
     with rehearsing():
         step()
+        assert len(compiles) == 2
+        # The capture: on this thread the answer is True (the rehearsal's, and torch's).
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            assert torch.equal(step(), torch.arange(4.0) + 1)
     assert len(compiles) == 2
-    torch.cuda.is_current_stream_capturing = lambda: True  # a real capture's answer, torch's
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        assert torch.equal(step(), torch.arange(4.0) + 1)
-    assert len(compiles) == 2
+
+
+def test_a_region_that_asks_itself_is_not_compiled_again_by_the_capture() -> None:
+    # A compiled region that calls torch.cuda.is_current_stream_capturing() itself: while
+    # dynamo traces, the wrapper answers as torch does (no graph break: one graph per compile),
+    # and the rehearsed step and the capture see the same function, so the capture hits.
+    compiles, backend = _counting()
+    torch._dynamo.reset()
+
+    def block(h: torch.Tensor) -> torch.Tensor:
+        h = h * 2
+        if torch.cuda.is_current_stream_capturing():
+            return h + 1
+        return h - 1
+
+    region = torch.compile(block, backend=backend)
+    x = torch.arange(4.0)
+    assert torch.equal(region(x), x * 2 - 1)
+    with rehearsing():
+        region(x)
+        compiled = len(compiles)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            region(x)  # the capture
+    assert compiled <= 2 and len(compiles) == compiled, compiles
