@@ -89,7 +89,8 @@ def forget_pipe(pipe: IO[bytes]) -> None:
 
 
 def announce(reason: str, comm: Any = None) -> bool:
-    """Print ``[hvdlite rank N] <reason>`` (one line) to stderr, once per process.
+    """Print ``[hvdlite rank N] <reason>`` (one line) to the process's stderr (and to
+    ``sys.stderr`` as well where it was replaced), once per process.
 
     Returns True if this call printed it, False if a line was already printed (by any thread,
     for any reason): a job that is ending says why once, not once per path that noticed.
@@ -100,13 +101,22 @@ def announce(reason: str, comm: Any = None) -> bool:
             return False
         _announced = True
         pipes = list(_pipes)
-    line = rank_line(reason, comm)
-    try:
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-    except Exception:  # a closed or broken stderr: the file descriptor may still work
-        with contextlib.suppress(OSError):
-            os.write(2, (line + "\n").encode())
+    line = rank_line(reason, comm) + "\n"
+    # The process's stderr always (the launcher reads it), and sys.stderr too where it was
+    # replaced: a job that ends right after must not leave its reason in a buffer (as
+    # torch.distributed's excepthook holds sys.stderr while it runs the hook before it).
+    for stream in dict.fromkeys((sys.__stderr__, sys.stderr)):
+        if stream is None:  # no Python stderr: the file descriptor, if open
+            with contextlib.suppress(OSError):
+                os.write(2, line.encode())
+            continue
+        try:
+            stream.write(line)
+            stream.flush()
+        except Exception:  # a closed or broken stderr: the file descriptor may still work
+            if stream is sys.__stderr__:
+                with contextlib.suppress(OSError):
+                    os.write(2, line.encode())
     for pipe in pipes:
         _tell(pipe)
     return True

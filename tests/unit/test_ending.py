@@ -52,3 +52,25 @@ def test_the_reason_is_said_once_and_the_pipes_hear_it() -> None:
     assert out.stdout.splitlines() == [
         "before b''", "first True", "second False", "heard b'a' b'a' b''"], out.stdout
     assert out.stderr == "[hvdlite rank 3] first reason, on two lines\n", out.stderr
+
+
+_SWAPPED = """
+import io, sys
+from hvdlite._rankside import ending
+
+held = io.StringIO()
+sys.stderr = held  # as torch.distributed's excepthook holds it while the hook before it runs
+ending.announce("the reason")
+sys.stdout.write("held: " + held.getvalue())
+ending.exit_now("another reason", 5)  # the job ends before the buffer is ever printed
+"""
+
+
+@pytest.mark.timeout(60)
+def test_the_reason_reaches_the_process_stderr_while_sys_stderr_is_a_buffer() -> None:
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "PMI_RANK": "1"}
+    out = subprocess.run([sys.executable, "-c", _SWAPPED], capture_output=True, text=True,
+                         timeout=50, env=env)
+    assert out.returncode == 5, out.stderr
+    assert out.stderr == "[hvdlite rank 1] the reason\n", out.stderr
+    assert out.stdout == "held: [hvdlite rank 1] the reason\n", out.stdout
