@@ -23,6 +23,7 @@ import json
 import os
 import socket
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
@@ -401,20 +402,31 @@ def device_time(gpu: Gpu, fn: Callable[[], object], reps: int, warmup: int) -> n
     Only for work enqueued entirely on the bench stream (raw NCCL, kernels). Each repeat starts
     after a stream synchronise and a barrier; the slowest rank's time is returned.
     """
+    return device_and_host_time(gpu, fn, reps, warmup)[0]
+
+
+def device_and_host_time(gpu: Gpu, fn: Callable[[], object], reps: int,
+                         warmup: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`device_time`, and beside it the host time of each repeat's ``fn()`` call (from
+    before the call to its return, seconds; the slowest rank's): where the stream idles
+    while the host issues the work, the device time includes that host time."""
     cp = gpu.cupy
     start, end = cp.cuda.Event(), cp.cuda.Event()
     for _ in range(warmup):
         fn()
     gpu.sync()
     out = np.empty(reps, dtype=np.float64)
+    host = np.empty(reps, dtype=np.float64)
     for i in range(reps):
         gpu.barrier()
         start.record(gpu.stream)
+        t0 = time.perf_counter()
         fn()
+        host[i] = time.perf_counter() - t0
         end.record(gpu.stream)
         end.synchronize()
         out[i] = cp.cuda.get_elapsed_time(start, end) * 1e-3
-    return max_over_ranks(gpu.comm, out)
+    return max_over_ranks(gpu.comm, out), max_over_ranks(gpu.comm, host)
 
 
 # Suffix of a baseline timed before hvdlite started: its background thread could not take the

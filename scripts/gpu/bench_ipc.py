@@ -3,6 +3,8 @@
 
 - I1: allreduce of 4 B .. 1 MiB, device time (CUDA events on the stream around one call, the
   slowest rank's, median of ``--reps-small``). Target (2 GPUs): IPC <= 0.5x NCCL up to 64 KiB.
+  Beside it the host time of the call (from before it to its return): the device time
+  includes it where the stream idles while the host issues the work.
 - I2: allreduce of 64, 128 and 256 MiB, device time, median of ``--reps-large``; IPC with
   hvdlite's default staging slot (``ipc_buffer_bytes``, 16 MiB: a large call moves in chunks,
   ordered by the protocol's fences) and with one slot as large as the call (informational). Target
@@ -175,8 +177,10 @@ def bench_sizes(gpu: Launch, t: Transports, sizes: list[int], reps: int, warmup:
         fns = variants(t, src, dst, big)
         what = gl.human_bytes(nbytes)
         checked(gpu, fns, dst, ref, f"{what}, before timing")
-        out[nbytes] = {name: gl.stats(gl.device_time(gpu, fn, reps, warmup))
-                       for name, fn in fns.items()}
+        out[nbytes] = {}
+        for name, fn in fns.items():
+            device, host = gl.device_and_host_time(gpu, fn, reps, warmup)
+            out[nbytes][name] = {**gl.stats(device), "host_median_s": float(np.median(host))}
         checked(gpu, fns, dst, ref, f"{what}, after timing")
         del src, ref, dst
         cp.get_default_memory_pool().free_all_blocks()
@@ -281,7 +285,7 @@ def report(gpu: Launch, res: dict[str, Any], slot: int) -> None:
             for name, s in st.items():
                 r = gl.ratio(s["median_s"], nccl) if nccl and name != "NCCL" else None
                 rows.append([part, gl.human_bytes(nbytes), name + label, gl.us(s["median_s"]),
-                             gl.us(s["p99_s"]), r])
+                             gl.us(s["p99_s"]), gl.us(s["host_median_s"]), r])
             if claim and nccl:
                 ipc_r = gl.ratio(st["IPC"]["median_s"], nccl)
                 if part == "I1" and nbytes <= I1_TARGET_MAX:
@@ -290,8 +294,8 @@ def report(gpu: Launch, res: dict[str, Any], slot: int) -> None:
                 if part == "I2":
                     targets.append(gl.target(f"I2 {gl.human_bytes(nbytes)}: IPC (default slot) "
                                              "/ NCCL device time", ipc_r, X_I2, "x"))
-    table = gl.format_table(["part", "bytes", "transport", "median us", "p99 us", "vs NCCL"],
-                            rows)
+    table = gl.format_table(["part", "bytes", "transport", "median us", "p99 us",
+                             "host us (median)", "vs NCCL"], rows)
     i3 = res.get("I3")
     if i3 is not None:
         i3_rows = [[k + label, gl.ms(v["median_s"]), v.get("comm_calls"), v.get("slowdown")]
