@@ -79,6 +79,7 @@ from hvdlite._gpu import semaphores
 from hvdlite._gpu.fences import HANDLE, EventFences, FlagFences
 from hvdlite._gpu.kernels import ipc_oneshot, ipc_reduce
 from hvdlite._gpu.mapping import PeerMappings
+from hvdlite._lru import Bounded
 
 __all__ = ["IpcCommunicator", "ONESHOT_BYTES", "PROTOCOLS", "TWO_SHOT_BYTES", "oneshot_pull",
            "two_shot_phases"]
@@ -87,6 +88,7 @@ log = logging.getLogger("hvdlite")
 
 PROTOCOLS = ("auto", "flags", "events")
 _SLOTS = 2
+_STREAMS_KEPT = 64  # the raw streams a communicator keeps CuPy objects of, most recent
 _ALIGN = 256  # every piece starts on a 256-byte boundary of its slot
 _LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
 _D2D = 3  # cudaMemcpyDeviceToDevice
@@ -155,7 +157,8 @@ class IpcCommunicator:
             self._ops[nccl.NCCL_AVG] = "avg"
         self._group: list[_Piece] | None = None
         self._group_stream = 0
-        self._streams: dict[int, Any] = {}  # CuPy objects for raw stream pointers
+        # CuPy objects for raw stream pointers, bounded (a caller making streams per step).
+        self._streams: Bounded[int, Any] = Bounded(_STREAMS_KEPT)
         self._step = 0
         rt = cupy.cuda.runtime
         self.capacity = max(_ALIGN, slot_bytes // _ALIGN * _ALIGN)
@@ -409,8 +412,8 @@ class IpcCommunicator:
         """The CuPy object of a raw stream pointer (made once per stream)."""
         target = self._streams.get(stream)
         if target is None:
-            target = self._streams[stream] = self.cupy.cuda.ExternalStream(stream,
-                                                                           self.device_id)
+            target = self.cupy.cuda.ExternalStream(stream, self.device_id)
+            self._streams.keep(stream, target)
         return target
 
     def _reduce(self, piece: _Piece, pull: _Pull, slot: int, stream: int) -> None:
