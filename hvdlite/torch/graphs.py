@@ -195,7 +195,8 @@ def _dump(graph: torch.cuda.CUDAGraph, kept: bool, path: str) -> None:
 def make_graphed_step(step_fn: Callable[..., Any], *static_inputs: torch.Tensor,
                       optimizer: Any = None, warmup_steps: int = 3, pool: Any = None,
                       name: str = "graphed_step",
-                      debug_dump: str | os.PathLike[str] | None = None) -> GraphedStep:
+                      debug_dump: str | os.PathLike[str] | None = None,
+                      rehearse: bool = True) -> GraphedStep:
     """Capture ``step_fn(*static_inputs)``, one whole training step, as one CUDA graph.
 
     Collective over the members of each ``optimizer``'s process set (every rank captures
@@ -217,7 +218,12 @@ def make_graphed_step(step_fn: Callable[..., Any], *static_inputs: torch.Tensor,
     ``debug_dump``: a path to write the captured graph to as Graphviz DOT (CUDA's
     ``cudaGraphDebugDotPrint``, through torch's ``CUDAGraph.debug_dump``): every node, the
     buckets' NCCL kernels among them, and their dependencies (``scripts/gpu/graph_overlap.py``
-    tells which backward kernels each NCCL kernel may overlap).
+    tells which backward kernels each NCCL kernel may overlap). ``rehearse`` (default True):
+    run the last warm-up step and the capture with ``torch.cuda.is_current_stream_capturing()``
+    True on this thread (above); False for a step whose code, seeing a capture, makes calls
+    that only a real capture allows (``torch.cond`` under torch's CUDA-graph conditional
+    nodes); a compiled region whose inputs follow the capture then compiles again inside it
+    (``HvdliteError``).
 
     Async completion is moot inside a graph (every wait in it is a stream wait). The timeline
     records each replay as one span ``GRAPH_REPLAY`` on the track ``name``; ``hvd.stats()``
@@ -227,6 +233,9 @@ def make_graphed_step(step_fn: Callable[..., Any], *static_inputs: torch.Tensor,
     :class:`~hvdlite.HvdliteError` (from torch's error) if a compiled part of the step compiled
     again during the capture.
     """
+    if not isinstance(rehearse, bool):
+        raise TypeError(f"make_graphed_step: rehearse must be a bool, got "
+                        f"{type(rehearse).__name__}")
     if debug_dump is not None and not isinstance(debug_dump, (str, os.PathLike)):
         raise TypeError(f"make_graphed_step: debug_dump must be a path (str or os.PathLike), "
                         f"got {type(debug_dump).__name__}")
@@ -243,7 +252,7 @@ def make_graphed_step(step_fn: Callable[..., Any], *static_inputs: torch.Tensor,
     with contextlib.ExitStack() as rehearsal:
         with torch.cuda.stream(side):
             for k in range(warmup_steps):
-                if k == warmup_steps - 1:
+                if rehearse and k == warmup_steps - 1:
                     rehearsal.enter_context(rehearsing())
                 step_fn(*inputs)
         torch.cuda.current_stream().wait_stream(side)

@@ -18,3 +18,5 @@ def test_bad_arguments_are_refused_at_the_call(hvd: Any) -> None:
         hvd.make_graphed_step(lambda x: None, torch.zeros(1), optimizer=object())
     with pytest.raises(TypeError, match="static input 0 must be a CUDA tensor, got cpu"):
         hvd.make_graphed_step(lambda x: None, torch.zeros(1))
+    with pytest.raises(TypeError, match="rehearse must be a bool, got int"):
+        hvd.make_graphed_step(lambda x: None, torch.zeros(1), rehearse=1)
