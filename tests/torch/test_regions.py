@@ -124,13 +124,15 @@ def test_regional_buckets_are_final_during_backward_and_train_as_eager(hvd: Any)
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=name)
 
 
-@pytest.mark.parametrize("setting", ["backward_passes_per_step", "fp16 compression"])
+@pytest.mark.parametrize("setting", ["backward_passes_per_step", "fp16 compression",
+                                     "bf16 autocast"])
 def test_regional_buckets_compose_with_accumulation_and_compression(hvd: Any,
                                                                     setting: str) -> None:
     """Issue 39's compositions: compiled by regions with gradient accumulation (2 backward
-    passes per step) or fp16 compression, the parameters after 5 steps equal those of the
-    same hvdlite settings on the eager model (every rank's batch differs, so a bucket reduced
-    too early, twice or not at all would show)."""
+    passes per step), fp16 compression or bf16 autocast (the forward under it, on the CPU),
+    the parameters after 5 steps equal those of the same hvdlite settings on the eager model
+    (every rank's batch differs, so a bucket reduced too early, twice or not at all would
+    show)."""
     torch.manual_seed(1)
     eager = Net()
     compiled = Net()
@@ -138,7 +140,9 @@ def test_regional_buckets_compose_with_accumulation_and_compression(hvd: Any,
     hvd.compile_regions(compiled, backend="aot_eager")
     passes = 2 if setting == "backward_passes_per_step" else 1
     extra: dict[str, Any] = ({"backward_passes_per_step": 2} if passes == 2
-                             else {"compression": hvd.Compression.fp16})
+                             else {"compression": hvd.Compression.fp16}
+                             if setting == "fp16 compression" else {})
+    amp = setting == "bf16 autocast"
 
     def optimizer(model: Net, tag: str) -> Any:
         with n_rank_path():
@@ -155,7 +159,9 @@ def test_regional_buckets_compose_with_accumulation_and_compression(hvd: Any,
         for model, opt in zip((eager, compiled), opts, strict=True):
             opt.zero_grad()
             for k in range(passes):
-                model(_batch(passes * step + k, hvd.rank())).square().mean().backward()
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                    loss = model(_batch(passes * step + k, hvd.rank())).float().square().mean()
+                loss.backward()
             opt.step()
     assert any(not torch.equal(a, b) for a, b in zip(start, eager.parameters(), strict=True))
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters(), strict=True):
