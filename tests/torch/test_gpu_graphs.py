@@ -10,6 +10,7 @@ peer gone during replays; the example's CPU fallback), are in ``tests/test_captu
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import sys
@@ -362,3 +363,50 @@ def test_a_recompile_inside_the_capture_is_the_clear_error(hvd: Any) -> None:
         hvd.make_graphed_step(train_step, x, y, optimizer=opt, warmup_steps=3)
     assert "torch._dynamo" in type(err.value.__cause__).__module__ or \
         "torch._dynamo" in type(err.value.__cause__.__context__).__module__
+
+
+def test_hugging_face_gpt2_by_regions_compiles_nothing_in_the_capture(hvd: Any) -> None:
+    """The case that failed (gpu-validation run 93): Hugging Face's GPT-2 compiled block by
+    block, its causal mask made outside the blocks (None outside a capture, a tensor inside),
+    captured by make_graphed_step: every compile happens outside the capture."""
+    transformers = pytest.importorskip("transformers")
+    if not _lane_expected(hvd):
+        pytest.skip("the captured step needs a GPU per rank (NCCL)")
+    dev = _device(hvd)
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=32,
+                                  vocab_size=128, resid_pdrop=0.0, embd_pdrop=0.0,
+                                  attn_pdrop=0.0, use_cache=False)
+    model = transformers.GPT2LMHeadModel(cfg).to(dev)
+    in_capture: list[bool] = []
+
+    def backend(gm: torch.fx.GraphModule, _inputs: Any) -> Any:
+        in_capture.append(bool(torch._C._cuda_isCurrentStreamCapturing()))
+        return gm.forward
+
+    torch._dynamo.reset()
+    regions = hvd.compile_regions(model, backend=backend)
+    with n_rank_path():
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.01),
+            named_parameters=[(f"gpt2.{n}", p) for n, p in model.named_parameters()],
+            groups=hvd.region_groups(model, regions))
+    gen = torch.Generator().manual_seed(hvd.rank())
+    x = torch.randint(0, 128, (2, 16), generator=gen).to(dev)
+
+    def train_step(ids: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    graphed = hvd.make_graphed_step(train_step, x, optimizer=opt)
+    assert in_capture and not any(in_capture), in_capture
+    before = _flat(model).clone()
+    losses = [float(graphed(x)) for _ in range(3)]
+    torch.cuda.synchronize(dev)
+    after = _flat(model)
+    assert all(map(math.isfinite, losses)) and not torch.equal(before, after), losses
+    everyone = hvd.allgather(after.unsqueeze(0), name="gpt2.params")
+    assert all(torch.equal(everyone[0], row) for row in everyone)  # the replays reduce
