@@ -31,7 +31,8 @@ __all__ = ["rehearsing"]
 
 _lock = threading.Lock()
 _threads: dict[int, int] = {}  # thread id -> rehearsals it has in progress
-_original: Callable[[], bool] | None = None
+# What torch.cuda's and torch.cuda.graphs' attributes were before the first rehearsal.
+_original: tuple[Callable[[], bool], Callable[[], bool]] | None = None
 
 
 def _install() -> None:
@@ -47,7 +48,7 @@ def _install() -> None:
 
     is_current_stream_capturing.__doc__ = original.__doc__
     is_current_stream_capturing.__wrapped__ = original  # type: ignore[attr-defined]
-    _original = original
+    _original = (torch.cuda.is_current_stream_capturing, original)
     torch.cuda.is_current_stream_capturing = is_current_stream_capturing
     torch.cuda.graphs.is_current_stream_capturing = is_current_stream_capturing
 
@@ -55,8 +56,8 @@ def _install() -> None:
 def _uninstall() -> None:
     global _original
     if _original is not None:
-        torch.cuda.is_current_stream_capturing = _original
-        torch.cuda.graphs.is_current_stream_capturing = _original
+        torch.cuda.is_current_stream_capturing, torch.cuda.graphs.is_current_stream_capturing \
+            = _original
         _original = None
 
 
