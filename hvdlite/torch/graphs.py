@@ -202,13 +202,12 @@ def make_graphed_step(step_fn: Callable[..., Any], *static_inputs: torch.Tensor,
     Collective over the members of each ``optimizer``'s process set (every rank captures
     together). Runs ``warmup_steps`` eager steps first on a side stream (at least 2: the first
     agrees the buckets, after it the optimizer launches them on its agreed schedule, which is
-    what gets captured; during the last and the capture,
-    ``torch.cuda.is_current_stream_capturing()`` answers True on this thread, so code that
-    branches on it around a compiled region, as Hugging Face's causal mask does, compiles
-    the capture's variant then, not inside the capture),
-    then captures one step (as with torch, capturing runs nothing: the
+    what gets captured), then captures one step (as with torch, capturing runs nothing: the
     first replay is the step after the warm-up ones), then checks that every rank captured the
-    same launches. ``optimizer``: the
+    same launches. During the last warm-up step and the capture,
+    ``torch.cuda.is_current_stream_capturing()`` answers True on this thread, so code that
+    branches on it around a compiled region (Hugging Face's causal mask) compiles the
+    capture's variant before the capture, not inside it. ``optimizer``: the
     ``DistributedOptimizer`` (or a list of them) the step uses; each must run its buckets on
     the agreed schedule (CUDA buckets over NCCL, a GPU per rank): ranks that share a GPU (CUDA
     IPC) or buckets on the CPU raise ``HvdliteError`` naming why, and the step can run eagerly

@@ -43,11 +43,16 @@ ending.exit_now("third reason", 7)
 """
 
 
+def _run(code: str, rank: int) -> subprocess.CompletedProcess[str]:
+    """``code`` in a fresh process that the launcher's environment makes rank ``rank``."""
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "PMI_RANK": str(rank)}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=50, env=env)
+
+
 @pytest.mark.timeout(60)
 def test_the_reason_is_said_once_and_the_pipes_hear_it() -> None:
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "PMI_RANK": "3"}
-    out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
-                         timeout=50, env=env)
+    out = _run(_PROBE, 3)
     assert out.returncode == 7, out.stderr
     assert out.stdout.splitlines() == [
         "before b''", "first True", "second False", "heard b'a' b'a' b''"], out.stdout
@@ -68,9 +73,7 @@ ending.exit_now("another reason", 5)  # the job ends before the buffer is ever p
 
 @pytest.mark.timeout(60)
 def test_the_reason_reaches_the_process_stderr_while_sys_stderr_is_a_buffer() -> None:
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "PMI_RANK": "1"}
-    out = subprocess.run([sys.executable, "-c", _SWAPPED], capture_output=True, text=True,
-                         timeout=50, env=env)
+    out = _run(_SWAPPED, 1)
     assert out.returncode == 5, out.stderr
     assert out.stderr == "[hvdlite rank 1] the reason\n", out.stderr
     assert out.stdout == "held: [hvdlite rank 1] the reason\n", out.stdout
