@@ -429,6 +429,49 @@ def device_and_host_time(gpu: Gpu, fn: Callable[[], object], reps: int,
     return max_over_ranks(gpu.comm, out), max_over_ranks(gpu.comm, host)
 
 
+_HOLD_SOURCE = r"""
+extern "C" __global__ void hvd_bench_hold(unsigned long long ns) {
+    unsigned long long t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        __nanosleep(1000);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < ns);
+}
+"""
+
+
+def held_device_time(gpu: Gpu, fn: Callable[[], object], reps: int, warmup: int,
+                     hold_s: float = 3e-4) -> tuple[np.ndarray, int]:
+    """Device time of ``fn``'s work with the host's issuing hidden: each repeat holds the
+    bench stream in a kernel that spins ``hold_s`` (the device's clock), records the start
+    event behind it, then calls ``fn``; where the call returns before the hold ends, the
+    events time only what the device does (for a collective: its kernels and the wait for
+    the peers' streams, which the same hold on every rank keeps aligned to the barrier's
+    skew). Returns the slowest rank's times and how many repeats' calls outlasted the hold
+    on some rank (then that repeat still includes host time)."""
+    cp = gpu.cupy
+    hold = cp.RawKernel(_HOLD_SOURCE, "hvd_bench_hold")
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    ns = np.uint64(int(hold_s * 1e9))
+    for _ in range(warmup):
+        fn()
+    gpu.sync()
+    out = np.empty(reps, dtype=np.float64)
+    late = 0
+    for i in range(reps):
+        gpu.barrier()
+        t0 = time.perf_counter()
+        hold((1,), (1,), (ns,), stream=gpu.stream)
+        start.record(gpu.stream)
+        fn()
+        late += time.perf_counter() - t0 > hold_s
+        end.record(gpu.stream)
+        end.synchronize()
+        out[i] = cp.cuda.get_elapsed_time(start, end) * 1e-3
+    return max_over_ranks(gpu.comm, out), int(gpu.comm.allreduce(late, op=MPI.SUM))
+
+
 # Suffix of a baseline timed before hvdlite started: its background thread could not take the
 # GIL or a core from it. Targets take the faster of a baseline's two measurements.
 ALONE = " [hvdlite not started]"
