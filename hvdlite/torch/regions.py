@@ -17,7 +17,9 @@ backward finishes them, so bucket boundaries fall on region boundaries::
 
 A region falls back to eager execution the way ``torch.compile`` says (graph breaks, dynamic
 shapes, recompilations past its limit: ``TORCH_LOGS=graph_breaks,recompiles``); the parameters
-outside every region (embeddings, a head) stay eager and form the last group. Regions share
+outside every region (embeddings, a head) stay eager and form the last group (give the head as
+a region too where it is heavy, ``regions=[*hvd.find_regions(model), model.lm_head]``: a
+parameter tied to the embedding still waits in the last group). Regions share
 their compiled code: arguments that differ from one region to the next (a Hugging Face model's
 key/value cache, on by default: set ``model.config.use_cache = False`` for training, which
 :func:`compile_regions` warns of) recompile it per region.
@@ -97,14 +99,20 @@ def region_groups(model: nn.Module, regions: Sequence[nn.Module],
     per run of consecutive regions, in the order backward finishes them (the last region
     first), each run at most ``bucket_cap_mb`` MiB but never split inside a region; the
     first and the last region alone (the first bucket starts as early as it can, the last
-    leaves no long tail); the parameters outside every region in one last group. Only
-    parameters that require a gradient are grouped."""
+    leaves no long tail); the parameters outside every region in one last group. A
+    parameter a region shares with a module outside every region (a language model's head
+    tied to its embedding) goes to that last group too: its gradient is final only when the
+    outside module's backward has run, at the end, and a bucket holding it would wait that
+    long. Only parameters that require a gradient are grouped."""
     if not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) \
             or bucket_cap_mb <= 0:
         raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
     cap = int(bucket_cap_mb * 1024 * 1024)
+    inside = {id(m) for r in regions for m in r.modules()}
+    tied = {id(p) for m in model.modules() if id(m) not in inside
+            for p in m.parameters(recurse=False)}
     per_region: list[list[torch.Tensor]] = [
-        [p for p in r.parameters() if p.requires_grad] for r in regions]
+        [p for p in r.parameters() if p.requires_grad and id(p) not in tied] for r in regions]
     taken = {id(p) for ps in per_region for p in ps}
     groups: list[list[torch.Tensor]] = []
     current: list[torch.Tensor] = []

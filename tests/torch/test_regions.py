@@ -66,6 +66,28 @@ def test_region_groups_follow_backward_and_the_cap(hvd: Any) -> None:
         hvd.region_groups(net, list(net.blocks), bucket_cap_mb=0)
 
 
+def test_a_region_tied_to_a_module_outside_waits_in_the_last_group(hvd: Any) -> None:
+    """A head given as a region whose weight is the embedding's (a language model's tied
+    head): the tied weight's gradient is final only after the embedding's backward, at the
+    end, so it goes to the last group with the embedding, not to the head's early bucket;
+    the head's own bias stays in its group."""
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(10, 16)
+            self.blocks = nn.ModuleList(Block(16) for _ in range(3))
+            self.head = nn.Linear(16, 10)
+            self.head.weight = self.embed.weight
+
+    net = Tied()
+    groups = hvd.region_groups(net, [*net.blocks, net.head])
+    ids = [[id(p) for p in g] for g in groups]
+    assert ids[0] == [id(net.head.bias)]
+    assert ids[-1] == [id(net.embed.weight)]
+    assert list(map(len, ids)) == [1, 4, 2, 1]  # the head; blocks 2 and 1; block 0; tied
+    assert sum(map(len, ids)) == len(list(net.parameters()))  # each parameter once
+
+
 def test_compile_regions_refuses_foreign_or_nested_regions(hvd: Any) -> None:
     net = Net()
     with pytest.raises(ValueError, match="region 0 is not a submodule"):
