@@ -1,0 +1,64 @@
+"""bench_t1's vocabulary: the variants' names, their groups and the targets' limits (one
+place, read by the runner, the check and the report)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+BASE = "plain torch, no communication"
+HVD = "hvdlite DistributedOptimizer, default"
+HVD_ALT = "hvdlite, gradient_as_bucket_view flipped"
+HVD_NEG = "hvdlite, optimizer_schedule off (every bucket negotiated)"
+HVD_ASYNC = "hvdlite, async completion on"
+DDP = "torch DDP"
+DDP_VIEWS = "torch DDP, gradient_as_bucket_view=True"
+BASE_C = "compiled: plain torch"
+HVD_C = "compiled: hvdlite default"
+HVD_C_ALT = "compiled: hvdlite, gradient_as_bucket_view flipped"
+DDP_C = "compiled: torch DDP"
+# Checked, never timed: DDP with other buckets, whose distance from DDP is the rounding that
+# summing each gradient in another order leaves (the correctness check's scale past 2 ranks).
+DDP_ORDER = "torch DDP, 1 MB buckets (the reduction-order reference)"
+ORDER_BUCKET_MB = 1.0
+ORDER_X = 2.0  # a variant may differ from DDP this many times what DDP_ORDER does
+HVD_CTA = {n: f"hvdlite, optimizer_max_ctas={n}" for n in (2, 4, 8, 16)}
+# The optimizer's schedule on a stream of normal priority (DDP's), eager and captured.
+HVD_PRIO = "hvdlite, stream_priority=normal"
+HVD_G_PRIO = "captured: hvdlite step, stream_priority=normal"
+HVD_G = "captured: hvdlite step (make_graphed_step)"
+FLAT_G = "captured: plain step + one flat allreduce after backward"
+PLAIN_G = "captured: plain step, no communication (the captured limit)"
+# Issue 39: compiled block by block, buckets on block boundaries (hvd.compile_regions).
+HVD_CR = "compiled by regions: hvdlite default"
+HVD_GR = "captured: hvdlite step, compiled by regions"
+REGIONED = (HVD_CR, HVD_GR)
+CAPTURED = (HVD_G, FLAT_G, HVD_GR, PLAIN_G, HVD_G_PRIO)
+LOCAL = (BASE, BASE_C, PLAIN_G)  # no communication: each rank trains on its own batch
+CAPTURE_WARMUP = 3  # eager steps a captured variant's first call runs before capturing
+HVDS = (HVD, HVD_ALT, HVD_NEG, HVD_ASYNC, HVD_C, HVD_C_ALT, HVD_G, HVD_CR, HVD_GR,
+        *HVD_CTA.values(), HVD_PRIO, HVD_G_PRIO)
+DDPS = (DDP, DDP_VIEWS, DDP_C, DDP_ORDER)
+COMPILED = (BASE_C, HVD_C, HVD_C_ALT, DDP_C)
+TRANSFORMERS = ("vit_b_16", "gpt2")
+SHORT = {"hvd_g": HVD_G, "flat_g": FLAT_G, "plain_g": PLAIN_G, "alt": HVD_ALT, "neg": HVD_NEG,
+         "ddp_views": DDP_VIEWS, "plain_c": BASE_C, "hvd_c": HVD_C,
+         "hvd_c_alt": HVD_C_ALT, "ddp_c": DDP_C, "hvd_cr": HVD_CR, "hvd_gr": HVD_GR,
+         "prio": HVD_PRIO, "hvd_g_prio": HVD_G_PRIO,
+         **{f"cta{n}": v for n, v in HVD_CTA.items()}}
+COMM_HVD = "comm alone: hvdlite grouped_allreduce of every gradient"
+COMM_TORCH = "comm alone: torch.distributed all_reduce, one flat buffer"
+# Issue 31, 2+ GPUs, hvdlite's default: ResNets / transformers (bf16 autocast) / compiled.
+T1_RESNET_X_PLAIN, T1_RESNET_X_DDP = 1.02, 1.12
+T1_TRANSFORMER_X_PLAIN, T1_TRANSFORMER_X_DDP = 1.04, 1.06
+T1_COMPILED_X_PLAIN = 1.04
+# Issue 34, the captured step: >= 1.03x plain eager (ResNets), >= 1.05x the compiled model
+# alone (transformers, compiled), >= 1.0x the captured flat-allreduce step.
+T5_EAGER_X, T5_COMPILED_X = 1.03, 1.05
+T5_LIMIT_X = 0.98  # issue 40: the captured step against the captured limit
+# Issue 25, one rank: hvdlite's default against plain torch and DDP in the same launch.
+NP1_RESNET_X_PLAIN, NP1_RESNET_X_DDP, NP1_TRANSFORMER_X_PLAIN = 1.05, 1.1, 1.02
+
+
+def is_compiled(kind: str, args: Any) -> bool:
+    """Whether ``kind`` runs a compiled model (whole, or by regions)."""
+    return kind in COMPILED or kind in REGIONED or (kind in CAPTURED and args.compile == "on")
