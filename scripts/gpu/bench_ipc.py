@@ -7,7 +7,9 @@
   kernels is timed at its host time), and held (the stream spins 300 us on every rank first,
   the call is issued during the spin, so the events time what the device does: its kernels
   and the wait for the peers). Target (2 GPUs): IPC <= 0.5x NCCL up to 64 KiB, held. Beside
-  both the host time of the call (from before it to its return).
+  both the host time of the call (from before it to its return). With a GPU per rank, the
+  floor beside them (``_ipcfloor.py``): an empty kernel, and a kernel that only exchanges a
+  flag with every peer, the least device time any one-shot allreduce can take.
 - I2: allreduce of 64, 128 and 256 MiB, device time, median of ``--reps-large``; IPC with
   hvdlite's default staging slot (``ipc_buffer_bytes``, 16 MiB: a large call moves in chunks,
   ordered by the protocol's fences) and with one slot as large as the call (informational). Target
@@ -43,6 +45,7 @@ from typing import Any
 
 import _gpulib as gl
 import numpy as np
+from _ipcfloor import bench_floor
 from mpi4py import MPI
 
 KIB, MIB = 1024, 1024 * 1024
@@ -274,6 +277,8 @@ def main(argv: list[str] | None = None) -> None:
                            "protocol": t.protocol}
     if "I1" not in args.skip:
         res["I1"] = bench_sizes(gpu, t, i1, args.reps_small, 20, False, 0)
+        if gpu.size >= 2 and not gpu.shared:  # (spinning kernels of contexts taking turns)
+            res["floor"] = bench_floor(gpu, args.reps_small)
     if "I2" not in args.skip:
         res["I2"] = bench_sizes(gpu, t, i2, args.reps_large, 3, True, 50)
     if "I3" not in args.skip:
@@ -309,6 +314,15 @@ def report(gpu: Launch, res: dict[str, Any], slot: int) -> None:
                 if part == "I2":
                     targets.append(gl.target(f"I2 {gl.human_bytes(nbytes)}: IPC (default slot) "
                                              "/ NCCL device time", ipc_r, X_I2, "x"))
+    i1 = res.get("I1") or {}
+    nccl4 = i1[min(i1)].get("NCCL", {}) if i1 else {}
+    for name, s in res.get("floor", {}).items():  # against NCCL's smallest call
+        rows.append(["I1", "-", name, gl.us(s["median_s"]), gl.us(s["p99_s"]),
+                     gl.us(s["host_median_s"]),
+                     gl.ratio(s["median_s"], nccl4["median_s"]) if nccl4 else None,
+                     gl.us(s["held_median_s"]),
+                     gl.ratio(s["held_median_s"], nccl4["held_median_s"]) if nccl4 else None,
+                     s["held_late"]])
     table = gl.format_table(["part", "bytes", "transport", "median us", "p99 us",
                              "host us (median)", "vs NCCL", "held us", "held vs NCCL",
                              "late"], rows)
@@ -326,7 +340,10 @@ def report(gpu: Launch, res: dict[str, Any], slot: int) -> None:
              "waits for the peers (a barrier, or their flags) and, where the host is slower "
              "than the device, while the host issues the call; 'held': the same call behind "
              "a 300 us spin on every rank, so the events time the device's own work (the I1 "
-             "target's figure); 'late': repeats whose call outlasted the spin on some rank"]
+             "target's figure); 'late': repeats whose call outlasted the spin on some rank; "
+             "'floor' rows (scripts/gpu/_ipcfloor.py): an empty kernel, and one kernel that "
+             "only exchanges a flag with every peer, against NCCL's smallest call: no "
+             "one-shot allreduce takes less device time than the exchange"]
     if gpu.shared:
         notes.append(f"ranks share a GPU: NCCL cannot run, IPC only; {NO_CLAIMS} (no MPS): "
                      "correctness only, no targets")
