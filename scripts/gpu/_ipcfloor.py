@@ -67,15 +67,17 @@ class Floor:
         gpu.barrier()
 
     def empty(self) -> None:
-        self.empty_kernel((1,), (1,), (), stream=self.gpu.stream)
+        with self.gpu.stream:  # (a kernel launches on CuPy's current stream)
+            self.empty_kernel((1,), (1,), ())
 
     def exchange(self) -> None:
         # Every rank calls this the same number of times (the timing loops do), so the
         # epochs agree without any host exchange.
         self.epoch += 1
         gpu = self.gpu
-        self.exchange_kernel((1,), (32,), (self.table, np.int32(gpu.rank), np.int32(gpu.size),
-                                           np.uint32(self.epoch)), stream=gpu.stream)
+        with gpu.stream:
+            self.exchange_kernel((1,), (32,), (self.table, np.int32(gpu.rank),
+                                               np.int32(gpu.size), np.uint32(self.epoch)))
 
     def close(self) -> None:
         self.gpu.sync()
