@@ -178,12 +178,19 @@ def _parse_log_level(value: object) -> str:
 
 IPC_MODES = ("auto", "always", "off")
 STREAM_PRIORITIES = ("high", "normal")
+SCHEDULE_TRANSPORTS = ("nccl", "ipc")
 
 
 def _parse_stream_priority(value: object) -> str:
     if isinstance(value, str) and value.strip().lower() in STREAM_PRIORITIES:
         return value.strip().lower()
     raise ValueError(f"expected one of {', '.join(STREAM_PRIORITIES)}, got {value!r}")
+
+
+def _parse_schedule_transport(value: object) -> str:
+    if isinstance(value, str) and value.strip().lower() in SCHEDULE_TRANSPORTS:
+        return value.strip().lower()
+    raise ValueError(f"expected one of {', '.join(SCHEDULE_TRANSPORTS)}, got {value!r}")
 
 
 def _parse_ipc(value: object) -> str:
@@ -403,6 +410,15 @@ class Config:
              "schedules): high puts their kernels ahead of compute waiting for SMs; normal "
              "(DDP's default) queues them with it. An agreed schedule takes the value it has "
              "when the schedule opens.",
+    )  # fmt: skip
+    schedule_transport: str = _knob(
+        kind="choice", parse=_parse_schedule_transport, default="nccl", unit="",
+        choices=SCHEDULE_TRANSPORTS,
+        help="How an agreed schedule's device buckets travel (a GPU per rank, one host for "
+             "ipc): nccl, or ipc: each rank reduces its share of every rank's bucket with a "
+             "kernel on a few SMs that reads its peers' buffers, mapped once, and the copy "
+             "engines bring back the other shares; flags in device memory order the steps, "
+             "so make_graphed_step captures it too. Read when a schedule opens.",
     )  # fmt: skip
     log_level: str = _knob(
         kind="choice", parse=_parse_log_level, default="warning", unit="",

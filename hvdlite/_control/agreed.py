@@ -244,26 +244,54 @@ class Schedules:
             why = usable or self._why_not(channel, slots, buffers, device_id)
             uid: list[int] | None = None
             raw = False
-            if not why and device_id >= 0 and channel.rank == 0:
+            ipc = None  # this rank's side of an IPC schedule, made before the agreement
+            kind = self.scheduler.engine.config.schedule_transport if device_id >= 0 else ""
+            if not why and kind == "ipc":
+                ipc, why = self._ipc_side(slots, buffers, device_id, channel.size)
+            elif not why and device_id >= 0 and channel.rank == 0:
                 from cupy.cuda import nccl
 
                 drawn = nccl.get_unique_id()  # bytes (CuPy 13+) or a tuple of ints (older)
                 uid, raw = list(drawn), isinstance(drawn, bytes)
-            shown = self.agree(channel, f"{name}.open",
-                               {"why": why, "uid": uid, "bytes": raw, "slots": slot_rows(slots),
-                                "device": device_id >= 0})
-            for rank, got in zip(channel.ranks, shown, strict=True):
-                if got["why"]:
-                    return None, f"rank {rank}: {got['why']}"
-            bad = disagreement([{"slots": g["slots"], "device": g["device"]} for g in shown],
-                               channel.ranks)
-            if bad:
-                raise MismatchError(f"{name}: the ranks built different schedules ({bad}); "
-                                    "every rank must open the same slots, in the same order")
-            transport = self._transport(channel, slots, buffers, device_id, shown[0])
+            try:
+                shown = self.agree(channel, f"{name}.open",
+                                   {"why": why, "uid": uid, "bytes": raw,
+                                    "slots": slot_rows(slots), "device": device_id >= 0,
+                                    "ipc": ipc.record() if ipc is not None else None})
+                for rank, got in zip(channel.ranks, shown, strict=True):
+                    if got["why"]:
+                        return None, f"rank {rank}: {got['why']}"
+                bad = disagreement([{"slots": g["slots"], "device": g["device"]}
+                                    for g in shown], channel.ranks)
+                if bad:
+                    raise MismatchError(f"{name}: the ranks built different schedules "
+                                        f"({bad}); every rank must open the same slots, in "
+                                        "the same order")
+                if ipc is not None:
+                    from hvdlite._backends.schedule_ipc import placement_why
+
+                    where = placement_why([g["ipc"] for g in shown])
+                    if where:
+                        return None, f"schedule_transport=ipc: {where}"
+                transport = self._transport(channel, slots, buffers, device_id, shown, ipc)
+                ipc = None  # the transport owns it now
+            finally:
+                if ipc is not None:
+                    ipc.free()
             schedule = AgreedSchedule(name, slots, channel.id, transport, self)
             self._open.add(schedule)
             return schedule, ""
+
+    def _ipc_side(self, slots: Sequence[Slot], buffers: Sequence[tuple[int, int]],
+                  device_id: int, size: int) -> tuple[Any, str]:
+        """(this rank's side of an IPC schedule, '') or (None, why it cannot make one)."""
+        from hvdlite._backends.schedule_ipc import IpcScheduleSide
+
+        try:
+            return IpcScheduleSide(self.scheduler.engine.gpu_runtime().cupy, device_id, slots,
+                                   buffers, size), ""
+        except Exception as exc:  # noqa: BLE001 (any failure is this rank's answer: no IPC)
+            return None, f"schedule_transport=ipc: {type(exc).__name__}: {exc}"
 
     def _why_not(self, channel: Channel, slots: Sequence[Slot],
                  buffers: Sequence[tuple[int, int]], device_id: int) -> str:
@@ -276,6 +304,10 @@ class Schedules:
             from hvdlite._backends import schedule_mpi
 
             return schedule_mpi.why_not(slots)
+        if cfg.schedule_transport == "ipc":  # (where the ranks are: checked at the agreement)
+            from hvdlite._backends import schedule_ipc
+
+            return schedule_ipc.why_not(slots)
         from hvdlite._backends import schedule_nccl
 
         transport = getattr(channel.backends.get("cuda"), "transport", None)
@@ -286,17 +318,24 @@ class Schedules:
 
     def _transport(self, channel: Channel, slots: Sequence[Slot],
                    buffers: Sequence[tuple[int, int]], device_id: int,
-                   root: dict[str, Any]) -> ScheduleTransport:
+                   shown: list[dict[str, Any]], ipc: Any) -> ScheduleTransport:
         if device_id < 0:
             from hvdlite._backends.schedule_mpi import MpiScheduleTransport
 
             return MpiScheduleTransport(channel.agreed_comm.Dup(), slots, buffers)
-        from hvdlite._backends.schedule_nccl import NcclScheduleTransport
         from hvdlite._gpu.runtime import PRIORITIES
 
-        uid = bytes(root["uid"]) if root["bytes"] else tuple(root["uid"])
         engine = self.scheduler.engine
         cfg, gpu = engine.config, engine.gpu_runtime()
+        if ipc is not None:
+            from hvdlite._backends.schedule_ipc import IpcScheduleTransport
+
+            return IpcScheduleTransport(ipc, [g["ipc"] for g in shown], slots, buffers,
+                                        channel.rank, PRIORITIES[cfg.stream_priority])
+        from hvdlite._backends.schedule_nccl import NcclScheduleTransport
+
+        root = shown[0]
+        uid = bytes(root["uid"]) if root["bytes"] else tuple(root["uid"])
         # The knobs as they are when the schedule opens (the optimizer's: at the end of its
         # first step), like the CTA cap, not as they were at init.
         return NcclScheduleTransport(gpu.cupy, device_id, slots, buffers, uid, channel.rank,

@@ -15,7 +15,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-__all__ = ["batched_copy", "CTYPES", "ipc_oneshot", "ipc_reduce"]
+__all__ = ["batched_copy", "CTYPES", "ipc_oneshot", "ipc_reduce", "sched_signal",
+           "sched_wait"]
 
 # Element type of the kernel for each wire dtype (complex travels as pairs of its real type).
 CTYPES = {
@@ -195,13 +196,14 @@ extern "C" __global__ void {name}({args}, {ctype}* __restrict__ y, long long n) 
     return cupy.RawKernel(code, name)
 
 
-def ipc_reduce(op: str, wire: str, inputs: list[int], out: int, count: int) -> None:
+def ipc_reduce(op: str, wire: str, inputs: list[int], out: int, count: int,
+               max_blocks: int = 4096) -> None:
     """``out = inputs[0] op inputs[1] op ...`` over ``count`` elements of type ``wire``
-    (device pointers), on the current stream."""
+    (device pointers), on the current stream, in at most ``max_blocks`` thread blocks."""
     import cupy
     import numpy as np
 
-    blocks = min((count + _THREADS - 1) // _THREADS, 4096)
+    blocks = max(1, min((count + _THREADS - 1) // _THREADS, max_blocks))
     _ipc_kernel(op, len(inputs), wire)(
         (blocks,), (_THREADS,), (*[np.uint64(p) for p in inputs], np.uint64(out),
                                  cupy.int64(count)))
@@ -314,3 +316,80 @@ def ipc_oneshot(op: str, wire: str, ranks: int, slots: int, x: int, slot_table: 
         (1,), (_ONESHOT_THREADS,),
         (np.uint64(x), slot_table, inbox_table, np.uint64(y), cupy.int64(count),
          cupy.int32(me), cupy.int32(slot), np.uint32(epoch), cupy.int32(int(first))))
+
+
+# -- the agreed schedule over CUDA IPC: flags whose epochs live on the device ------------------
+# A captured step replays its launches with the arguments they were captured with, so an epoch
+# cannot be an argument (every replay would wait for the first replay's): each rank keeps a
+# counter per slot in its own memory, the first signal of a launch bumps it, and every signal
+# and wait of that launch reads it there. Ranks launch each slot equally often, so their
+# counters agree. Flags: ``inbox[(kind * slots + slot) * ranks + peer]`` (32-bit, compared
+# cyclically); a wait also gives up once the host sets its abort word (host memory mapped into
+# the device): the way out for a stream parked on a peer that died.
+_SCHED_SOURCE = r"""
+extern "C" __global__ void hvd_sched_signal(unsigned int* counters,
+        const unsigned long long* __restrict__ inboxes, int kind, int slot, int slots,
+        int me, int ranks, int bump) {
+    if (threadIdx.x != 0) return;
+    unsigned int epoch = counters[slot];
+    if (bump) {
+        epoch += 1u;
+        counters[slot] = epoch;
+    }
+    __threadfence_system();  // this stream's earlier work, visible before the flag
+    for (int r = 0; r < ranks; ++r) {
+        if (r == me) continue;
+        unsigned int* f = (unsigned int*)inboxes[r] + (kind * slots + slot) * ranks + me;
+        asm volatile("st.release.sys.global.u32 [%0], %1;" :: "l"(f), "r"(epoch) : "memory");
+    }
+}
+
+extern "C" __global__ void hvd_sched_wait(const unsigned int* counters,
+        const unsigned int* inbox, const unsigned int* abort_word, int kind, int slot,
+        int slots, int me, int ranks) {
+    if (threadIdx.x != 0) return;
+    const unsigned int epoch = counters[slot];
+    for (int r = 0; r < ranks; ++r) {
+        if (r == me) continue;
+        const unsigned int* f = inbox + (kind * slots + slot) * ranks + r;
+        for (unsigned int spins = 0;; ++spins) {
+            unsigned int v;
+            asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(f) : "memory");
+            if ((int)(v - epoch) >= 0) break;
+            if ((spins & 1023u) == 0u && *(const volatile unsigned int*)abort_word) return;
+        }
+    }
+}
+"""
+
+
+@functools.cache
+def _sched_kernel(name: str) -> Any:
+    import cupy
+
+    return cupy.RawModule(code=_SCHED_SOURCE).get_function(name)
+
+
+def sched_signal(counters: int, inboxes: Any, kind: int, slot: int, slots: int, me: int,
+                 ranks: int, bump: bool) -> None:
+    """On the current stream, after its earlier work: tell every peer this rank reached
+    ``kind`` of ``slot``'s current launch (``bump``: a new launch, the counter first moves
+    on). ``counters``: this rank's device counters; ``inboxes``: a device table of every
+    rank's inbox in this context."""
+    import numpy as np
+
+    _sched_kernel("hvd_sched_signal")(
+        (1,), (32,), (np.uint64(counters), inboxes, np.int32(kind), np.int32(slot),
+                      np.int32(slots), np.int32(me), np.int32(ranks), np.int32(int(bump))))
+
+
+def sched_wait(counters: int, inbox: int, abort_word: int, kind: int, slot: int, slots: int,
+               me: int, ranks: int) -> None:
+    """On the current stream, before its later work: wait until every peer reached ``kind``
+    of ``slot``'s current launch, or the abort word is set."""
+    import numpy as np
+
+    _sched_kernel("hvd_sched_wait")(
+        (1,), (32,), (np.uint64(counters), np.uint64(inbox), np.uint64(abort_word),
+                      np.int32(kind), np.int32(slot), np.int32(slots), np.int32(me),
+                      np.int32(ranks)))

@@ -34,9 +34,9 @@ import logging
 import time
 from typing import Any
 
-__all__ = ["MOD", "RELEASE_AHEAD", "Semaphores", "cyclic_geq", "memops_support",
-           "release_value", "step_epoch", "flag_index", "choose_protocol", "SUPPORTED",
-           "NO_BINDINGS", "NO_MEMOPS", "PROBE_FAILED", "FORCED_EVENTS"]
+__all__ = ["MOD", "RELEASE_AHEAD", "Semaphores", "checked", "cyclic_geq", "driver",
+           "memops_support", "release_value", "step_epoch", "flag_index", "choose_protocol",
+           "SUPPORTED", "NO_BINDINGS", "NO_MEMOPS", "PROBE_FAILED", "FORCED_EVENTS"]
 
 log = logging.getLogger("hvdlite")
 
@@ -102,13 +102,13 @@ def choose_protocol(codes: list[int]) -> tuple[str, str]:
     return "events", f"IPC events and an MPI barrier per step: rank {rank}{more}: {why}"
 
 
-def _driver() -> Any:
+def driver() -> Any:
     from cuda.bindings import driver
 
     return driver
 
 
-def _check(result: Any, what: str) -> Any:
+def checked(result: Any, what: str) -> Any:
     """The value(s) of a cuda-python call, or RuntimeError naming the call and the error."""
     err, *rest = result if isinstance(result, tuple) else (result,)
     if int(err) != 0:
@@ -121,23 +121,23 @@ def memops_support(cupy: Any, device_id: int) -> int:
     cuda-python, a driver without them, or a probe (a write then a wait on a scratch flag, on
     a stream of its own, synchronised) that fails."""
     try:
-        drv = _driver()
+        drv = driver()
     except ImportError:
         return NO_BINDINGS
     rt = cupy.cuda.runtime
     try:
         with cupy.cuda.Device(device_id):
-            version = int(_check(drv.cuDriverGetVersion(), "cuDriverGetVersion"))
+            version = int(checked(drv.cuDriverGetVersion(), "cuDriverGetVersion"))
             if version < 12000:  # before CUDA 12 memops were opt-in, per device
                 attr = drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_MEM_OPS_V1
-                if not int(_check(drv.cuDeviceGetAttribute(attr, device_id), "attribute")):
+                if not int(checked(drv.cuDeviceGetAttribute(attr, device_id), "attribute")):
                     return NO_MEMOPS
             scratch = rt.malloc(4)
             stream = rt.streamCreateWithFlags(1)  # cudaStreamNonBlocking
             try:
                 rt.memsetAsync(scratch, 0, 4, stream)
-                _check(drv.cuStreamWriteValue32(stream, scratch, 7, 0), "cuStreamWriteValue32")
-                _check(drv.cuStreamWaitValue32(
+                checked(drv.cuStreamWriteValue32(stream, scratch, 7, 0), "cuStreamWriteValue32")
+                checked(drv.cuStreamWaitValue32(
                     stream, scratch, 7, drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ),
                     "cuStreamWaitValue32")
                 rt.streamSynchronize(stream)
@@ -161,7 +161,7 @@ class Semaphores:
     def __init__(self, cupy: Any, device_id: int, rank: int, size: int, slots: int) -> None:
         self.cupy, self.device_id = cupy, device_id
         self.rank, self.size, self.slots = rank, size, slots
-        drv = self._drv = _driver()
+        drv = self._drv = driver()
         self._geq = int(drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
         self._not_ready = int(drv.CUresult.CUDA_ERROR_NOT_READY)
         self.count = _KINDS * slots * size
@@ -172,8 +172,8 @@ class Semaphores:
             rt.deviceSynchronize()  # zeroed before any peer can signal into it
             # Made now, not at the failure: making a stream then could wait on the device.
             # Non-blocking (the legacy default stream does not order it), highest priority.
-            _, high = _check(drv.cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
-            self._release_stream = _check(drv.cuStreamCreateWithPriority(
+            _, high = checked(drv.cuCtxGetStreamPriorityRange(), "cuCtxGetStreamPriorityRange")
+            self._release_stream = checked(drv.cuStreamCreateWithPriority(
                 int(drv.CUstream_flags.CU_STREAM_NON_BLOCKING), high), "cuStreamCreate")
         self.inboxes: list[int] = []  # [rank] -> that rank's inbox in this context
         self.epoch = 0  # the highest epoch this rank has enqueued a wait for (cyclically)
@@ -194,7 +194,7 @@ class Semaphores:
     def signal(self, stream: int, to: int, kind: int, slot: int, epoch: int) -> None:
         """On ``stream``, after its earlier work: tell rank ``to`` that this rank is done with
         ``slot``'s ``epoch`` (``kind``: WRITTEN its slot, or READ ``to``'s)."""
-        _check(self._drv.cuStreamWriteValue32(stream, self._flag(to, kind, slot, self.rank),
+        checked(self._drv.cuStreamWriteValue32(stream, self._flag(to, kind, slot, self.rank),
                                               epoch, 0), "cuStreamWriteValue32")
 
     def awaits(self, epoch: int) -> None:
@@ -207,7 +207,7 @@ class Semaphores:
         """On ``stream``, before its later work: wait until ``peer`` signalled ``kind`` for
         ``slot`` at ``epoch`` or later (cyclically)."""
         self.awaits(epoch)
-        _check(self._drv.cuStreamWaitValue32(stream, self._flag(self.rank, kind, slot, peer),
+        checked(self._drv.cuStreamWaitValue32(stream, self._flag(self.rank, kind, slot, peer),
                                              epoch, self._geq), "cuStreamWaitValue32")
 
     def mark(self, stream: int) -> None:
@@ -218,10 +218,10 @@ class Semaphores:
             if len(self._marks) >= _MAX_MARKS:  # the oldest stream's mark goes (destroying a
                 old = self._marks.pop(next(iter(self._marks)))  # pending event is allowed)
                 self._drv.cuEventDestroy(old)
-            event = _check(self._drv.cuEventCreate(
+            event = checked(self._drv.cuEventCreate(
                 int(self._drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)), "cuEventCreate")
         self._marks[stream] = event  # (re-inserted: the newest)
-        _check(self._drv.cuEventRecord(event, stream), "cuEventRecord")
+        checked(self._drv.cuEventRecord(event, stream), "cuEventRecord")
 
     def release(self, bound_s: float = 2.0) -> bool:
         """Let every wait this rank enqueued pass (a peer is gone: see the module docstring):
@@ -231,7 +231,7 @@ class Semaphores:
         deadline = time.monotonic() + bound_s
         with self.cupy.cuda.Device(self.device_id):
             while True:
-                _check(self._drv.cuMemsetD32Async(self.base, value, self.count,
+                checked(self._drv.cuMemsetD32Async(self.base, value, self.count,
                                                   self._release_stream), "cuMemsetD32Async")
                 idle = all(self._idle(e) for e in list(self._marks.values()))
                 if idle or time.monotonic() > deadline:

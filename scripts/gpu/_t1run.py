@@ -31,8 +31,10 @@ from _t1vocab import (
     HVD_CR,
     HVD_CTA,
     HVD_G,
+    HVD_G_IPC,
     HVD_G_PRIO,
     HVD_GR,
+    HVD_IPC,
     HVD_NEG,
     HVD_PRIO,
     HVDS,
@@ -139,6 +141,8 @@ class Runner:
                 self.first = {"optimizer_max_ctas": n}
         if kind in (HVD_PRIO, HVD_G_PRIO):
             self.first = {"stream_priority": "normal"}
+        if kind in (HVD_IPC, HVD_G_IPC):
+            self.first = {"schedule_transport": "ipc"}
         mse = args.model in ("g4", "transformer")
         self.loss = torch.nn.functional.mse_loss if mse else torch.nn.functional.cross_entropy
         self.amp = args.autocast == "bf16"
@@ -185,7 +189,7 @@ class Runner:
             self.graph()
             return
         dump = self._dump_path()
-        if self.kind in (HVD_G, HVD_GR, HVD_G_PRIO):  # as a user writes it
+        if self.kind in (HVD_G, HVD_GR, HVD_G_PRIO, HVD_G_IPC):  # as a user writes it
             # Its first warm-up step opens the schedule, under the variant's knobs.
             first, self.first = self.first, {}
             with self.env.knobs(**first):
@@ -385,7 +389,7 @@ class Env:
             keep = {SHORT[v.strip()] for v in self.args.variants.split(",")}
             if any(is_compiled(k, self.args) for k in keep):  # their references come along
                 keep |= {BASE_C, DDP_C}
-            opt_in = [*HVD_CTA.values(), HVD_PRIO, HVD_G_PRIO]  # only where asked for
+            opt_in = [*HVD_CTA.values(), HVD_PRIO, HVD_G_PRIO, HVD_IPC, HVD_G_IPC]  # if asked
             out = [v for v in [*out, *opt_in] if v in keep or v in (BASE, HVD, DDP)]
         return out
 

@@ -255,6 +255,7 @@ def test_every_knob_has_a_working_flag(tmp_path: Path) -> None:
         "gil_switch_interval_us": ("100", 100.0), "optimizer_size1_shortcut": ("no", False),
         "optimizer_schedule": ("no", False), "optimizer_host_schedule": (None, True),
             "optimizer_max_ctas": ("8", 8), "stream_priority": ("normal", "normal"),
+            "schedule_transport": ("ipc", "ipc"),
         "start_timeout_s": ("40", 40.0), "elastic_timeout_s": ("50", 50.0),
         "discovery_interval_s": ("0.5", 0.5),
     }  # fmt: skip

@@ -54,6 +54,7 @@ EXPECTED_DEFAULTS = {
     "optimizer_host_schedule": False,
     "optimizer_max_ctas": 0,
     "stream_priority": "high",
+    "schedule_transport": "nccl",
     "log_level": "warning",
     "nvtx": False,
 }
@@ -104,6 +105,7 @@ ENV_CASES = {
     "optimizer_host_schedule": ("HVDLITE_OPTIMIZER_HOST_SCHEDULE", None, "1", True),
     "optimizer_max_ctas": ("HVDLITE_OPTIMIZER_MAX_CTAS", None, "4", 4),
     "stream_priority": ("HVDLITE_STREAM_PRIORITY", None, " Normal", "normal"),
+    "schedule_transport": ("HVDLITE_SCHEDULE_TRANSPORT", None, "IPC", "ipc"),
     "log_level": ("HVDLITE_LOG_LEVEL", "HOROVOD_LOG_LEVEL", "DEBUG", "debug"),
     "nvtx": ("HVDLITE_NVTX", None, "TRUE", True),
     "timeline_device_events": ("HVDLITE_TIMELINE_DEVICE_EVENTS", None, "yes", True),
@@ -282,6 +284,7 @@ def test_unknown_yaml_key_names_file_and_valid_keys(tmp_path: Path) -> None:
         ({"stall_check_time_s": -1}, r"'stall_check_time_s'.*> 0"),
         ({"stall_shutdown_time_s": -1}, r"'stall_shutdown_time_s'.*>= 0"),
         ({"log_level": "verbose"}, r"'log_level'.*trace, debug, info, warning, error, fatal.*"),
+        ({"schedule_transport": "mpi"}, r"'schedule_transport'.*expected one of nccl, ipc.*'mpi'"),
         ({"timeline": 5}, r"'timeline'.*file path.*got 5"),
     ],
 )
@@ -395,6 +398,7 @@ def _non_default_config() -> Config:
         optimizer_host_schedule=True,
         optimizer_max_ctas=6,
         stream_priority="normal",
+        schedule_transport="ipc",
         log_level="trace",
         nvtx=True,
         start_timeout_s=5.0,

@@ -1,0 +1,250 @@
+"""The CUDA IPC transport of an agreed schedule (the contract: ``_backends/base.py``,
+:class:`~hvdlite._backends.base.ScheduleTransport`), for ranks with a GPU each on one host
+(``schedule_transport = "ipc"``).
+
+Every slot's buffer is fixed for the schedule's life, so each rank maps its peers' buffers
+once, when the schedule opens (one IPC handle per allocation, an offset into it), and a launch
+moves no byte through a staging slot. Slot ``i``'s launch, on the schedule's own stream after
+the producer's READY event, with each rank owning an equal share of the buffer:
+
+1. WRITTEN: tell every peer this rank's buffer is final; wait for theirs;
+2. reduce: one kernel on a bounded number of blocks reads this rank's share from every
+   rank's buffer (its own and, over NVLink, its peers') and writes the result over its own
+   share, in rank order (every rank's bits alike);
+3. REDUCED: signal, wait;
+4. gather: the peers' reduced shares copied into this rank's buffer by ``cudaMemcpyAsync``,
+   which the copy engines run (no SM);
+5. GATHERED: signal, wait (a peer may still be copying this rank's share: the producer must
+   not overwrite the buffer before), then DONE.
+
+No share a peer reads is written while it reads it: a rank writes only its own share before
+REDUCED and only the shares the peers finished with after. The flags' epochs live on the
+device (``_gpu/kernels.py``'s schedule kernels), so a step captured by ``make_graphed_step``
+replays the launches with the right epochs, and the waits are single-warp kernels that spin,
+which is why the ranks need a GPU each (contexts sharing a GPU take turns: a spinning wait
+would hold its peer off). :meth:`abort` sets a word in mapped host memory that every wait
+polls, so a stream parked on a dead peer drains.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import socket
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from hvdlite._gpu import kernels
+from hvdlite._gpu.mapping import PeerMappings
+from hvdlite._gpu.semaphores import checked, driver
+from hvdlite._ops import DTYPES, ReduceOp
+from hvdlite._vocab.agreed import Slot
+from hvdlite.errors import HvdliteError
+
+__all__ = ["IpcScheduleSide", "IpcScheduleTransport", "placement_why", "shares", "why_not"]
+
+WRITTEN, REDUCED, GATHERED = 0, 1, 2
+_KINDS = 3
+_ALIGN = 16  # bytes: every share starts on a 16-byte boundary (vector loads, copy engines)
+_REDUCE_BLOCKS = 32  # the reduce kernel's SMs at most: bandwidth over NVLink, not the GPU
+_CLOSE_WAIT_S = 5.0
+_LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
+_D2D = 3  # cudaMemcpyDeviceToDevice
+_OPS = {ReduceOp.SUM: "sum", ReduceOp.AVERAGE: "avg", ReduceOp.MIN: "min",
+        ReduceOp.MAX: "max", ReduceOp.PRODUCT: "prod"}
+
+
+def why_not(slots: Sequence[Slot]) -> str:
+    """'' if this transport can run ``slots``, else why not."""
+    for s in slots:
+        if s.dtype not in kernels.CTYPES or s.dtype == "bool":
+            return f"slot {s.name!r}: dtype {s.dtype} has no CUDA IPC reduce kernel"
+        if ReduceOp(s.op) not in _OPS:
+            return f"slot {s.name!r}: op {ReduceOp(s.op).name} has no CUDA IPC reduce kernel"
+        if s.pre != 1.0 or s.post != 1.0:
+            return f"slot {s.name!r}: scale factors (pre {s.pre}, post {s.post})"
+    return ""
+
+
+def shares(count: int, itemsize: int, size: int) -> list[tuple[int, int]]:
+    """Each rank's (first element, element count) of a ``count``-element buffer: equal
+    shares, each starting on a 16-byte boundary (the last may be shorter, or empty)."""
+    unit = max(1, _ALIGN // itemsize) if _ALIGN % itemsize == 0 else 1
+    per = -(-count // size)
+    per = -(-per // unit) * unit
+    return [(min(r * per, count), max(0, min(per, count - r * per))) for r in range(size)]
+
+
+def placement_why(records: Sequence[dict[str, Any]]) -> str:
+    """'' if every rank of the agreement (``records``, in rank order) sits on one host with a
+    GPU of its own, else why not (the same answer on every rank)."""
+    hosts = {r["host"] for r in records}
+    if len(hosts) > 1:
+        return f"its ranks are on {len(hosts)} hosts ({', '.join(sorted(hosts))}); CUDA IPC " \
+               "reaches the GPUs of one host"
+    seen: dict[str, int] = {}
+    for rank, r in enumerate(records):
+        if r["gpu"] in seen:
+            return f"ranks {seen[r['gpu']]} and {rank} share GPU {r['gpu']}: the schedule's " \
+                   "spinning waits need a GPU per rank"
+        seen[r["gpu"]] = rank
+    return ""
+
+
+class IpcScheduleSide:
+    """This rank's part, made before the agreement: its flag inbox, its slot counters, its
+    abort word, and the IPC handles of its buffers (what :meth:`record` shows the peers)."""
+
+    def __init__(self, cupy: Any, device_id: int, slots: Sequence[Slot],
+                 buffers: Sequence[tuple[int, int]], size: int) -> None:
+        self.cupy, self.device_id, self.size = cupy, device_id, size
+        self.n = len(slots)
+        drv = driver()
+        rt = cupy.cuda.runtime
+        self.inbox = self.counters = self.abort_host = 0
+        with cupy.cuda.Device(device_id):
+            pci = rt.deviceGetPCIBusId(device_id)
+            self.gpu = pci if isinstance(pci, str) else str(pci)
+            handles: dict[int, int] = {}  # allocation base -> index into self.handles
+            self.handles: list[str] = []
+            self.places: list[tuple[int, int]] = []  # per slot: (handle index, offset)
+            for ptr, _count in buffers:
+                base = int(checked(drv.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")[0])
+                if base not in handles:
+                    handles[base] = len(self.handles)
+                    self.handles.append(bytes(rt.ipcGetMemHandle(base)).hex())
+                self.places.append((handles[base], ptr - base))
+            nbytes = 4 * _KINDS * self.n * size
+            self.inbox = rt.malloc(nbytes)
+            rt.memset(self.inbox, 0, nbytes)
+            self.counters = rt.malloc(4 * self.n)
+            rt.memset(self.counters, 0, 4 * self.n)
+            rt.deviceSynchronize()  # zeroed before any peer can signal into the inbox
+            self.inbox_handle = bytes(rt.ipcGetMemHandle(self.inbox)).hex()
+            flags = 1 | 2  # CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP
+            self.abort_host = int(checked(drv.cuMemHostAlloc(4, flags), "cuMemHostAlloc"))
+            ctypes.c_uint32.from_address(self.abort_host).value = 0
+            self.abort_device = int(checked(drv.cuMemHostGetDevicePointer(self.abort_host, 0),
+                                           "cuMemHostGetDevicePointer"))
+
+    def record(self) -> dict[str, Any]:
+        """What every peer needs of this rank (JSON-able)."""
+        return {"host": socket.gethostname(), "gpu": self.gpu, "inbox": self.inbox_handle,
+                "handles": self.handles, "places": self.places}
+
+    def free(self) -> None:
+        """Free this rank's inbox, counters and abort word (idempotent)."""
+        rt = self.cupy.cuda.runtime
+        with self.cupy.cuda.Device(self.device_id):
+            inbox, counters, self.inbox, self.counters = self.inbox, self.counters, 0, 0
+            for ptr in (inbox, counters):
+                if ptr:
+                    rt.free(ptr)
+            if self.abort_host:
+                driver().cuMemFreeHost(self.abort_host)
+                self.abort_host = 0
+
+
+class IpcScheduleTransport:
+    """Slots as in-place allreduces of fixed device buffers through CUDA IPC (see the module
+    docstring); ``records``: every rank's :meth:`IpcScheduleSide.record`, in rank order."""
+
+    def __init__(self, side: IpcScheduleSide, records: Sequence[dict[str, Any]],
+                 slots: Sequence[Slot], buffers: Sequence[tuple[int, int]], rank: int,
+                 priority: int) -> None:
+        cupy, device_id = side.cupy, side.device_id
+        self.cupy, self.device_id, self.side = cupy, device_id, side
+        self.rank, self.size, self.n = rank, side.size, side.n
+        rt = cupy.cuda.runtime
+        self._maps = PeerMappings(
+            lambda h: int(rt.ipcOpenMemHandle(h, _LAZY_PEER_ACCESS)), rt.ipcCloseMemHandle,
+            1)  # (every mapping pinned: open for the schedule's life)
+        self._aborted = False
+        with cupy.cuda.Device(device_id):
+            inboxes = [side.inbox if r == rank else
+                       self._maps.get(r, bytes.fromhex(rec["inbox"]), pinned=True)
+                       for r, rec in enumerate(records)]
+            self._inboxes = cupy.asarray(np.array(inboxes, dtype=np.uint64))
+
+            def address(r: int, i: int) -> int:
+                if r == rank:
+                    return buffers[i][0]
+                index, offset = records[r]["places"][i]
+                return self._maps.get(r, bytes.fromhex(records[r]["handles"][index]), offset,
+                                      pinned=True)
+
+            self.stream = cupy.cuda.Stream(non_blocking=True, priority=priority)
+            self._ready = [cupy.cuda.Event(block=False, disable_timing=True)
+                           for _ in range(self.n)]
+            self._done = [cupy.cuda.Event(block=False, disable_timing=True)
+                          for _ in range(self.n)]
+            self._plans = [self._plan(s, buffers[i][1], [address(r, i) for r in
+                                                          range(self.size)])
+                           for i, s in enumerate(slots)]
+        self._sptr = self.stream.ptr
+
+    def _plan(self, slot: Slot, count: int, ptrs: list[int]) -> tuple[Any, ...]:
+        dtype = DTYPES[slot.dtype].np_dtype
+        isz = dtype.itemsize
+        parts = shares(count, isz, self.size)
+        first, mine = parts[self.rank]
+        reduce = (_OPS[ReduceOp(slot.op)], slot.dtype, [p + first * isz for p in ptrs],
+                  ptrs[self.rank] + first * isz, mine)
+        copies = [(ptrs[self.rank] + at * isz, ptrs[r] + at * isz, n * isz)
+                  for r, (at, n) in enumerate(parts) if r != self.rank and n]
+        return reduce, copies
+
+    def launch(self, i: int, stream: Any) -> None:
+        if self._aborted:
+            raise HvdliteError("the agreed schedule's CUDA IPC transport was aborted (the job "
+                               "is ending with an error raised on every rank)")
+        ready = self._ready[i]
+        ready.record(stream)
+        self.stream.wait_event(ready)
+        side, me, size, n = self.side, self.rank, self.size, self.n
+        (op, wire, inputs, out, count), copies = self._plans[i]
+        memcpy = self.cupy.cuda.runtime.memcpyAsync
+        with self.stream:
+            kernels.sched_signal(side.counters, self._inboxes, WRITTEN, i, n, me, size, True)
+            kernels.sched_wait(side.counters, side.inbox, side.abort_device, WRITTEN, i, n, me,
+                               size)
+            if count:
+                kernels.ipc_reduce(op, wire, inputs, out, count, _REDUCE_BLOCKS)
+            kernels.sched_signal(side.counters, self._inboxes, REDUCED, i, n, me, size, False)
+            kernels.sched_wait(side.counters, side.inbox, side.abort_device, REDUCED, i, n, me,
+                               size)
+            for dst, src, nbytes in copies:
+                memcpy(dst, src, nbytes, _D2D, self._sptr)
+            kernels.sched_signal(side.counters, self._inboxes, GATHERED, i, n, me, size, False)
+            kernels.sched_wait(side.counters, side.inbox, side.abort_device, GATHERED, i, n, me,
+                               size)
+        self._done[i].record(self.stream)
+
+    def done(self, i: int) -> bool:
+        return bool(self._done[i].done)
+
+    def order(self, i: int, stream: Any) -> None:
+        stream.wait_event(self._done[i])
+
+    def abort(self) -> None:
+        self._aborted = True
+        if self.side.abort_host:
+            ctypes.c_uint32.from_address(self.side.abort_host).value = 1
+
+    def close(self) -> None:
+        # Local, as the NCCL transport's: once the stream is idle, or after a bounded wait and
+        # the abort word (a launch a peer never matched must not hang the shutdown), the
+        # peers' buffers and inboxes are unmapped and this rank's memory freed.
+        if self.side.abort_host == 0:
+            return
+        deadline = time.monotonic() + _CLOSE_WAIT_S
+        while not self.stream.done and time.monotonic() < deadline:
+            time.sleep(1e-3)
+        if not self.stream.done:
+            self.abort()
+            self.stream.synchronize()
+        with self.cupy.cuda.Device(self.device_id):
+            self._maps.close_all()
+        self.side.free()
