@@ -105,8 +105,7 @@ class IpcScheduleSide:
         rt = cupy.cuda.runtime
         self.inbox = self.counters = self.abort_host = 0
         with cupy.cuda.Device(device_id):
-            pci = rt.deviceGetPCIBusId(device_id)
-            self.gpu = pci if isinstance(pci, str) else str(pci)
+            self.gpu = str(cupy.cuda.Device(device_id).pci_bus_id)
             handles: dict[int, int] = {}  # allocation base -> index into self.handles
             self.handles: list[str] = []
             self.places: list[tuple[int, int]] = []  # per slot: (handle index, offset)
