@@ -257,16 +257,18 @@ class Schedules:
                 shown = self.agree(channel, f"{name}.open",
                                    {"why": why, "uid": uid, "bytes": raw,
                                     "slots": slot_rows(slots), "device": device_id >= 0,
+                                    "transport": kind,
                                     "ipc": ipc.record() if ipc is not None else None})
                 for rank, got in zip(channel.ranks, shown, strict=True):
                     if got["why"]:
                         return None, f"rank {rank}: {got['why']}"
-                bad = disagreement([{"slots": g["slots"], "device": g["device"]}
-                                    for g in shown], channel.ranks)
+                bad = disagreement([{"slots": g["slots"], "device": g["device"],
+                                     "transport": g["transport"]} for g in shown],
+                                   channel.ranks)
                 if bad:
                     raise MismatchError(f"{name}: the ranks built different schedules "
                                         f"({bad}); every rank must open the same slots, in "
-                                        "the same order")
+                                        "the same order, with one schedule_transport")
                 if ipc is not None:
                     from hvdlite._backends.schedule_ipc import placement_why
 
