@@ -415,10 +415,10 @@ class Config:
         kind="choice", parse=_parse_schedule_transport, default="nccl", unit="",
         choices=SCHEDULE_TRANSPORTS,
         help="How an agreed schedule's device buckets travel (a GPU per rank, one host for "
-             "ipc): nccl, or ipc: each rank reduces its share of every rank's bucket with a "
-             "kernel on a few SMs that reads its peers' buffers, mapped once, and the copy "
-             "engines bring back the other shares; flags in device memory order the steps, "
-             "so make_graphed_step captures it too. Read when a schedule opens.",
+             "ipc): nccl, or ipc: the copy engines bring each rank its share of every "
+             "peer's bucket (mapped once), a short kernel reduces it, and the copy engines "
+             "bring back the other shares; flags in device memory order the steps, so "
+             "make_graphed_step captures it too. Read when a schedule opens.",
     )  # fmt: skip
     log_level: str = _knob(
         kind="choice", parse=_parse_log_level, default="warning", unit="",

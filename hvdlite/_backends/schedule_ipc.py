@@ -3,27 +3,29 @@
 (``schedule_transport = "ipc"``).
 
 Every slot's buffer is fixed for the schedule's life, so each rank maps its peers' buffers
-once, when the schedule opens (one IPC handle per allocation, an offset into it), and a launch
-moves no byte through a staging slot. Slot ``i``'s launch, on the schedule's own stream after
+once, when the schedule opens (one IPC handle per allocation, an offset into it), and no rank
+stages its own data for the others. Slot ``i``'s launch, on the schedule's own stream after
 the producer's READY event, with each rank owning an equal share of the buffer:
 
 1. WRITTEN: tell every peer this rank's buffer is final; wait for theirs;
-2. reduce: one kernel on a bounded number of blocks reads this rank's share from every
-   rank's buffer (its own and, over NVLink, its peers') and writes the result over its own
-   share, in rank order (every rank's bits alike);
-3. REDUCED: signal, wait;
-4. gather: the peers' reduced shares copied into this rank's buffer by ``cudaMemcpyAsync``,
-   which the copy engines run (no SM);
-5. GATHERED: signal, wait (a peer may still be copying this rank's share: the producer must
+2. pull: this rank's share of every peer's buffer copied into a scratch buffer by
+   ``cudaMemcpyAsync`` over NVLink, which the copy engines run (no SM);
+3. reduce: one kernel on a bounded number of blocks reduces the share from its own buffer and
+   the scratch copies, in rank order (every rank's bits alike), reading local memory only, and
+   writes the result over its own share;
+4. REDUCED: signal, wait;
+5. gather: the peers' reduced shares copied into this rank's buffer, on the copy engines;
+6. GATHERED: signal, wait (a peer may still be copying this rank's share: the producer must
    not overwrite the buffer before), then DONE.
 
 No share a peer reads is written while it reads it: a rank writes only its own share before
-REDUCED and only the shares the peers finished with after. The flags' epochs live on the
-device (``_gpu/kernels.py``'s schedule kernels), so a step captured by ``make_graphed_step``
-replays the launches with the right epochs, and the waits are single-warp kernels that spin,
-which is why the ranks need a GPU each (contexts sharing a GPU take turns: a spinning wait
-would hold its peer off). :meth:`abort` sets a word in mapped host memory that every wait
-polls, so a stream parked on a dead peer drains.
+REDUCED and only the shares the peers finished with after. Launches run in order on the
+schedule's one stream, so one scratch buffer, (ranks - 1) times the largest share, serves
+every slot. The flags' epochs live on the device (``_gpu/kernels.py``'s schedule kernels), so
+a step captured by ``make_graphed_step`` replays the launches with the right epochs, and the
+waits are single-warp kernels that spin, which is why the ranks need a GPU each (contexts
+sharing a GPU take turns: a spinning wait would hold its peer off). :meth:`abort` sets a word
+in mapped host memory that every wait polls, so a stream parked on a dead peer drains.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ __all__ = ["IpcScheduleSide", "IpcScheduleTransport", "placement_why", "shares",
 WRITTEN, REDUCED, GATHERED = 0, 1, 2
 _KINDS = 3
 _ALIGN = 16  # bytes: every share starts on a 16-byte boundary (vector loads, copy engines)
-_REDUCE_BLOCKS = 32  # the reduce kernel's SMs at most: bandwidth over NVLink, not the GPU
+_REDUCE_BLOCKS = 128  # the local reduce's blocks at most (to be tuned on the GPU: I3, T5)
 _CLOSE_WAIT_S = 5.0
 _LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
 _D2D = 3  # cudaMemcpyDeviceToDevice
@@ -174,6 +176,12 @@ class IpcScheduleTransport:
                 return self._maps.get(r, bytes.fromhex(records[r]["handles"][index]), offset,
                                       pinned=True)
 
+            largest = max((n * DTYPES[s.dtype].np_dtype.itemsize
+                           for i, s in enumerate(slots)
+                           for _, n in shares(buffers[i][1], DTYPES[s.dtype].np_dtype.itemsize,
+                                              self.size)), default=0)
+            self._stride = -(-largest // _ALIGN) * _ALIGN
+            self._scratch = rt.malloc(max(1, (self.size - 1) * self._stride))
             self.stream = cupy.cuda.Stream(non_blocking=True, priority=priority)
             self._ready = [cupy.cuda.Event(block=False, disable_timing=True)
                            for _ in range(self.n)]
@@ -185,15 +193,19 @@ class IpcScheduleTransport:
         self._sptr = self.stream.ptr
 
     def _plan(self, slot: Slot, count: int, ptrs: list[int]) -> tuple[Any, ...]:
-        dtype = DTYPES[slot.dtype].np_dtype
-        isz = dtype.itemsize
+        isz = DTYPES[slot.dtype].np_dtype.itemsize
         parts = shares(count, isz, self.size)
-        first, mine = parts[self.rank]
-        reduce = (_OPS[ReduceOp(slot.op)], slot.dtype, [p + first * isz for p in ptrs],
-                  ptrs[self.rank] + first * isz, mine)
-        copies = [(ptrs[self.rank] + at * isz, ptrs[r] + at * isz, n * isz)
-                  for r, (at, n) in enumerate(parts) if r != self.rank and n]
-        return reduce, copies
+        me = self.rank
+        first, mine = parts[me]
+        own = ptrs[me] + first * isz
+        peers = [r for r in range(self.size) if r != me]
+        scratch = {r: self._scratch + k * self._stride for k, r in enumerate(peers)}
+        pulls = [(scratch[r], ptrs[r] + first * isz, mine * isz) for r in peers] if mine else []
+        reduce = (_OPS[ReduceOp(slot.op)], slot.dtype,
+                  [own if r == me else scratch[r] for r in range(self.size)], own, mine)
+        gathers = [(ptrs[me] + at * isz, ptrs[r] + at * isz, n * isz)
+                   for r, (at, n) in enumerate(parts) if r != me and n]
+        return pulls, reduce, gathers
 
     def launch(self, i: int, stream: Any) -> None:
         if self._aborted:
@@ -203,19 +215,21 @@ class IpcScheduleTransport:
         ready.record(stream)
         self.stream.wait_event(ready)
         side, me, size, n = self.side, self.rank, self.size, self.n
-        (op, wire, inputs, out, count), copies = self._plans[i]
-        memcpy = self.cupy.cuda.runtime.memcpyAsync
+        pulls, (op, wire, inputs, out, count), gathers = self._plans[i]
+        memcpy, sptr = self.cupy.cuda.runtime.memcpyAsync, self._sptr
         with self.stream:
             kernels.sched_signal(side.counters, self._inboxes, WRITTEN, i, n, me, size, True)
             kernels.sched_wait(side.counters, side.inbox, side.abort_device, WRITTEN, i, n, me,
                                size)
+            for dst, src, nbytes in pulls:
+                memcpy(dst, src, nbytes, _D2D, sptr)
             if count:
                 kernels.ipc_reduce(op, wire, inputs, out, count, _REDUCE_BLOCKS)
             kernels.sched_signal(side.counters, self._inboxes, REDUCED, i, n, me, size, False)
             kernels.sched_wait(side.counters, side.inbox, side.abort_device, REDUCED, i, n, me,
                                size)
-            for dst, src, nbytes in copies:
-                memcpy(dst, src, nbytes, _D2D, self._sptr)
+            for dst, src, nbytes in gathers:
+                memcpy(dst, src, nbytes, _D2D, sptr)
             kernels.sched_signal(side.counters, self._inboxes, GATHERED, i, n, me, size, False)
             kernels.sched_wait(side.counters, side.inbox, side.abort_device, GATHERED, i, n, me,
                                size)
@@ -246,4 +260,5 @@ class IpcScheduleTransport:
             self.stream.synchronize()
         with self.cupy.cuda.Device(self.device_id):
             self._maps.close_all()
+            self.cupy.cuda.runtime.free(self._scratch)
         self.side.free()
