@@ -34,6 +34,7 @@ import ctypes
 import socket
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -45,7 +46,8 @@ from hvdlite._ops import DTYPES, ReduceOp
 from hvdlite._vocab.agreed import Slot
 from hvdlite.errors import HvdliteError
 
-__all__ = ["IpcScheduleSide", "IpcScheduleTransport", "placement_why", "shares", "why_not"]
+__all__ = ["IpcScheduleSide", "IpcScheduleTransport", "LaunchPlan", "launch_plan", "placement_why",
+           "shares", "why_not"]
 
 WRITTEN, REDUCED, GATHERED = 0, 1, 2
 _KINDS = 3
@@ -93,6 +95,39 @@ def placement_why(records: Sequence[dict[str, Any]]) -> str:
                    "spinning waits need a GPU per rank"
         seen[r["gpu"]] = rank
     return ""
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchPlan:
+    """One rank's launch of one slot as addresses: ``pulls`` and ``gathers`` are copies
+    (destination, source, bytes); the reduce combines ``inputs`` (rank order) into ``out``,
+    ``count`` elements."""
+
+    pulls: list[tuple[int, int, int]]
+    inputs: list[int]
+    out: int
+    count: int
+    gathers: list[tuple[int, int, int]]
+
+
+def launch_plan(rank: int, count: int, itemsize: int, ptrs: Sequence[int], scratch: int,
+                stride: int) -> LaunchPlan:
+    """What rank ``rank`` copies and reduces for a buffer of ``count`` elements at ``ptrs[r]``
+    on each rank r (as mapped here), with its scratch buffer at ``scratch`` (one ``stride``
+    of bytes per peer): pull its share of every peer's buffer, reduce it over its own share,
+    then gather every other rank's reduced share from that rank's buffer."""
+    size = len(ptrs)
+    parts = shares(count, itemsize, size)
+    first, mine = parts[rank]
+    own = ptrs[rank] + first * itemsize
+    peers = [r for r in range(size) if r != rank]
+    spare = {r: scratch + k * stride for k, r in enumerate(peers)}
+    pulls = [(spare[r], ptrs[r] + first * itemsize, mine * itemsize) for r in peers] \
+        if mine else []
+    inputs = [own if r == rank else spare[r] for r in range(size)]
+    gathers = [(ptrs[rank] + at * itemsize, ptrs[r] + at * itemsize, n * itemsize)
+               for r, (at, n) in enumerate(parts) if r != rank and n]
+    return LaunchPlan(pulls, inputs, own, mine, gathers)
 
 
 class IpcScheduleSide:
@@ -194,18 +229,9 @@ class IpcScheduleTransport:
 
     def _plan(self, slot: Slot, count: int, ptrs: list[int]) -> tuple[Any, ...]:
         isz = DTYPES[slot.dtype].np_dtype.itemsize
-        parts = shares(count, isz, self.size)
-        me = self.rank
-        first, mine = parts[me]
-        own = ptrs[me] + first * isz
-        peers = [r for r in range(self.size) if r != me]
-        scratch = {r: self._scratch + k * self._stride for k, r in enumerate(peers)}
-        pulls = [(scratch[r], ptrs[r] + first * isz, mine * isz) for r in peers] if mine else []
-        reduce = (_OPS[ReduceOp(slot.op)], slot.dtype,
-                  [own if r == me else scratch[r] for r in range(self.size)], own, mine)
-        gathers = [(ptrs[me] + at * isz, ptrs[r] + at * isz, n * isz)
-                   for r, (at, n) in enumerate(parts) if r != me and n]
-        return pulls, reduce, gathers
+        p = launch_plan(self.rank, count, isz, ptrs, self._scratch, self._stride)
+        return p.pulls, (_OPS[ReduceOp(slot.op)], slot.dtype, p.inputs, p.out, p.count), \
+            p.gathers
 
     def launch(self, i: int, stream: Any) -> None:
         if self._aborted:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from hvdlite._backends.schedule_ipc import placement_why, shares, why_not
+from hvdlite._backends.schedule_ipc import launch_plan, placement_why, shares, why_not
 from hvdlite._ops import ReduceOp
 from hvdlite._vocab.agreed import Slot
 
@@ -48,3 +48,57 @@ def test_placement_wants_one_host_and_a_gpu_per_rank() -> None:
     assert "on 2 hosts (a, b)" in placement_why(two_hosts)
     shared = [{"host": "a", "gpu": "0000:01:00.0"}, {"host": "a", "gpu": "0000:01:00.0"}]
     assert "ranks 0 and 1 share GPU 0000:01:00.0" in placement_why(shared)
+
+
+def _ranges(copies: list[tuple[int, int, int]], side: int) -> list[tuple[int, int]]:
+    return [(c[side], c[side] + c[2]) for c in copies]
+
+
+def _overlap(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> bool:
+    return any(x0 < y1 and y0 < x1 for x0, x1 in a for y0, y1 in b)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4, 8])
+@pytest.mark.parametrize("count", [1, 5, 64, 1001])
+def test_launch_plans_sum_every_buffer_and_never_write_what_a_peer_reads(size: int,
+                                                                         count: int) -> None:
+    """Every rank's plan for one slot, carried out on NumPy memory standing in for the
+    ranks' buffers (one address space: the plan's arithmetic, not CUDA's): after the pulls,
+    the reduces and the gathers, in the protocol's phases, every buffer holds the sum; and a
+    rank never writes bytes a peer may read in the same phase (its reduce writes only its own
+    share, which no peer pulls; its gathers write only shares no peer reads from it then)."""
+    isz = 4
+    stride = -(-(-(-count // size) * isz) // 16) * 16 + 16
+    buf_bytes = -(-count * isz // 16) * 16 + 16
+    bases = [4096 + r * buf_bytes for r in range(size)]
+    scratch = [bases[-1] + buf_bytes + r * size * stride for r in range(size)]
+    memory = np.zeros(scratch[-1] + size * stride, dtype=np.uint8)
+    view = memory.view(np.uint8)
+    rng = np.random.default_rng(count * 31 + size)
+    data = [rng.integers(-1000, 1000, size=count).astype(np.float32) for _ in range(size)]
+    for r in range(size):
+        view[bases[r]:bases[r] + count * isz] = data[r].view(np.uint8)
+    plans = [launch_plan(r, count, isz, bases, scratch[r], stride) for r in range(size)]
+
+    def floats(at: int, n: int) -> np.ndarray:
+        return view[at:at + n * isz].view(np.float32)
+
+    def run(copies: list[tuple[int, int, int]]) -> None:
+        for dst, src, n in copies:
+            view[dst:dst + n] = view[src:src + n].copy()
+
+    for p in plans:  # WRITTEN passed: every rank pulls
+        run(p.pulls)
+    for r, p in enumerate(plans):  # a rank's reduce may run while slower peers still pull
+        mine = [(p.out, p.out + p.count * isz)] if p.count else []
+        assert not any(_overlap(mine, _ranges(q.pulls, 1)) for q in plans), r
+        if p.count:
+            floats(p.out, p.count)[:] = sum(floats(a, p.count).astype(np.float64)
+                                            for a in p.inputs).astype(np.float32)
+    for r, p in enumerate(plans):  # REDUCED passed: every rank gathers
+        assert not any(_overlap(_ranges(p.gathers, 0), _ranges(q.gathers, 1))
+                       for q in plans), r
+        run(p.gathers)
+    want = np.sum(np.stack(data).astype(np.float64), axis=0).astype(np.float32)
+    for r in range(size):
+        assert np.array_equal(floats(bases[r], count), want), r
