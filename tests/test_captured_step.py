@@ -1,6 +1,7 @@
 """The captured step's tests that start jobs of their own (``hvd.make_graphed_step``;
 ``tests/torch/test_gpu_graphs.py`` holds those that run inside an MPI job): the example's
-eager fallback on CPU tensors, and a peer gone during replays at two GPUs.
+eager fallback on CPU tensors, and a peer gone during replays at two GPUs (the schedule over
+NCCL and over CUDA IPC).
 
 A rank that dies or raises while its peer replays a captured training step: the survivor,
 blocked on NCCL kernels inside the graph that wait for the gone rank, ends within 15 s, hvdlite
@@ -12,6 +13,7 @@ MPI launcher: ``python3 -m pytest tests/test_captured_step.py``.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -39,7 +41,7 @@ _JOB = """
 import os, signal, sys, time
 import torch
 import hvdlite.torch as hvd
-hvd.init()
+hvd.init(schedule_transport={transport!r})
 torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
 torch.manual_seed(0)
 model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).cuda()
@@ -70,8 +72,15 @@ for i in range(1_000_000):
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not _two_gpus(), reason="needs two GPUs (a captured step runs over NCCL)")
 @pytest.mark.parametrize("how", list(GONE))
-def test_a_rank_gone_during_replays_ends_the_job(tmp_path: Path, how: str) -> None:
-    rank_one_goes(tmp_path, _JOB.format(how=GONE[how]), how, "captured step")
+@pytest.mark.parametrize("transport", ["nccl", "ipc"])
+def test_a_rank_gone_during_replays_ends_the_job(tmp_path: Path, how: str,
+                                                 transport: str) -> None:
+    """Over NCCL the engine's failure aborts the schedule's communicator; over CUDA IPC
+    (``schedule_transport="ipc"``) it sets the abort word the graph's spinning waits poll."""
+    if transport == "ipc" and importlib.util.find_spec("cuda.bindings") is None:
+        pytest.skip("the IPC schedule needs NVIDIA's cuda-python")
+    rank_one_goes(tmp_path, _JOB.format(how=GONE[how], transport=transport), how,
+                  f"captured step over {transport}")
 
 
 @pytest.mark.mpi
