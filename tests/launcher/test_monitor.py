@@ -290,7 +290,9 @@ def test_a_wrapper_killed_by_hand_is_named(tmp_path: Path) -> None:
     script.write_text(
         "import os, sys, time, numpy as np, hvdlite as hvd\n"
         "hvd.init()\n"
-        "open(f'{sys.argv[1]}/wrapper-{hvd.rank()}', 'w').write(str(os.getppid()))\n"
+        "p = f'{sys.argv[1]}/wrapper-{hvd.rank()}'\n"
+        "open(p + '.tmp', 'w').write(str(os.getppid()))\n"
+        "os.replace(p + '.tmp', p)  # whole when it appears: the test reads it at once\n"
         "while True:\n"
         "    hvd.allreduce(np.ones(4), name='s'); time.sleep(0.01)\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "PMI_"))}
