@@ -227,11 +227,10 @@ class IpcScheduleTransport:
                            for i, s in enumerate(slots)]
         self._sptr = self.stream.ptr
 
-    def _plan(self, slot: Slot, count: int, ptrs: list[int]) -> tuple[Any, ...]:
+    def _plan(self, slot: Slot, count: int, ptrs: list[int]) -> tuple[LaunchPlan, str, str]:
         isz = DTYPES[slot.dtype].np_dtype.itemsize
-        p = launch_plan(self.rank, count, isz, ptrs, self._scratch, self._stride)
-        return p.pulls, (_OPS[ReduceOp(slot.op)], slot.dtype, p.inputs, p.out, p.count), \
-            p.gathers
+        plan = launch_plan(self.rank, count, isz, ptrs, self._scratch, self._stride)
+        return plan, _OPS[ReduceOp(slot.op)], slot.dtype
 
     def launch(self, i: int, stream: Any) -> None:
         if self._aborted:
@@ -241,20 +240,20 @@ class IpcScheduleTransport:
         ready.record(stream)
         self.stream.wait_event(ready)
         side, me, size, n = self.side, self.rank, self.size, self.n
-        pulls, (op, wire, inputs, out, count), gathers = self._plans[i]
+        plan, op, wire = self._plans[i]
         memcpy, sptr = self.cupy.cuda.runtime.memcpyAsync, self._sptr
         with self.stream:
             kernels.sched_signal(side.counters, self._inboxes, WRITTEN, i, n, me, size, True)
             kernels.sched_wait(side.counters, side.inbox, side.abort_device, WRITTEN, i, n, me,
                                size)
-            for dst, src, nbytes in pulls:
+            for dst, src, nbytes in plan.pulls:
                 memcpy(dst, src, nbytes, _D2D, sptr)
-            if count:
-                kernels.ipc_reduce(op, wire, inputs, out, count, _REDUCE_BLOCKS)
+            if plan.count:
+                kernels.ipc_reduce(op, wire, plan.inputs, plan.out, plan.count, _REDUCE_BLOCKS)
             kernels.sched_signal(side.counters, self._inboxes, REDUCED, i, n, me, size, False)
             kernels.sched_wait(side.counters, side.inbox, side.abort_device, REDUCED, i, n, me,
                                size)
-            for dst, src, nbytes in gathers:
+            for dst, src, nbytes in plan.gathers:
                 memcpy(dst, src, nbytes, _D2D, sptr)
             kernels.sched_signal(side.counters, self._inboxes, GATHERED, i, n, me, size, False)
             kernels.sched_wait(side.counters, side.inbox, side.abort_device, GATHERED, i, n, me,
