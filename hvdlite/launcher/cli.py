@@ -372,7 +372,9 @@ def _main(argv: Sequence[str] | None) -> int:
         expected = [str(row[0]) for row in launch_hosts.worker_table(slots, ns.np)]
         outcome = supervise.supervise(proc, report_dir, ns.timeout, verdict,
                                       supervise.StartCheck(expected, config.start_timeout_s))
-        await_ranks(report_dir, lambda: bool(monitor.running()))
+        # A rank on another host whose wrapper the MPI launcher killed still writes its
+        # timeline: its guard's connection to the monitor closes when it has ended.
+        await_ranks(report_dir, monitor.connected)
         return supervise.conclude(outcome, report_dir, ns.np, ns.timeout, verdict)
 
 

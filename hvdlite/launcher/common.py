@@ -73,7 +73,7 @@ def first_failure(reports: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
                                        r["time"], r["rank"] or 0))
 
 
-def await_ranks(report_dir: str, busy: Callable[[], bool] | None = None) -> None:
+def await_ranks(report_dir: str, busy: Callable[[], object] | None = None) -> None:
     """Wait (bounded) until every rank program the world left behind has ended.
 
     When a rank fails, the MPI launcher SIGKILLs the other ranks' wrappers; their programs run
@@ -81,7 +81,8 @@ def await_ranks(report_dir: str, busy: Callable[[], bool] | None = None) -> None
     Each wrapper's ``live-<rank>`` marker stays until its program ended (its guard SIGKILLs it
     ``GUARD_GRACE_S`` after the wrapper died), so a world's files are complete (and no rank of
     an old world still writes a commit) when this returns. ``busy``: also wait while it says
-    True (the monitor still has connected ranks).
+    true (the monitor's open connections: a rank on another host, where no marker reaches
+    this host, holds its connection until its program has ended).
     """
     deadline = time.monotonic() + rankwrap.GUARD_GRACE_S + LIVE_SLACK_S
     while any(Path(report_dir).glob(f"{LIVE_PREFIX}*")) or (busy is not None and busy()):

@@ -373,7 +373,8 @@ class _Driver:
             ended: _Ended | None = None
             try:
                 ended = self.watch(world)
-                await_ranks(world.report_dir)
+                await_ranks(world.report_dir, None if world.verdict is None
+                            else world.verdict.monitor.connected)
             finally:
                 self.close(world, ended)
             if ended.interrupted is not None:

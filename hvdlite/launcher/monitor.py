@@ -269,6 +269,13 @@ class Monitor:
             return sorted(r for r, s in self._states.items()
                           if s.exit_code is None and s.lost is None)
 
+    def connected(self) -> list[int]:
+        """Ranks whose connection is open. A rank reported ``lost`` because its agent was killed
+        (``orphaned``) stays here while it runs on: its guard holds the connection until the
+        rank's program has ended (written its timeline, say)."""
+        with self._lock:
+            return sorted(self._by_rank)
+
     def send(self, rank: int, message: Mapping[str, Any]) -> bool:
         """Send ``message`` (a dict with a string ``"t"``) to ``rank``'s agent; False if that
         rank is not connected or the send failed."""

@@ -172,6 +172,10 @@ assert watchdog.send({"t": "ping", "from": "rank"})
 if sys.argv[1] == "talk":
     assert got.wait(20)
     print(json.dumps(box[0]), flush=True)
+elif sys.argv[1] == "linger":  # SIGTERM: one second's work (writing a timeline), then the end
+    import signal
+    signal.signal(signal.SIGTERM, lambda *_: (time.sleep(1.0), sys.exit(0)))
+    time.sleep(600)
 else:
     time.sleep(600)  # blocked outside Python (as in an MPI call): only the watchdog can end it
 """
@@ -246,6 +250,27 @@ def test_a_killed_wrapper_is_a_teardown_not_a_lost_host(patient: Monitor) -> Non
     assert (lost.rank, lost.alive, lost.silent_s) == (0, True, 0.0), lost
     assert lost.reason.startswith("its wrapper was killed while the rank ran"), lost
     assert monitor.running() == []
+
+
+def test_a_rank_whose_wrapper_was_killed_stays_connected_until_it_ended(
+        patient: Monitor) -> None:
+    # hvdliterun waits on the monitor's open connections before it returns: a rank on another
+    # host whose wrapper the MPI launcher killed still writes its timeline (no live marker of
+    # it reaches the launcher's host). Its guard holds the connection until the rank ended.
+    monitor = patient
+    proc = _wrapped_rank(monitor, "linger")
+    try:
+        _wait_for(monitor, "message", timeout=30)
+        assert monitor.connected() == [0]
+        proc.kill()
+        _wait_for(monitor, "lost", timeout=5)
+        assert monitor.running() == [] and monitor.connected() == [0]  # the rank lingers
+        start = time.monotonic()
+        _wait_until(lambda: monitor.connected() == [])
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert time.monotonic() - start < 3.0  # the rank's second, not the guard's 5 s
 
 
 def test_verdict_names_the_host_that_went_alone(monitor: Monitor) -> None:
