@@ -35,10 +35,15 @@ _HYDRA_MESSAGES = (
     "unable to write data to proxy",
     "unable to send signal downstream",
 )
+# Hydra writes a line's tag and its message apart, so two processes' lines can interleave:
+# "[proxy:1@vm] [mpiexec@vm] HYDT_... (...): one of the processes ...", then the proxy's own
+# message bare, or a tag alone. Such lines count as the teardown they are made of.
+_TAG = rb"\[(?:mpiexec|proxy:[^@\]]*)@[^\]]*\]"
+_MESSAGE = (rb"\w+ \([^)]*\): (?:" + b"|".join(re.escape(m.encode()) for m in _HYDRA_MESSAGES)
+            + rb")")
 TEARDOWN_NOISE = re.compile(
-    rb"^(?:\[(?:mpiexec|proxy:[^@\]]*)@[^\]]*\] \w+ \([^)]*\): (?:"
-    + b"|".join(re.escape(m.encode()) for m in _HYDRA_MESSAGES)
-    + rb")|Connection to \S+ closed by remote host\.)\s*$")
+    rb"^(?:(?:" + _TAG + rb" ?)+(?:" + _MESSAGE + rb")?|" + _MESSAGE
+    + rb"|Connection to \S+ closed by remote host\.)\s*$")
 _PREFIXES = (b"[mpiexec@", b"[proxy:", b"Connection to ")
 
 
