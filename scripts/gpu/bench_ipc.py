@@ -316,12 +316,14 @@ def report(gpu: Launch, res: dict[str, Any], slot: int) -> None:
                                              "/ NCCL device time", ipc_r, X_I2, "x"))
     i1 = res.get("I1") or {}
     nccl4 = i1[min(i1)].get("NCCL", {}) if i1 else {}
-    for name, s in res.get("floor", {}).items():  # against NCCL's smallest call
-        rows.append(["I1", "-", name, gl.us(s["median_s"]), gl.us(s["p99_s"]),
-                     gl.us(s["host_median_s"]),
-                     gl.ratio(s["median_s"], nccl4["median_s"]) if nccl4 else None,
+    for name, s in res.get("floor", {}).items():  # against NCCL's call of its size, or 4 B
+        size = s.get("nbytes")
+        nccl = (i1.get(size) or {}).get("NCCL", {}) if size else nccl4
+        rows.append(["I1", gl.human_bytes(size) if size else "-", name, gl.us(s["median_s"]),
+                     gl.us(s["p99_s"]), gl.us(s["host_median_s"]),
+                     gl.ratio(s["median_s"], nccl["median_s"]) if nccl else None,
                      gl.us(s["held_median_s"]),
-                     gl.ratio(s["held_median_s"], nccl4["held_median_s"]) if nccl4 else None,
+                     gl.ratio(s["held_median_s"], nccl["held_median_s"]) if nccl else None,
                      s["held_late"]])
     table = gl.format_table(["part", "bytes", "transport", "median us", "p99 us",
                              "host us (median)", "vs NCCL", "held us", "held vs NCCL",
@@ -343,7 +345,9 @@ def report(gpu: Launch, res: dict[str, Any], slot: int) -> None:
              "target's figure); 'late': repeats whose call outlasted the spin on some rank; "
              "'floor' rows (scripts/gpu/_ipcfloor.py): an empty kernel, and one kernel that "
              "only exchanges a flag with every peer, against NCCL's smallest call: no "
-             "one-shot allreduce takes less device time than the exchange"]
+             "one-shot allreduce takes less device time than the exchange; 'candidate: LL "
+             "one-shot' rows: the one-shot shape with data and epoch in one 8-byte store "
+             "(_ipcfloor.py), checked exact, against NCCL at its size"]
     if gpu.shared:
         notes.append(f"ranks share a GPU: NCCL cannot run, IPC only; {NO_CLAIMS} (no MPS): "
                      "correctness only, no targets")
