@@ -30,6 +30,7 @@ in mapped host memory that every wait polls, so a stream parked on a dead peer d
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import socket
 import time
@@ -142,6 +143,7 @@ class IpcScheduleSide:
         rt = cupy.cuda.runtime
         self.inbox = self.counters = self.abort_host = 0
         with cupy.cuda.Device(device_id):
+            kernels.prepare_schedule([(_OPS[ReduceOp(s.op)], s.dtype) for s in slots], size)
             self.gpu = str(cupy.cuda.Device(device_id).pci_bus_id)
             handles: dict[int, int] = {}  # allocation base -> index into self.handles
             self.handles: list[str] = []
@@ -244,20 +246,34 @@ class IpcScheduleTransport:
         memcpy, sptr = self.cupy.cuda.runtime.memcpyAsync, self._sptr
         with self.stream:
             kernels.sched_signal(side.counters, self._inboxes, WRITTEN, i, n, me, size, True)
-            kernels.sched_wait(side.counters, side.inbox, side.abort_device, WRITTEN, i, n, me,
-                               size)
-            for dst, src, nbytes in plan.pulls:
-                memcpy(dst, src, nbytes, _D2D, sptr)
-            if plan.count:
-                kernels.ipc_reduce(op, wire, plan.inputs, plan.out, plan.count, _REDUCE_BLOCKS)
-            kernels.sched_signal(side.counters, self._inboxes, REDUCED, i, n, me, size, False)
-            kernels.sched_wait(side.counters, side.inbox, side.abort_device, REDUCED, i, n, me,
-                               size)
-            for dst, src, nbytes in plan.gathers:
-                memcpy(dst, src, nbytes, _D2D, sptr)
-            kernels.sched_signal(side.counters, self._inboxes, GATHERED, i, n, me, size, False)
-            kernels.sched_wait(side.counters, side.inbox, side.abort_device, GATHERED, i, n, me,
-                               size)
+            try:
+                kernels.sched_wait(side.counters, side.inbox, side.abort_device, WRITTEN, i, n,
+                                   me, size)
+                for dst, src, nbytes in plan.pulls:
+                    memcpy(dst, src, nbytes, _D2D, sptr)
+                if plan.count:
+                    kernels.ipc_reduce(op, wire, plan.inputs, plan.out, plan.count,
+                                       _REDUCE_BLOCKS)
+                kernels.sched_signal(side.counters, self._inboxes, REDUCED, i, n, me, size,
+                                     False)
+                kernels.sched_wait(side.counters, side.inbox, side.abort_device, REDUCED, i, n,
+                                   me, size)
+                for dst, src, nbytes in plan.gathers:
+                    memcpy(dst, src, nbytes, _D2D, sptr)
+                kernels.sched_signal(side.counters, self._inboxes, GATHERED, i, n, me, size,
+                                     False)
+                kernels.sched_wait(side.counters, side.inbox, side.abort_device, GATHERED, i,
+                                   n, me, size)
+            except BaseException:
+                # Broken between its signals: the peers still get every signal of this launch
+                # (their waits pass; their sums are void), so this rank's error ends the job
+                # instead of its peers spinning; the transport takes no further launch.
+                self._aborted = True
+                with contextlib.suppress(Exception):
+                    for kind in (REDUCED, GATHERED):
+                        kernels.sched_signal(side.counters, self._inboxes, kind, i, n, me,
+                                             size, False)
+                raise
         self._done[i].record(self.stream)
 
     def done(self, i: int) -> bool:

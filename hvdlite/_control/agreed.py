@@ -275,7 +275,13 @@ class Schedules:
                     where = placement_why([g["ipc"] for g in shown])
                     if where:
                         return None, f"schedule_transport=ipc: {where}"
-                transport = self._transport(channel, slots, buffers, device_id, shown, ipc)
+                if ipc is None:
+                    transport = self._transport(channel, slots, buffers, device_id, shown, ipc)
+                else:
+                    transport, why = self._ipc_transport(channel, name, slots, buffers,
+                                                         device_id, shown, ipc)
+                    if transport is None:
+                        return None, why
                 ipc = None  # the transport owns it now
             finally:
                 if ipc is not None:
@@ -294,6 +300,27 @@ class Schedules:
                                    buffers, size), ""
         except Exception as exc:  # noqa: BLE001 (any failure is this rank's answer: no IPC)
             return None, f"schedule_transport=ipc: {type(exc).__name__}: {exc}"
+
+    def _ipc_transport(self, channel: Channel, name: str, slots: Sequence[Slot],
+                       buffers: Sequence[tuple[int, int]], device_id: int,
+                       shown: list[dict[str, Any]], ipc: Any) -> tuple[Any, str]:
+        """(the IPC transport, '') once every member built its own, else (None, why: the same
+        on every member). Its peers' memory is mapped here, after the agreement: a member
+        that cannot map it must not leave the others launching into waits it never signals,
+        so the members agree once more on whether each built its transport."""
+        transport, err = None, ""
+        try:
+            transport = self._transport(channel, slots, buffers, device_id, shown, ipc)
+        except Exception as exc:  # noqa: BLE001 (any failure is this rank's answer: no IPC)
+            err = f"{type(exc).__name__}: {exc}"
+        built = self.agree(channel, f"{name}.open.built", err)
+        failed = [(rank, got) for rank, got in zip(channel.ranks, built, strict=True) if got]
+        if not failed:
+            return transport, ""
+        if transport is not None:
+            transport.close()
+        rank, got = failed[0]
+        return None, f"rank {rank}: schedule_transport=ipc: {got}"
 
     def _why_not(self, channel: Channel, slots: Sequence[Slot],
                  buffers: Sequence[tuple[int, int]], device_id: int) -> str:

@@ -13,10 +13,11 @@ factor, with the same rules as the host path (integers scale in double, truncate
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["batched_copy", "CTYPES", "ipc_oneshot", "ipc_reduce", "sched_signal",
-           "sched_wait"]
+__all__ = ["batched_copy", "CTYPES", "ipc_oneshot", "ipc_reduce", "prepare_schedule",
+           "sched_signal", "sched_wait"]
 
 # Element type of the kernel for each wire dtype (complex travels as pairs of its real type).
 CTYPES = {
@@ -183,7 +184,7 @@ def _ipc_kernel(op: str, ranks: int, wire: str) -> Any:
 #include <cuda_fp16.h>
 #define F(x) {widen}(x)
 #define L(x) {narrow}(x)
-extern "C" __global__ void {name}({args}, {ctype}* __restrict__ y, long long n) {{
+extern "C" __global__ void {name}({args}, {ctype}* y, long long n) {{
     for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < n;
          k += (long long)blockDim.x * gridDim.x) {{
         {ctype} v = a0[k];
@@ -368,6 +369,16 @@ def _sched_kernel(name: str) -> Any:
     import cupy
 
     return cupy.RawModule(code=_SCHED_SOURCE).get_function(name)
+
+
+def prepare_schedule(reductions: Iterable[tuple[str, str]], ranks: int) -> None:
+    """Compile and load the schedule's kernels now (signal, wait, and the reduce of each
+    ``(op, wire)`` over ``ranks`` inputs): a compiler failure is then the rank's answer when
+    its schedule opens, never an error between a launch's signals."""
+    _sched_kernel("hvd_sched_signal")
+    _sched_kernel("hvd_sched_wait")
+    for op, wire in set(reductions):
+        _ipc_kernel(op, ranks, wire).compile()
 
 
 def sched_signal(counters: int, inboxes: Any, kind: int, slot: int, slots: int, me: int,

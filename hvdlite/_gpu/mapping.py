@@ -1,8 +1,9 @@
 """Peers' allocations mapped into this process through CUDA IPC, opened once and kept bounded.
 
 A CUDA IPC handle names the *base* of an allocation (``cudaMalloc``'s block), never a pointer
-inside it, and opening one handle twice in a process fails; so :class:`PeerMappings` opens each
-(peer, handle) once, hands out ``base + offset`` for any offset, and keeps at most
+inside it, so :class:`PeerMappings` opens each (peer, handle) once (the driver counts a second
+open of a handle in one context and returns the same base; each open needs its close), hands
+out ``base + offset`` for any offset, and keeps at most
 ``capacity`` unpinned mappings open, closing the least recently used one beyond that. The
 communicator's staging slots and semaphore inboxes are pinned (open until :meth:`close_all`);
 buffers registered per call (bucket views, fusion buffers) are the unpinned ones.
