@@ -156,7 +156,9 @@ def batched_copy(wire: str, meta: Any, n: int, fused: Any, total: int, *, mode: 
 # -- CUDA IPC: one rank-ordered reduction over every rank's staging slot ---------------------------
 # ``y[i] = a0[i] op a1[i] op ...`` left to right (every rank computes the same bits), each step
 # rounded to the element type (float16 through float, as NumPy's float16 arithmetic). Built per
-# (op, ranks, type) from raw pointers, so a call creates no array objects.
+# (op, ranks, type) from raw pointers, so a call creates no array objects. The agreed schedule
+# passes its own share as both an input and ``y``: still sound under ``__restrict__``, since each
+# element is read once, by the thread that then writes it (the store depends on the load).
 _IPC_STEP = {
     "sum": "v = L(F(v) + F(a{i}[k]));",
     "avg": "v = L(F(v) + F(a{i}[k]));",
@@ -184,7 +186,7 @@ def _ipc_kernel(op: str, ranks: int, wire: str) -> Any:
 #include <cuda_fp16.h>
 #define F(x) {widen}(x)
 #define L(x) {narrow}(x)
-extern "C" __global__ void {name}({args}, {ctype}* y, long long n) {{
+extern "C" __global__ void {name}({args}, {ctype}* __restrict__ y, long long n) {{
     for (long long k = (long long)blockIdx.x * blockDim.x + threadIdx.x; k < n;
          k += (long long)blockDim.x * gridDim.x) {{
         {ctype} v = a0[k];
