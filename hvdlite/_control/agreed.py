@@ -14,7 +14,11 @@ slots (names, sizes, dtypes, ops, factors) nothing is left to negotiate: slot ``
   contract (``_backends/base.py``: NCCL for device buffers, MPI for host buffers);
 - capture control (:meth:`Schedules.capture`), the stall watchdog (:meth:`Schedules.watch`,
   on the background thread), abort and close, and the sticky error: after an abort every
-  launch and wait raises the reason.
+  launch and wait raises the reason;
+- a schedule its owner dropped (an optimizer let go, a persistent call collected) has its
+  transport closed by the next open, or the shutdown: its communicator, mappings and buffers
+  do not pile up in a process that builds optimizers again and again (MPI runs out of
+  communicators after about 2,000).
 
 Guarantees: every rank launches slot ``i`` as its ``i``-th launch of a round (a launch out of
 turn raises ``MismatchError`` on that rank before anything is enqueued), so a collective never
@@ -24,6 +28,7 @@ which the watchdog turns into ``StallError`` on every rank after ``stall_shutdow
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
@@ -84,7 +89,8 @@ class AgreedSchedule:
     """
 
     __slots__ = ("name", "slots", "set_id", "transport", "next", "launches", "capturing",
-                 "captured", "error", "_launched", "_service", "_sched", "__weakref__")
+                 "captured", "error", "_launched", "_service", "_sched", "_dropped",
+                 "__weakref__")
 
     def __init__(self, name: str, slots: Sequence[Slot], set_id: int,
                  transport: ScheduleTransport, service: Schedules) -> None:
@@ -100,6 +106,11 @@ class AgreedSchedule:
         self._launched = [0.0] * len(self.slots)  # host time of a pending launch (0: none)
         self._service = service
         self._sched = service.scheduler
+        # Collected unclosed: the transport goes to the service, which closes it at the next
+        # open or the shutdown (on a thread that may call MPI and CUDA; a finalizer may run
+        # on any thread, inside any call).
+        self._dropped = weakref.finalize(self, service.dropped.append, transport)
+        self._dropped.atexit = False  # (at exit the engine's shutdown closes what is open)
 
     @property
     def device_id(self) -> int:
@@ -175,13 +186,19 @@ class AgreedSchedule:
             self.error = HvdliteError(f"{self.name}: closed (hvdlite shut down); open it "
                                       "again after hvdlite.init()")
         if self.captured:
-            # A graph that may outlive the engine holds kernels of this communicator: waiting
-            # for its stream or aborting it hung a shutdown at two GPUs (2026-11-27). Keep
-            # the transport alive, unused (every launch raises), until the process ends.
+            return  # retired when captured (see retire)
+        self._dropped.detach()
+        self.transport.close()
+
+    def retire(self) -> None:
+        """Its launches are captured in a CUDA graph, which may outlive it, and the engine:
+        waiting for its stream or aborting it hung a shutdown at two GPUs (2026-11-27). So the
+        transport is never closed: kept alive, unused (every launch after close raises),
+        until the process ends (bounded: the oldest let go first)."""
+        self.captured = True
+        if self._dropped.detach() is not None:
             _RETIRED.append(self.transport)
             del _RETIRED[:-_MAX_RETIRED]
-            return
-        self.transport.close()
 
 
 class Schedules:
@@ -191,6 +208,9 @@ class Schedules:
     def __init__(self, scheduler: SchedulerView) -> None:
         self.scheduler = scheduler
         self._open: weakref.WeakSet[AgreedSchedule] = weakref.WeakSet()
+        # Transports of schedules collected unclosed (AgreedSchedule's finalizer appends; a
+        # deque's append and popleft are atomic), closed by close_dropped.
+        self.dropped: collections.deque[ScheduleTransport] = collections.deque()
         self._opening = threading.Lock()  # opens are collective: one at a time per rank
         self._warned: set[str] = set()
         self.last_watch = 0.0
@@ -241,6 +261,7 @@ class Schedules:
         caller cannot, '' if it can. Collective over ``channel``'s set (one exchange, which
         also checks the slots alike: ``MismatchError`` otherwise); blocking."""
         with self._opening:
+            self.close_dropped()
             why = usable or self._why_not(channel, slots, buffers, device_id)
             uid: list[int] | None = None
             raw = False
@@ -380,7 +401,8 @@ class Schedules:
         sched = self.scheduler
         sched.check_usable()
         for s in schedules:
-            s.capturing = s.captured = True
+            s.capturing = True
+            s.retire()
         sched.capture_thread = threading.get_ident()
         try:
             yield
@@ -450,6 +472,16 @@ class Schedules:
             except Exception:
                 log.exception("hvdlite: aborting agreed schedule %r failed", schedule.name)
 
+    def close_dropped(self) -> None:
+        """Close the transports of schedules collected unclosed (collective in effect: every
+        member dropped the same schedules, and each closes its own side: a local close)."""
+        while self.dropped:
+            transport = self.dropped.popleft()
+            try:
+                transport.close()
+            except Exception:
+                log.exception("hvdlite: closing a dropped agreed schedule's transport failed")
+
     def close(self) -> None:
         """Free every schedule (at shutdown, once the device work drained)."""
         for schedule in list(self._open):
@@ -458,3 +490,4 @@ class Schedules:
             except Exception:
                 log.exception("hvdlite: closing agreed schedule %r failed", schedule.name)
         self._open.clear()
+        self.close_dropped()

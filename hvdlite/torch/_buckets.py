@@ -13,14 +13,21 @@ buffer and the core reduces the buffer in place as one array, with no copy in or
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from hvdlite._torchref import numpy_dtype
 
-__all__ = ["Bucket", "auto_buckets", "param_names", "split"]
+__all__ = ["Bucket", "auto_buckets", "param_names", "register_hooks", "split"]
+
+TOO_MANY = ("gradients were computed more than backward_passes_per_step times before "
+            "optimizer.step(): this backward() accumulated into a gradient after its "
+            "bucket's allreduce had started, so this step's gradients are not to be "
+            "trusted. Call optimizer.step() (or optimizer.synchronize()) between backward "
+            "passes, or raise backward_passes_per_step to accumulate gradients locally.")
 
 
 class Bucket:
@@ -165,6 +172,50 @@ def auto_buckets(params: Sequence[torch.Tensor], cap_bytes: int) -> list[list[to
         open_[key] = (members, size + nbytes)
     buckets.extend(members for members, _ in open_.values() if members)
     return buckets
+
+
+def register_hooks(owner: object, buckets: Sequence[Bucket], flights: dict[Bucket, Any],
+                   start: Callable[[Bucket], Any]) -> list[Any]:
+    """Hook every member of ``buckets`` (after its gradient accumulates): a member counts
+    down its passes, and the bucket's last ready member sets ``flights[bucket] =
+    start(bucket)``. Returns the hooks' handles.
+
+    ``start`` (a method of ``owner``) is held weakly, and once ``owner`` is collected its
+    hooks are removed: the collector does not see a parameter's hooks, so a hook holding the
+    owner would keep a dropped optimizer (and its agreed schedule) alive, and each hook holds
+    its bucket, which holds the parameters. Not thread-safe: call it from the owner's
+    constructor.
+    """
+    begin = weakref.WeakMethod(start)
+    handles = [p.register_post_accumulate_grad_hook(_hook(bucket, i, flights, begin))
+               for bucket in buckets for i, p in enumerate(bucket.params)]
+    weakref.finalize(owner, _remove, handles).atexit = False
+    return handles
+
+
+def _hook(bucket: Bucket, i: int, flights: dict[Bucket, Any],
+          begin: Callable[[], Callable[[Bucket], Any] | None]) -> Callable[[torch.Tensor], None]:
+    size = len(bucket.params)
+
+    # The whole per-parameter host cost of a step: count down, count the bucket ready.
+    def hook(_param: torch.Tensor) -> None:
+        left = bucket.left[i] - 1
+        if left < 0:
+            raise AssertionError(TOO_MANY)
+        bucket.left[i] = left
+        if left == 0:
+            bucket.ready += 1
+            if bucket.ready == size:
+                start = begin()
+                if start is not None:
+                    flights[bucket] = start(bucket)
+    return hook
+
+
+def _remove(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
 
 
 def split(items: list[Any], n: int) -> list[list[Any]]:

@@ -23,7 +23,7 @@ from hvdlite import _runtime_api as runtime
 from hvdlite import _sets
 from hvdlite._torchref import stream_of
 from hvdlite.torch import mpi_ops
-from hvdlite.torch._buckets import Bucket, auto_buckets, param_names, split
+from hvdlite.torch._buckets import Bucket, auto_buckets, param_names, register_hooks, split
 from hvdlite.torch._scheduled import ScheduledBuckets, open_scheduled, slots
 from hvdlite.torch.basics import Adasum, Average, InvalidArgumentError, resolve_op, size
 from hvdlite.torch.compression import Compression, Compressor, _CastCompressor
@@ -32,11 +32,6 @@ from hvdlite.torch.process_sets import global_process_set, resolve
 
 __all__ = ["DistributedOptimizer"]
 
-_TOO_MANY = ("gradients were computed more than backward_passes_per_step times before "
-             "optimizer.step(): this backward() accumulated into a gradient after its "
-             "bucket's allreduce had started, so this step's gradients are not to be "
-             "trusted. Call optimizer.step() (or optimizer.synchronize()) between backward "
-             "passes, or raise backward_passes_per_step to accumulate gradients locally.")
 _ZERO_GRAD = ("optimizer.zero_grad() was called after loss.backward() but before "
               "optimizer.step() or optimizer.synchronize(): the gradients' allreduces are still "
               "in flight and would race with the zeroing. Call step() or synchronize() first.")
@@ -157,25 +152,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return split(plist, self._groups)
 
     def _register_hooks(self) -> None:
-        for bucket in self._buckets:
-            for i, p in enumerate(bucket.params):
-                self._hook_handles.append(
-                    p.register_post_accumulate_grad_hook(self._make_hook(bucket, i)))
-
-    def _make_hook(self, bucket: Bucket, i: int) -> Any:
-        # The whole per-parameter host cost of a step: count down, count the bucket ready.
-        size, handles = len(bucket.params), self._handles
-
-        def hook(_param: torch.Tensor) -> None:
-            left = bucket.left[i] - 1
-            if left < 0:
-                raise AssertionError(_TOO_MANY)
-            bucket.left[i] = left
-            if left == 0:
-                bucket.ready += 1
-                if bucket.ready == size:
-                    handles[bucket] = self._start(bucket)
-        return hook
+        self._hook_handles = register_hooks(self, self._buckets, self._handles, self._start)
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change how many backward passes accumulate locally before one allreduce."""
@@ -594,3 +571,4 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     return cls(optimizer.param_groups, named_parameters, compression,
                backward_passes_per_step, op, gradient_predivide_factor, groups,
                sparse_as_dense, process_set, bool(gradient_as_bucket_view), bucket_cap_mb)
+

@@ -316,3 +316,44 @@ def test_amp_grad_scaler_recipe_with_skip_synchronize(hvd: Any, ddp: None) -> No
     got, want = run(True), run(False)
     for k, (g, w) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(g, w), k
+
+
+def test_a_dropped_optimizers_schedule_is_closed_by_the_next_open(hvd: Any) -> None:
+    """An optimizer let go with its agreed schedule open: the next schedule's open closes the
+    dropped one's transport (its MPI communicator freed), so a process that builds optimizers
+    again and again does not run out of communicators (MPICH: about 2,000)."""
+    import gc
+
+    transports = []
+    for _ in range(3):
+        model = Model()
+        with knobs(optimizer_host_schedule=True, optimizer_size1_shortcut=False):
+            opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                           named_parameters=model.named_parameters(),
+                                           bucket_cap_mb=100 / 2**20)
+            _train(hvd, opt, model)
+        assert opt.agreed_schedule is not None, opt.unscheduled_reason
+        transports.append(opt.agreed_schedule.transport)
+        assert transports[-1].comm is not None
+        del opt, model
+        gc.collect()
+    # Each open closed the schedules dropped before it; the last one waits for the next.
+    assert [t.comm is None for t in transports] == [True, True, False]
+
+
+@pytest.mark.parametrize("op", ["average", "adasum"])
+def test_a_dropped_optimizer_is_collected(hvd: Any, op: str) -> None:
+    """A DistributedOptimizer let go after training is collected with its model: its hooks
+    (which autograd keeps, out of the collector's sight) hold it weakly."""
+    import gc
+    import weakref
+
+    model = Model()
+    kw = {"op": hvd.Adasum} if op == "adasum" else {"bucket_cap_mb": 100 / 2**20}
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                   named_parameters=model.named_parameters(), **kw)
+    _train(hvd, opt, model)
+    gone, params = weakref.ref(opt), weakref.ref(next(model.parameters()))
+    del opt, model
+    gc.collect()
+    assert (gone(), params()) == (None, None)
