@@ -33,13 +33,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import socket
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from hvdlite._backends.schedule_device import DeviceSlots
 from hvdlite._gpu import kernels
 from hvdlite._gpu.mapping import PeerMappings
 from hvdlite._gpu.semaphores import checked, driver
@@ -54,7 +54,6 @@ WRITTEN, REDUCED, GATHERED = 0, 1, 2
 _KINDS = 3
 _ALIGN = 16  # bytes: every share starts on a 16-byte boundary (vector loads, copy engines)
 _REDUCE_BLOCKS = 128  # the local reduce's blocks at most (to be tuned on the GPU: I3, T5)
-_CLOSE_WAIT_S = 5.0
 _LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
 _D2D = 3  # cudaMemcpyDeviceToDevice
 _OPS = {ReduceOp.SUM: "sum", ReduceOp.AVERAGE: "avg", ReduceOp.MIN: "min",
@@ -185,7 +184,7 @@ class IpcScheduleSide:
                 self.abort_host = 0
 
 
-class IpcScheduleTransport:
+class IpcScheduleTransport(DeviceSlots):
     """Slots as in-place allreduces of fixed device buffers through CUDA IPC (see the module
     docstring); ``records``: every rank's :meth:`IpcScheduleSide.record`, in rank order."""
 
@@ -219,15 +218,10 @@ class IpcScheduleTransport:
                                               self.size)), default=0)
             self._stride = -(-largest // _ALIGN) * _ALIGN
             self._scratch = rt.malloc(max(1, (self.size - 1) * self._stride))
-            self.stream = cupy.cuda.Stream(non_blocking=True, priority=priority)
-            self._ready = [cupy.cuda.Event(block=False, disable_timing=True)
-                           for _ in range(self.n)]
-            self._done = [cupy.cuda.Event(block=False, disable_timing=True)
-                          for _ in range(self.n)]
+            super().__init__(cupy, device_id, self.n, priority)
             self._plans = [self._plan(s, buffers[i][1], [address(r, i) for r in
                                                           range(self.size)])
                            for i, s in enumerate(slots)]
-        self._sptr = self.stream.ptr
 
     def _plan(self, slot: Slot, count: int, ptrs: list[int]) -> tuple[LaunchPlan, str, str]:
         isz = DTYPES[slot.dtype].np_dtype.itemsize
@@ -238,12 +232,10 @@ class IpcScheduleTransport:
         if self._aborted:
             raise HvdliteError("the agreed schedule's CUDA IPC transport was aborted (the job "
                                "is ending with an error raised on every rank)")
-        ready = self._ready[i]
-        ready.record(stream)
-        self.stream.wait_event(ready)
+        self.fork(i, stream)
         side, me, size, n = self.side, self.rank, self.size, self.n
         plan, op, wire = self._plans[i]
-        memcpy, sptr = self.cupy.cuda.runtime.memcpyAsync, self._sptr
+        memcpy, sptr = self.cupy.cuda.runtime.memcpyAsync, self.sptr
         with self.stream:
             kernels.sched_signal(side.counters, self._inboxes, WRITTEN, i, n, me, size, True)
             try:
@@ -274,13 +266,7 @@ class IpcScheduleTransport:
                         kernels.sched_signal(side.counters, self._inboxes, kind, i, n, me,
                                              size, False)
                 raise
-        self._done[i].record(self.stream)
-
-    def done(self, i: int) -> bool:
-        return bool(self._done[i].done)
-
-    def order(self, i: int, stream: Any) -> None:
-        stream.wait_event(self._done[i])
+        self.join(i)
 
     def abort(self) -> None:
         self._aborted = True
@@ -293,10 +279,7 @@ class IpcScheduleTransport:
         # peers' buffers and inboxes are unmapped and this rank's memory freed.
         if self.side.abort_host == 0:
             return
-        deadline = time.monotonic() + _CLOSE_WAIT_S
-        while not self.stream.done and time.monotonic() < deadline:
-            time.sleep(1e-3)
-        if not self.stream.done:
+        if not self.idle():
             self.abort()
             self.stream.synchronize()
         with self.cupy.cuda.Device(self.device_id):

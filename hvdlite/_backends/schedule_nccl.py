@@ -10,18 +10,16 @@ once, when the schedule opens (the NCCL types and ops from ``_backends/nccl.py``
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
 from hvdlite._backends.nccl import nccl_dtype, nccl_op, new_communicator
+from hvdlite._backends.schedule_device import DeviceSlots
 from hvdlite._ops import DTYPES, ReduceOp
 from hvdlite._vocab.agreed import Slot
 from hvdlite.errors import HvdliteError
 
 __all__ = ["NcclScheduleTransport", "why_not"]
-
-_CLOSE_WAIT_S = 5.0  # longest wait at close for the schedule's stream to go idle
 
 
 def why_not(slots: Sequence[Slot]) -> str:
@@ -34,7 +32,7 @@ def why_not(slots: Sequence[Slot]) -> str:
     return ""
 
 
-class NcclScheduleTransport:
+class NcclScheduleTransport(DeviceSlots):
     """Slots as in-place NCCL allreduces of fixed device buffers (``buffers[i]``: address and
     element count of slot ``i``'s buffer, alive as long as the schedule)."""
 
@@ -44,14 +42,8 @@ class NcclScheduleTransport:
         from cupy.cuda import nccl
 
         self.cupy, self.device_id, self.size = cupy, device_id, size
-        cuda = cupy.cuda
         self.comm: Any = new_communicator(cupy, nccl, device_id, size, uid, rank, max_ctas)
-        with cuda.Device(device_id):
-            self.stream = cuda.Stream(non_blocking=True, priority=priority)
-            n = len(slots)
-            self._ready = [cuda.Event(block=False, disable_timing=True) for _ in range(n)]
-            self._done = [cuda.Event(block=False, disable_timing=True) for _ in range(n)]
-        self._sptr = self.stream.ptr
+        super().__init__(cupy, device_id, len(slots), priority)
         self._calls = [self._call(nccl, s, b) for s, b in zip(slots, buffers, strict=True)]
 
     def _call(self, nccl: Any, slot: Slot, buf: tuple[int, int]) -> tuple[Any, ...]:
@@ -74,9 +66,7 @@ class NcclScheduleTransport:
         return buf[0], buf[1] * per, dtype, reduce_op, view, pre, post
 
     def launch(self, i: int, stream: Any) -> None:
-        ready = self._ready[i]
-        ready.record(stream)
-        self.stream.wait_event(ready)
+        self.fork(i, stream)
         ptr, count, dtype, op, view, pre, post = self._calls[i]
         if view is not None and pre != 1.0:
             with self.stream:
@@ -85,17 +75,11 @@ class NcclScheduleTransport:
         if comm is None:  # aborted by the background thread since the schedule's own check
             raise HvdliteError("the agreed schedule's NCCL communicator was aborted (the job "
                                "is ending with an error raised on every rank)")
-        comm.allReduce(ptr, ptr, count, dtype, op, self._sptr)
+        comm.allReduce(ptr, ptr, count, dtype, op, self.sptr)
         if view is not None and post != 1.0:
             with self.stream:
                 view *= post
-        self._done[i].record(self.stream)
-
-    def done(self, i: int) -> bool:
-        return bool(self._done[i].done)
-
-    def order(self, i: int, stream: Any) -> None:
-        stream.wait_event(self._done[i])
+        self.join(i)
 
     def abort(self) -> None:
         comm, self.comm = self.comm, None
@@ -110,7 +94,5 @@ class NcclScheduleTransport:
         comm, self.comm = self.comm, None
         if comm is None:
             return
-        deadline = time.monotonic() + _CLOSE_WAIT_S
-        while not self.stream.done and time.monotonic() < deadline:
-            time.sleep(1e-3)
+        self.idle()
         comm.abort()
