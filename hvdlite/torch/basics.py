@@ -56,6 +56,9 @@ Product = ReduceOp.PRODUCT
 Adasum = ReduceOp.ADASUM
 
 _homogeneous: dict[str, bool] = {}
+# The communicator init(comm=[ranks]) made for a job it starts: the engine runs on it until
+# shutdown, which frees it (each made and never freed costs one of MPI's ~2,000).
+_made: dict[str, Any] = {}
 
 
 def resolve_op(op: Any, average: Any, what: str) -> ReduceOp:
@@ -93,15 +96,36 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
     from mpi4py import MPI
 
     sets, dynamic = _ps.init_sets(process_sets)
-
+    running, made = hvdlite.is_initialized(), None
     if comm is not None and not hasattr(comm, "Get_rank"):
         try:
             ranks = sorted(int(r) for r in comm)
         except TypeError:
             raise TypeError("init(comm=...) takes an mpi4py communicator or a list of ranks, "
                             f"got {type(comm).__name__}") from None
-        group = MPI.COMM_WORLD.Get_group().Incl(ranks)
-        comm = MPI.COMM_WORLD.Create_group(group)
+        if not running:
+            _free_made()  # (a shutdown through hvdlite's own API left it)
+        world = MPI.COMM_WORLD.Get_group()
+        group = world.Incl(ranks)
+        comm = made = MPI.COMM_WORLD.Create_group(group)
+        group.Free()
+        world.Free()
+    try:
+        _start(comm, sets, dynamic, overrides)
+    except BaseException:
+        if made is not None and made != MPI.COMM_NULL and not hvdlite.is_initialized():
+            made.Free()
+        raise
+    if made is not None and running:
+        if made != MPI.COMM_NULL:
+            made.Free()  # hvdlite runs on another: this one only carried the allgather
+    elif made is not None:
+        _made["comm"] = made  # the engine's: freed at shutdown
+
+
+def _start(comm: Any, sets: Any, dynamic: bool, overrides: dict[str, Any]) -> None:
+    from mpi4py import MPI
+
     if os.environ.get("HOROVOD_TIMELINE", "").strip().upper() == "DYNAMIC":
         overrides.setdefault("timeline", "")
     if hvdlite.is_initialized():
@@ -118,6 +142,16 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
 def shutdown() -> None:
     """Stop hvdlite on this rank and, through it, on every rank (pending work fails)."""
     hvdlite.shutdown()
+    _free_made()
+
+
+def _free_made() -> None:
+    from mpi4py import MPI
+
+    comm = _made.pop("comm", None)
+    if comm is not None and comm != MPI.COMM_NULL and not MPI.Is_finalized() \
+            and not hvdlite.is_initialized():
+        comm.Free()
 
 
 def is_initialized() -> bool:

@@ -305,6 +305,43 @@ def test_process_sets(hvd: Any) -> None:
     assert hvd.remove_process_set(subset) is False and hvd.remove_process_set(gps) is False
 
 
+def _communicators_left() -> int:
+    """How many more communicators MPI lets this process make (MPICH: ~2,000 context ids)."""
+    from mpi4py import MPI
+
+    made = []
+    try:
+        while len(made) < 4096:
+            made.append(MPI.COMM_SELF.Dup())
+    except MPI.Exception:
+        pass
+    for c in made:
+        c.Free()
+    return len(made)
+
+
+def test_init_on_a_list_of_ranks_frees_its_communicator(hvd: Any) -> None:
+    """``init(comm=[ranks])`` makes a communicator: shutdown frees it, and a call while
+    running frees the one it made at once (a process cycling init and shutdown ran out of MPI
+    communicators at the 2,042nd cycle)."""
+    from mpi4py import MPI
+
+    ranks = list(range(MPI.COMM_WORLD.Get_size()))
+    hvd.shutdown()
+    try:
+        before = _communicators_left()
+        for _ in range(5):
+            hvd.init(comm=ranks)
+            hvd.init(comm=ranks)  # while running: a no-op, which makes (and frees) one
+            assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == hvd.size()
+            hvd.shutdown()
+        after = _communicators_left()
+    finally:
+        hvd.shutdown()
+        hvd.init()
+    assert after == before, (before, after)
+
+
 def test_dynamic_timeline_and_process_sets(hvd: Any, tmp_path: Any, monkeypatch: Any) -> None:
     import json
 
