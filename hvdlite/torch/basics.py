@@ -97,38 +97,38 @@ def init(comm: Any = None, process_sets: Sequence[ProcessSet] | str | None = Non
 
     sets, dynamic = _ps.init_sets(process_sets)
     running, made = hvdlite.is_initialized(), None
+    if not running:
+        _free_made()  # (a shutdown through hvdlite's own API left it)
     if comm is not None and not hasattr(comm, "Get_rank"):
         try:
             ranks = sorted(int(r) for r in comm)
         except TypeError:
             raise TypeError("init(comm=...) takes an mpi4py communicator or a list of ranks, "
                             f"got {type(comm).__name__}") from None
-        if not running:
-            _free_made()  # (a shutdown through hvdlite's own API left it)
         world = MPI.COMM_WORLD.Get_group()
         group = world.Incl(ranks)
         comm = made = MPI.COMM_WORLD.Create_group(group)
         group.Free()
         world.Free()
     try:
-        _start(comm, sets, dynamic, overrides)
+        _start(comm, running, sets, dynamic, overrides)
     except BaseException:
-        if made is not None and made != MPI.COMM_NULL and not hvdlite.is_initialized():
-            made.Free()
+        if not hvdlite.is_initialized():
+            _free(made)
         raise
-    if made is not None and running:
-        if made != MPI.COMM_NULL:
-            made.Free()  # hvdlite runs on another: this one only carried the allgather
+    if running:
+        _free(made)  # hvdlite runs on another: this one only carried the allgather
     elif made is not None:
         _made["comm"] = made  # the engine's: freed at shutdown
 
 
-def _start(comm: Any, sets: Any, dynamic: bool, overrides: dict[str, Any]) -> None:
+def _start(comm: Any, running: bool, sets: Any, dynamic: bool,
+           overrides: dict[str, Any]) -> None:
     from mpi4py import MPI
 
     if os.environ.get("HOROVOD_TIMELINE", "").strip().upper() == "DYNAMIC":
         overrides.setdefault("timeline", "")
-    if hvdlite.is_initialized():
+    if running:
         hvdlite.init(comm, **overrides)  # a no-op while running
         _ps.adopt(sets)
     else:
@@ -146,11 +146,14 @@ def shutdown() -> None:
 
 
 def _free_made() -> None:
+    if not hvdlite.is_initialized():
+        _free(_made.pop("comm", None))
+
+
+def _free(comm: Any) -> None:
     from mpi4py import MPI
 
-    comm = _made.pop("comm", None)
-    if comm is not None and comm != MPI.COMM_NULL and not MPI.Is_finalized() \
-            and not hvdlite.is_initialized():
+    if comm is not None and comm != MPI.COMM_NULL and not MPI.Is_finalized():
         comm.Free()
 
 
