@@ -64,6 +64,24 @@ _RETIRED: list[Any] = []
 _MAX_RETIRED = 64
 
 
+def _let_go(transport: Any) -> None:
+    # Aborted, which is local (ncclCommAbort; the IPC transport's abort word), never left to
+    # the collector: a collected NCCL communicator runs ncclCommDestroy, whose finalisation
+    # waits for the peers, and at interpreter exit each rank collects its retired ones in
+    # its own order (two ranks hung there after their tests passed, 2026-11-28).
+    try:
+        transport.abort()
+    except Exception:
+        log.exception("hvdlite: letting go of a retired agreed schedule's transport failed")
+
+
+def release_retired() -> None:
+    """Let go of every retired transport (at interpreter exit, after the engine's shutdown:
+    no captured graph replays any more). Local; idempotent."""
+    while _RETIRED:
+        _let_go(_RETIRED.pop())
+
+
 class SchedulerView(Protocol):
     """What the service uses of the scheduler that owns it (a protocol: the scheduler imports
     this module, not the reverse)."""
@@ -198,7 +216,8 @@ class AgreedSchedule:
         self.captured = True
         if self._dropped.detach() is not None:
             _RETIRED.append(self.transport)
-            del _RETIRED[:-_MAX_RETIRED]
+            while len(_RETIRED) > _MAX_RETIRED:
+                _let_go(_RETIRED.pop(0))
 
 
 class Schedules:
