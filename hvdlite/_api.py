@@ -61,7 +61,7 @@ def _shutdown_at_exit() -> None:
     engine = _engine.take_default()
     if engine is not None:
         engine.shutdown(at_exit=True)
-    _engine.release_retired()  # also after an explicit shutdown: they outlive engines
+    _engine.keep_retired_at_exit()  # also after an explicit shutdown: they outlive engines
 
 
 def shutdown() -> None:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from hvdlite import _exit
-from hvdlite._control.agreed import release_retired
+from hvdlite._control.agreed import keep_retired_at_exit
 from hvdlite._control.channel import Channel
 from hvdlite._control.scheduler import Scheduler
 from hvdlite._observe import clocks
@@ -33,7 +33,7 @@ from hvdlite.errors import (
     ShutdownError,
 )
 
-__all__ = ["Engine", "default_engine", "is_initialized", "release_retired"]
+__all__ = ["Engine", "default_engine", "is_initialized", "keep_retired_at_exit"]
 
 if TYPE_CHECKING:
     from mpi4py import MPI

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -65,21 +66,24 @@ _MAX_RETIRED = 64
 
 
 def _let_go(transport: Any) -> None:
-    # Aborted, which is local (ncclCommAbort; the IPC transport's abort word), never left to
-    # the collector: a collected NCCL communicator runs ncclCommDestroy, whose finalisation
-    # waits for the peers, and at interpreter exit each rank collects its retired ones in
-    # its own order (two ranks hung there after their tests passed, 2026-11-28).
+    # Evicted (64 captures ago): aborted, which is local (ncclCommAbort; the IPC transport's
+    # abort word), not left to the collector, whose ncclCommDestroy waits for the peers.
     try:
         transport.abort()
     except Exception:
         log.exception("hvdlite: letting go of a retired agreed schedule's transport failed")
 
 
-def release_retired() -> None:
-    """Let go of every retired transport (at interpreter exit, after the engine's shutdown:
-    no captured graph replays any more). Local; idempotent."""
-    while _RETIRED:
-        _let_go(_RETIRED.pop())
+def keep_retired_at_exit() -> None:
+    """At interpreter exit: keep every retired transport alive to the process's end, which
+    frees it. Its launches live in a CUDA graph the user may still hold, and an NCCL
+    communicator whose kernels a live graph holds is torn down only after that graph: the
+    collector's ncclCommDestroy, and ncclCommAbort too, hung two ranks at exit after their
+    tests passed (gpu-validation runs 104 and 105). Local; idempotent."""
+    for transport in _RETIRED:
+        # A reference no one drops: the interpreter's teardown never collects it.
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(transport))
+    _RETIRED.clear()
 
 
 class SchedulerView(Protocol):

@@ -1,11 +1,13 @@
-"""Retired agreed-schedule transports (captured in a CUDA graph): kept alive with a bound, and
-let go by a local abort, never by the collector (whose NCCL ncclCommDestroy waits for peers)."""
+"""Retired agreed-schedule transports (captured in a CUDA graph): kept alive with a bound, the
+evicted let go by a local abort, never by the collector (whose NCCL ncclCommDestroy waits for
+peers), and at interpreter exit kept to the process's end with no teardown call."""
 
 from __future__ import annotations
 
 import collections
 import gc
 import types
+import weakref
 from typing import Any
 
 import pytest
@@ -56,28 +58,33 @@ def test_retired_transports_are_kept_bounded_and_the_oldest_aborted(retired: Any
     assert all(t.closes == 0 for t in transports)  # a graph may still replay: never closed
 
 
-def test_release_retired_aborts_every_one_once(retired: Any) -> None:
+def test_at_exit_retired_transports_are_kept_to_the_end_untouched(retired: Any) -> None:
     transports = [RecordingTransport() for _ in range(5)]
+    refs = [weakref.ref(t) for t in transports]
     schedules = [_schedule(t) for t in transports]
     for s in schedules:
         s.retire()
         s.close()  # a captured schedule's close leaves its transport to the retirement
-    agreed.release_retired()
-    agreed.release_retired()
-    assert [t.aborts for t in transports] == [1] * 5
-    assert [t.closes for t in transports] == [0] * 5
+    agreed.keep_retired_at_exit()
+    agreed.keep_retired_at_exit()
     assert retired == []
+    assert [t.aborts for t in transports] == [0] * 5  # no teardown call at all
+    assert [t.closes for t in transports] == [0] * 5
+    del transports, schedules, s
+    gc.collect()
+    assert all(r() is not None for r in refs)  # never collected: no ncclCommDestroy at exit
 
 
-def test_a_failing_abort_does_not_keep_the_others(retired: Any, caplog: Any) -> None:
-    bad, good = RecordingTransport(), RecordingTransport()
+def test_an_eviction_whose_abort_fails_is_logged_and_the_bound_holds(
+        retired: Any, caplog: Any) -> None:
+    bad = RecordingTransport()
 
     def boom() -> None:
         raise RuntimeError("driver gone")
 
     bad.abort = boom  # type: ignore[method-assign]
     _schedule(bad).retire()
-    _schedule(good).retire()
-    agreed.release_retired()
-    assert good.aborts == 1 and retired == []
+    for _ in range(agreed._MAX_RETIRED):
+        _schedule(RecordingTransport()).retire()
+    assert len(retired) == agreed._MAX_RETIRED and bad not in retired
     assert "letting go of a retired" in caplog.text
