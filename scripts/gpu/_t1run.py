@@ -128,16 +128,16 @@ class Runner:
                 bucket_cap_mb=ORDER_BUCKET_MB if kind == DDP_ORDER else None)
         regions = None
         if kind in REGIONED:
-            chosen = env.hvd.find_regions(self.model)
+            regions = env.hvd.compile_regions(self.model)
             if args.model == "gpt2":
                 # The head with its loss, one region (tied to the embedding, its weight waits
-                # in the last bucket): eager, the 50257-wide head ran unaligned GEMMs and a
-                # float32 softmax (run 99); compiled alone, its logits are a graph output
-                # that keeps the unpadded width and the GEMMs stay unaligned, 7.9 ms a step
-                # (run 104); with the loss in its graph inductor pads them.
+                # in the last bucket), its matmuls padded: the 50257-wide head ran cuBLAS's
+                # unaligned GEMMs eager (run 99), compiled alone and compiled with its loss
+                # (7.9 ms a step; inductor chose not to pad there), and padded as the whole
+                # model's compile has them only with force_shape_pad (runs 104-106).
                 self.model.head_loss = head_loss(torch, self.model.lm_head)
-                chosen.append(self.model.head_loss)
-            regions = env.hvd.compile_regions(self.model, chosen)
+                regions += env.hvd.compile_regions(self.model, [self.model.head_loss],
+                                                   options={"force_shape_pad": True})
         elif kind in COMPILED or (kind in CAPTURED and args.compile == "on"):
             self.forward = torch.compile(self.forward)
         opt = torch.optim.SGD(self.model.parameters(), lr=args.lr)
