@@ -124,8 +124,9 @@ class Engine:
         self.scheduler.thread.start()
 
     def open_timeline(self, path: str, mark_cycles: bool) -> Timeline | None:
-        return open_timeline(path, self.rank, mark_cycles, self.config.timeline_max_bytes,
-                             self.clock_offset_us, self.config.cache_capacity)
+        cfg = self.config
+        return open_timeline(path, self.rank, mark_cycles, cfg.timeline_max_bytes,
+                             self.clock_offset_us, cfg.cache_capacity, cfg.timeline_max_files)
 
     # -- submission (any thread) ------------------------------------------------------------
     def gpu_runtime(self) -> GpuRuntime:

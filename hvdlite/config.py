@@ -332,6 +332,11 @@ class Config:
         help="Cap on a timeline file; past it the file is rotated to PATH.1, PATH.2, ... "
              "(0 = no cap).",
     )  # fmt: skip
+    timeline_max_files: int = _knob(
+        kind="int", parse=_parse_count, default=16, unit="files",
+        help="With timeline_max_bytes: rotated files kept (PATH.1 ... PATH.N, the oldest "
+             "removed), so a long job's timeline stays bounded on disk too. 0 keeps them all.",
+    )  # fmt: skip
     timeline_device_events: bool = _knob(
         kind="bool", parse=parse_bool, default=False, unit="",
         help="GPU + timeline: time device phases with CUDA event pairs and keep stream waits "

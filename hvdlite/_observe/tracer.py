@@ -27,19 +27,21 @@ _NOTHING = contextlib.nullcontext()
 
 
 def open_timeline(path: str, rank: int, mark_cycles: bool, max_bytes: int = 0,
-                  clock_offset_us: float = 0.0, max_tracks: int = 1024) -> Timeline | None:
+                  clock_offset_us: float = 0.0, max_tracks: int = 1024,
+                  max_files: int = 0) -> Timeline | None:
     """A writer for this rank: rank 0 only, unless ``path`` contains ``{rank}``.
 
     ``clock_offset_us`` (rank 0's clock minus this rank's, measured at init) goes into the
     trace so ``timeline merge`` can line the ranks up; ``max_tracks`` (``cache_capacity``)
-    bounds the idle tensor rows the writer remembers.
+    bounds the idle tensor rows the writer remembers; ``max_files`` the rotated files kept.
     """
     if rank != 0 and "{rank}" not in path:
         return None
     from hvdlite._observe.timeline import Timeline
 
     return Timeline(path, rank, mark_cycles=mark_cycles, max_bytes=max_bytes,
-                    clock_offset_us=clock_offset_us, max_tracks=max_tracks)
+                    max_files=max_files, clock_offset_us=clock_offset_us,
+                    max_tracks=max_tracks)
 
 
 # Horovod's timeline names (horovod/common/timeline.cc, common.h). A negotiation is

@@ -252,6 +252,7 @@ def test_every_knob_has_a_working_flag(tmp_path: Path) -> None:
         "peer_timeout_s": ("45", 45.0),
         "log_level": ("error", "error"), "nvtx": (None, True),
         "timeline_device_events": (None, True), "timeline_max_bytes": ("1MiB", 1 << 20),
+        "timeline_max_files": ("5", 5),
         "gil_switch_interval_us": ("100", 100.0), "optimizer_size1_shortcut": ("no", False),
         "optimizer_schedule": ("no", False), "optimizer_host_schedule": (None, True),
             "optimizer_max_ctas": ("8", 8), "stream_priority": ("normal", "normal"),

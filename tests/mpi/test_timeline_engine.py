@@ -118,3 +118,21 @@ def test_stats_count_operations(hvd: Any) -> None:
     assert neg["count"] >= 1 and neg["max_s"] > 0
     time.sleep(0.1)  # the loops keep cycling while idle; those rounds carry no work
     assert hvd.stats()["negotiation"]["count"] == neg["count"]
+
+
+def test_rotated_files_are_bounded_by_timeline_max_files(restart: Any, tmp_path: Path) -> None:
+    """A long job's capped timeline stays bounded on disk: past ``timeline_max_files`` rotated
+    files the oldest go, and every file kept is a whole trace."""
+    hvd = restart(timeline_max_bytes=4096, timeline_max_files=2)
+    path = tmp_path / "rot_{rank}.json"
+    hvd.start_timeline(str(path))
+    for i in range(300):
+        hvd.allreduce(np.ones(2), name=f"rot.{i % 7}", op=hvd.Sum)
+    hvd.stop_timeline()
+    mine = Path(str(path).replace("{rank}", str(hvd.rank())))
+    kept = sorted(p.name for p in tmp_path.glob(mine.name + "*"))
+    assert kept == [mine.name, f"{mine.name}.1", f"{mine.name}.2"], kept
+    for p in tmp_path.glob(mine.name + "*"):
+        result = check.check_file(str(p))
+        assert result.ok, (p, result.errors)
+        assert p.stat().st_size <= 4096

@@ -39,6 +39,7 @@ EXPECTED_DEFAULTS = {
     "timeline": None,
     "timeline_mark_cycles": False,
     "timeline_max_bytes": 0,
+    "timeline_max_files": 16,
     "timeline_device_events": False,
     "stall_check": True,
     "stall_check_time_s": 60.0,
@@ -110,6 +111,7 @@ ENV_CASES = {
     "nvtx": ("HVDLITE_NVTX", None, "TRUE", True),
     "timeline_device_events": ("HVDLITE_TIMELINE_DEVICE_EVENTS", None, "yes", True),
     "timeline_max_bytes": ("HVDLITE_TIMELINE_MAX_BYTES", None, "1MiB", 1 << 20),
+    "timeline_max_files": ("HVDLITE_TIMELINE_MAX_FILES", None, "3", 3),
 }
 
 
@@ -386,6 +388,7 @@ def _non_default_config() -> Config:
         timeline="/tmp/trace.json",
         timeline_mark_cycles=True,
         timeline_max_bytes=1 << 20,
+        timeline_max_files=4,
         timeline_device_events=True,
         stall_check=False,
         stall_check_time_s=1.5,
