@@ -34,6 +34,7 @@ from _t1vocab import (
     HVD_G_IPC,
     HVD_G_PRIO,
     HVD_GR,
+    HVD_GR_IPC,
     HVD_IPC,
     HVD_NEG,
     HVD_PRIO,
@@ -161,7 +162,7 @@ class Runner:
                 self.first = {"optimizer_max_ctas": n}
         if kind in (HVD_PRIO, HVD_G_PRIO):
             self.first = {"stream_priority": "normal"}
-        if kind in (HVD_IPC, HVD_G_IPC):
+        if kind in (HVD_IPC, HVD_G_IPC, HVD_GR_IPC):
             self.first = {"schedule_transport": "ipc"}
         mse = args.model in ("g4", "transformer")
         self.loss = torch.nn.functional.mse_loss if mse else torch.nn.functional.cross_entropy
@@ -212,7 +213,7 @@ class Runner:
             self.graph()
             return
         dump = self._dump_path()
-        if self.kind in (HVD_G, HVD_GR, HVD_G_PRIO, HVD_G_IPC):  # as a user writes it
+        if self.kind in (HVD_G, HVD_GR, HVD_G_PRIO, HVD_G_IPC, HVD_GR_IPC):  # as a user writes it
             # Its first warm-up step opens the schedule, under the variant's knobs.
             first, self.first = self.first, {}
             with self.env.knobs(**first):
@@ -412,7 +413,8 @@ class Env:
             keep = {SHORT[v.strip()] for v in self.args.variants.split(",")}
             if any(is_compiled(k, self.args) for k in keep):  # their references come along
                 keep |= {BASE_C, DDP_C}
-            opt_in = [*HVD_CTA.values(), HVD_PRIO, HVD_G_PRIO, HVD_IPC, HVD_G_IPC]  # if asked
+            opt_in = [*HVD_CTA.values(), HVD_PRIO, HVD_G_PRIO, HVD_IPC, HVD_G_IPC,  # if asked
+                      HVD_GR_IPC]
             out = [v for v in [*out, *opt_in] if v in keep or v in (BASE, HVD, DDP)]
         return out
 
