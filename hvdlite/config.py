@@ -34,17 +34,8 @@ import yaml
 
 from hvdlite.errors import ConfigError
 
-__all__ = [
-    "KNOBS",
-    "Config",
-    "Knob",
-    "format_value",
-    "knob",
-    "load_config",
-    "parse_bool",
-    "parse_size",
-    "resolve",
-]
+__all__ = ["KNOBS", "Config", "Knob", "format_value", "knob", "load_config", "parse_bool",
+           "parse_size", "resolve"]
 
 CONFIG_ENV = "HVDLITE_CONFIG"
 LOG_LEVELS = ("trace", "debug", "info", "warning", "error", "fatal")
