@@ -77,12 +77,13 @@ def check_agreed(what: str, mine: Any, hint: str, set_id: int = 0) -> list[Any]:
 
 def open_schedule(name: str, slots: Sequence[Slot], buffers: Sequence[tuple[int, int]],
                   device_id: int, set_id: int = 0,
-                  usable: str = "") -> tuple[AgreedSchedule | None, str]:
+                  usable: str = "", via: str = "") -> tuple[AgreedSchedule | None, str]:
     """An agreed schedule of in-place allreduces (``slots[i]`` on ``buffers[i]``: address and
     element count, on CUDA device ``device_id`` or the host for -1, alive as long as the
-    schedule), on its own transport (NCCL for device buffers with a GPU per rank, MPI for
-    host buffers), or (None, why not) where a member cannot run it (``usable``: why this
-    rank's caller cannot, '' if it can); the same answer on every member. Blocking;
+    schedule), on its own transport (device buffers over NCCL or CUDA IPC, a GPU per rank:
+    ``via`` "nccl" or "ipc", '' for the ``schedule_transport`` knob's; host buffers over MPI),
+    or (None, why not) where a member cannot run it (``usable``: why this rank's caller
+    cannot, '' if it can); the same answer on every member. Blocking;
     collective over the set; ``MismatchError`` on every member if they opened different
     slots. Launch its slots in order (``schedule.launch(i, stream)``) and order consumers
     after them (``schedule.wait(i, stream)``): see ``hvdlite/_control/agreed.py``."""
@@ -90,7 +91,8 @@ def open_schedule(name: str, slots: Sequence[Slot], buffers: Sequence[tuple[int,
     channel = engine.channel_for(set_id)
     if device_id >= 0:
         engine.gpu_runtime()  # the device runtime exists before a transport is made
-    return engine.scheduler.schedules.open(channel, name, slots, buffers, device_id, usable)
+    return engine.scheduler.schedules.open(channel, name, slots, buffers, device_id, usable,
+                                           via)
 
 
 @contextlib.contextmanager

@@ -169,7 +169,7 @@ def _parse_log_level(value: object) -> str:
 
 IPC_MODES = ("auto", "always", "off")
 STREAM_PRIORITIES = ("high", "normal")
-SCHEDULE_TRANSPORTS = ("nccl", "ipc")
+SCHEDULE_TRANSPORTS = ("nccl", "ipc", "auto")
 
 
 def _parse_stream_priority(value: object) -> str:
@@ -411,10 +411,11 @@ class Config:
         kind="choice", parse=_parse_schedule_transport, default="nccl", unit="",
         choices=SCHEDULE_TRANSPORTS,
         help="How an agreed schedule's device buckets travel (a GPU per rank, one host for "
-             "ipc): nccl, or ipc: the copy engines bring each rank its share of every "
-             "peer's bucket (mapped once), a short kernel reduces it, and the copy engines "
-             "bring back the other shares; flags in device memory order the steps, so "
-             "make_graphed_step captures it too. Read when a schedule opens.",
+             "ipc): nccl; ipc: the copy engines bring each rank its share of every peer's "
+             "bucket (mapped once), a short kernel reduces it, and the copy engines bring "
+             "back the other shares, no SMs taken from compute; auto: nccl, and ipc for the "
+             "step make_graphed_step captures where every rank can (else nccl). Read when a "
+             "schedule opens.",
     )  # fmt: skip
     log_level: str = _knob(
         kind="choice", parse=_parse_log_level, default="warning", unit="",

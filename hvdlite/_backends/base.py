@@ -68,6 +68,7 @@ class ScheduleTransport(Protocol):
     """
 
     device_id: int  # the CUDA device of every buffer, or -1 for host memory
+    kind: str  # how the data travels: "nccl", "ipc" or "mpi" (a config value's words)
 
     def launch(self, i: int, stream: Any) -> None:
         """Enqueue slot ``i`` after the work on ``stream`` (a device transport: the producer's

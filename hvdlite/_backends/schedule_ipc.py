@@ -188,6 +188,8 @@ class IpcScheduleTransport(DeviceSlots):
     """Slots as in-place allreduces of fixed device buffers through CUDA IPC (see the module
     docstring); ``records``: every rank's :meth:`IpcScheduleSide.record`, in rank order."""
 
+    kind = "ipc"
+
     def __init__(self, side: IpcScheduleSide, records: Sequence[dict[str, Any]],
                  slots: Sequence[Slot], buffers: Sequence[tuple[int, int]], rank: int,
                  priority: int) -> None:

@@ -46,6 +46,8 @@ class MpiScheduleTransport:
     address and element count of slot ``i``'s buffer, alive as long as the schedule) on
     ``comm`` (the schedule's own; freed by :meth:`close`)."""
 
+    kind = "mpi"
+
     device_id = -1
 
     def __init__(self, comm: MPI.Intracomm, slots: Sequence[Slot],

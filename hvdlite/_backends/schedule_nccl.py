@@ -36,6 +36,8 @@ class NcclScheduleTransport(DeviceSlots):
     """Slots as in-place NCCL allreduces of fixed device buffers (``buffers[i]``: address and
     element count of slot ``i``'s buffer, alive as long as the schedule)."""
 
+    kind = "nccl"
+
     def __init__(self, cupy: Any, device_id: int, slots: Sequence[Slot],
                  buffers: Sequence[tuple[int, int]], uid: Any, rank: int, size: int,
                  max_ctas: int, priority: int) -> None:

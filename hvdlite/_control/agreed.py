@@ -139,6 +139,11 @@ class AgreedSchedule:
         """The CUDA device of the schedule's buffers (-1: host memory)."""
         return self.transport.device_id
 
+    @property
+    def via(self) -> str:
+        """How its data travels: "nccl", "ipc" or "mpi"."""
+        return self.transport.kind
+
     def launch(self, i: int, stream: Any = None) -> None:
         """Enqueue slot ``i`` after the work on ``stream`` (device: the producer's CuPy
         stream; host: None), without waiting on the host. Slots go in order, round after
@@ -276,20 +281,23 @@ class Schedules:
     # -- opening (collective over the set) ---------------------------------------------------
     def open(self, channel: Channel, name: str, slots: Sequence[Slot],
              buffers: Sequence[tuple[int, int]], device_id: int,
-             usable: str = "") -> tuple[AgreedSchedule | None, str]:
+             usable: str = "", via: str = "") -> tuple[AgreedSchedule | None, str]:
         """(the schedule, '') if every member can run ``slots`` on its own transport (device
-        buffers over NCCL, or host buffers over MPI), else (None, why not: the same answer on
-        every member). ``buffers[i]``: address and element count of slot ``i``'s buffer on
-        ``device_id`` (-1: host), alive as long as the schedule; ``usable``: why this rank's
-        caller cannot, '' if it can. Collective over ``channel``'s set (one exchange, which
-        also checks the slots alike: ``MismatchError`` otherwise); blocking."""
+        buffers over NCCL or CUDA IPC, host buffers over MPI), else (None, why not: the same
+        answer on every member). ``buffers[i]``: address and element count of slot ``i``'s
+        buffer on ``device_id`` (-1: host), alive as long as the schedule; ``usable``: why
+        this rank's caller cannot, '' if it can; ``via``: "nccl" or "ipc" for device
+        buffers ('': the ``schedule_transport`` knob's, whose "auto" is NCCL). Collective over
+        ``channel``'s set (one exchange, which also checks the slots and the transport alike:
+        ``MismatchError`` otherwise); blocking."""
         with self._opening:
             self.close_dropped()
-            why = usable or self._why_not(channel, slots, buffers, device_id)
+            asked = via or self.scheduler.engine.config.schedule_transport
+            kind = "" if device_id < 0 else "ipc" if asked == "ipc" else "nccl"
+            why = usable or self._why_not(channel, slots, buffers, device_id, kind)
             uid: list[int] | None = None
             raw = False
             ipc = None  # this rank's side of an IPC schedule, made before the agreement
-            kind = self.scheduler.engine.config.schedule_transport if device_id >= 0 else ""
             if not why and kind == "ipc":
                 ipc, why = self._ipc_side(slots, buffers, device_id, channel.size)
             elif not why and device_id >= 0 and channel.rank == 0:
@@ -367,7 +375,7 @@ class Schedules:
         return None, f"rank {rank}: schedule_transport=ipc: {got}"
 
     def _why_not(self, channel: Channel, slots: Sequence[Slot],
-                 buffers: Sequence[tuple[int, int]], device_id: int) -> str:
+                 buffers: Sequence[tuple[int, int]], device_id: int, kind: str) -> str:
         cfg = self.scheduler.engine.config
         if not cfg.optimizer_schedule:
             return "the optimizer_schedule knob is off"
@@ -377,7 +385,7 @@ class Schedules:
             from hvdlite._backends import schedule_mpi
 
             return schedule_mpi.why_not(slots)
-        if cfg.schedule_transport == "ipc":  # (where the ranks are: checked at the agreement)
+        if kind == "ipc":  # (where the ranks are: checked at the agreement)
             from hvdlite._backends import schedule_ipc
 
             return schedule_ipc.why_not(slots)

@@ -24,9 +24,11 @@ from hvdlite import _runtime_api as runtime
 from hvdlite._ops import ReduceOp
 from hvdlite._runtime_api import Slot
 from hvdlite._torchref import numpy_dtype, stream_of
+from hvdlite.errors import HvdliteError
 from hvdlite.torch._buckets import Bucket
 
-__all__ = ["ScheduledBuckets", "open_scheduled", "slots", "wire_name"]
+__all__ = ["ScheduledBuckets", "move_scheduled", "open_scheduled", "slots", "wire_name"]
+VIAS = ("nccl", "ipc")
 
 _WIRE_NAMES = {torch.bfloat16: "bfloat16"}
 
@@ -70,11 +72,11 @@ def slots(buckets: Sequence[Bucket], wires: Sequence[torch.dtype], op: Any, pre:
 
 
 def open_scheduled(buckets: Sequence[Bucket], agreed: Sequence[Slot], set_id: int,
-                   name: str) -> tuple[ScheduledBuckets | None, str]:
+                   name: str, via: str = "") -> tuple[ScheduledBuckets | None, str]:
     """(the scheduled buckets, '') if every member of the set can launch ``buckets`` on an
     agreed schedule (collective over the set: one exchange), else (None, why not): the
     optimizer keeps negotiating them. ``agreed``: the buckets' slots, checked alike on every
-    rank before their first reduction."""
+    rank before their first reduction; ``via``: the device transport ('': the knob's)."""
     why = _why_not(buckets)
     bufs: list[tuple[int, int]] = []
     if not why:
@@ -83,10 +85,32 @@ def open_scheduled(buckets: Sequence[Bucket], agreed: Sequence[Slot], set_id: in
             assert buf is not None
             bufs.append((buf.data_ptr(), buf.numel()))
     device = buckets[0].device if not why else -1
-    schedule, why = runtime.open_schedule(name, agreed, bufs, device, set_id, why)
+    schedule, why = runtime.open_schedule(name, agreed, bufs, device, set_id, why, via)
     if schedule is None:
         return None, why
     return ScheduledBuckets(schedule, buckets), ""
+
+
+def move_scheduled(scheduled: ScheduledBuckets, agreed: Sequence[Slot], set_id: int,
+                   name: str, via: str) -> tuple[ScheduledBuckets, str]:
+    """``scheduled``'s buckets on a schedule over ``via`` ("nccl" or "ipc"): (the new one,
+    '') once every member opened it (the old one closed), else (``scheduled``, why not: the
+    same on every member). Between steps only (no bucket launched and not waited for);
+    collective over the set, like the opening."""
+    old = scheduled.schedule
+    if old.via == via:
+        return scheduled, ""
+    if scheduled.next or any(scheduled.pending):
+        raise HvdliteError(f"{name}: its schedule can move to {via} only between steps (a "
+                           "bucket of this step was already launched)")
+    why = "its buckets are in host memory (their schedule runs over MPI)" \
+        if scheduled.device < 0 else ""
+    moved, why = open_scheduled(scheduled.buckets, agreed, set_id, f"{name}.{via}",
+                                via) if not why else (None, why)
+    if moved is None:
+        return scheduled, why
+    old.close()
+    return moved, ""
 
 
 class ScheduledBuckets:

@@ -28,6 +28,7 @@ they change. What it returns is the same tensors every replay, overwritten by ea
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -38,6 +39,8 @@ import torch
 from hvdlite import _runtime_api as runtime
 from hvdlite.errors import HvdliteError
 from hvdlite.torch._rehearsal import rehearsing
+
+log = logging.getLogger("hvdlite")
 
 __all__ = ["GraphedStep", "make_graphed_step"]
 
@@ -51,6 +54,21 @@ def _optimizers(optimizer: Any) -> list[Any]:
             raise TypeError(f"make_graphed_step: optimizer must be a hvdlite.torch."
                             f"DistributedOptimizer (or a list of them), got {type(o).__name__}")
     return items
+
+
+def _move_schedules(opts: list[Any], side: torch.cuda.Stream) -> None:
+    """Under ``schedule_transport=auto``, before the last warm-up step (so one eager step runs
+    on what gets captured): each optimizer's schedule moves to CUDA IPC where every rank can,
+    which takes no SMs from the captured backward (collective, like the optimizers' steps)."""
+    if runtime.config().schedule_transport != "auto":
+        return
+    side.synchronize()  # the previous step's launches complete before their schedule closes
+    for opt in opts:
+        if opt.agreed_schedule is not None:
+            why = opt.move_schedule("ipc")
+            if why:
+                log.info("make_graphed_step: the captured schedule stays on %s: %s",
+                         opt.agreed_schedule.via, why)
 
 
 def _schedules(opts: list[Any]) -> list[Any]:
@@ -209,10 +227,12 @@ def make_graphed_step(step_fn: Callable[..., Any], *static_inputs: torch.Tensor,
     branches on it around a compiled region (Hugging Face's causal mask) compiles the
     capture's variant before the capture, not inside it. ``optimizer``: the
     ``DistributedOptimizer`` (or a list of them) the step uses; each must run its buckets on
-    the agreed schedule (CUDA buckets over NCCL, a GPU per rank): ranks that share a GPU (CUDA
-    IPC) or buckets on the CPU raise ``HvdliteError`` naming why, and the step can run eagerly
-    instead. Other hvdlite collectives cannot be captured (they are negotiated on the host at
-    run time): called inside ``step_fn`` during the capture they raise ``HvdliteError``.
+    the agreed schedule (CUDA buckets, a GPU per rank: over NCCL, or CUDA IPC under
+    ``schedule_transport`` ipc, and under auto for the captured step where every rank can,
+    moved there before the last warm-up step): ranks that share a GPU or buckets on the CPU
+    raise ``HvdliteError`` naming why, and the step can run eagerly instead. Other hvdlite
+    collectives cannot be captured (they are negotiated on the host at run time): called
+    inside ``step_fn`` during the capture they raise ``HvdliteError``.
     ``pool``: a graph memory pool handle to share (``torch.cuda.graph_pool_handle()``).
     ``debug_dump``: a path to write the captured graph to as Graphviz DOT (CUDA's
     ``cudaGraphDebugDotPrint``, through torch's ``CUDAGraph.debug_dump``): every node, the
@@ -251,8 +271,10 @@ def make_graphed_step(step_fn: Callable[..., Any], *static_inputs: torch.Tensor,
     with contextlib.ExitStack() as rehearsal:
         with torch.cuda.stream(side):
             for k in range(warmup_steps):
-                if rehearse and k == warmup_steps - 1:
-                    rehearsal.enter_context(rehearsing())
+                if k == warmup_steps - 1:
+                    _move_schedules(opts, side)
+                    if rehearse:
+                        rehearsal.enter_context(rehearsing())
                 step_fn(*inputs)
         torch.cuda.current_stream().wait_stream(side)
         schedules = _schedules(opts)
@@ -265,7 +287,8 @@ def make_graphed_step(step_fn: Callable[..., Any], *static_inputs: torch.Tensor,
     # capture took): MismatchError on every rank if they differ, before any replay.
     launches = iter([s.launches - n for s, n in zip(schedules, before, strict=True)])
     mine = [{"buckets": opt.bucket_names,
-             "launches": next(launches) if opt.agreed_schedule is not None else 0}
+             "launches": next(launches) if opt.agreed_schedule is not None else 0,
+             "via": opt.agreed_schedule.via if opt.agreed_schedule is not None else ""}
             for opt in opts]
     runtime.check_agreed(f"{name}.capture", mine,
                          "every rank must run the same step (the same backward passes and "

@@ -24,7 +24,7 @@ from hvdlite import _sets
 from hvdlite._torchref import stream_of
 from hvdlite.torch import mpi_ops
 from hvdlite.torch._buckets import Bucket, auto_buckets, param_names, register_hooks, split
-from hvdlite.torch._scheduled import ScheduledBuckets, open_scheduled, slots
+from hvdlite.torch._scheduled import VIAS, ScheduledBuckets, move_scheduled, open_scheduled, slots
 from hvdlite.torch.basics import Adasum, Average, InvalidArgumentError, resolve_op, size
 from hvdlite.torch.compression import Compression, Compressor, _CastCompressor
 from hvdlite.torch.functions import broadcast_object
@@ -361,6 +361,22 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def unscheduled_reason(self) -> str:
         """Why the buckets are not on an agreed schedule ('' when they are)."""
         return "" if self._scheduled is not None else self._unscheduled
+
+    def move_schedule(self, via: str) -> str:
+        """Move the buckets' agreed schedule to ``via``, "nccl" or "ipc" (CUDA IPC: the copy
+        engines move the data, no SMs taken from compute; a GPU per rank, one host, NVIDIA's
+        cuda-python). Returns '' once they run on it, else why not (the same on every rank;
+        they stay where they were). Collective over the process set and blocking; between
+        steps only (``HvdliteError`` otherwise); ``ValueError`` for another ``via``.
+        ``make_graphed_step`` calls it under ``schedule_transport=auto``."""
+        if via not in VIAS:
+            raise ValueError(f"move_schedule: via must be one of {', '.join(VIAS)}, got "
+                             f"{via!r}")
+        if self._scheduled is None:
+            return self._unscheduled
+        self._scheduled, why = move_scheduled(self._scheduled, self._slots or [],
+                                              self.process_set_id, self._what(), via)
+        return why
 
     def _check_buckets(self) -> None:
         """Before the first bucket's reduction: every member of the set built the same

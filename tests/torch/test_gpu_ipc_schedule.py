@@ -1,6 +1,6 @@
-"""The agreed schedule over CUDA IPC (``schedule_transport = "ipc"``,
-``hvdlite/_backends/schedule_ipc.py``) on CUDA, inside an MPI job with a GPU per rank: the
-optimizer's buckets reduce exactly (integer-valued averages, shares of every size, an empty
+"""The agreed schedule over CUDA IPC (``schedule_transport`` "ipc", or "auto" for a captured
+step; ``hvdlite/_backends/schedule_ipc.py``) on CUDA, inside an MPI job with a GPU per rank:
+the optimizer's buckets reduce exactly (integer-valued averages, shares of every size, an empty
 one included), eagerly and in a step captured by ``make_graphed_step``, whose replays equal
 eager steps on the NCCL schedule. Marked ``gpu``; skipped where ranks share a GPU (the
 schedule's waits spin: they need a GPU each) or NVIDIA's cuda-python is missing."""
@@ -65,8 +65,10 @@ def test_ipc_schedule_buckets_reduce_exactly(hvd: Any) -> None:
     assert isinstance(schedule.transport, IpcScheduleTransport), type(schedule.transport)
 
 
-def test_ipc_schedule_captured_replays_equal_eager_nccl_steps(hvd: Any) -> None:
-    """A step captured with the IPC schedule: 8 replays on new batches equal 8 eager steps
+@pytest.mark.parametrize("via", ["ipc", "auto"])
+def test_ipc_schedule_captured_replays_equal_eager_nccl_steps(hvd: Any, via: str) -> None:
+    """A step captured with the IPC schedule (``schedule_transport`` ipc from the start, or
+    auto: moved there by ``make_graphed_step``): 8 replays on new batches equal 8 eager steps
     of the same model on the NCCL schedule, to fp32 rounding (both sum two ranks' gradients
     exactly; the average's division is the only rounding), ranks bit-equal."""
     _ipc_ready(hvd)
@@ -78,8 +80,9 @@ def test_ipc_schedule_captured_replays_equal_eager_nccl_steps(hvd: Any) -> None:
                                    torch.nn.Linear(64, 1)).to(dev)
 
     eager, captured = model(), model()
-    opt_e = _optimizer(hvd, list(eager.parameters()), "ipc_e", lr=0.1, cap=4000 * 4 / 2**20)
-    opt_c = _optimizer(hvd, list(captured.parameters()), "ipc_c", lr=0.1,
+    opt_e = _optimizer(hvd, list(eager.parameters()), f"ipc_e_{via}", lr=0.1,
+                       cap=4000 * 4 / 2**20)
+    opt_c = _optimizer(hvd, list(captured.parameters()), f"ipc_c_{via}", lr=0.1,
                        cap=4000 * 4 / 2**20)
 
     def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,9 +98,12 @@ def test_ipc_schedule_captured_replays_equal_eager_nccl_steps(hvd: Any) -> None:
         return train_step
 
     sx, sy = batch(0)
-    with knobs(schedule_transport="ipc"):
+    with knobs(schedule_transport=via):
         graphed = hvd.make_graphed_step(step_of(captured, opt_c), sx.clone(), sy.clone(),
                                         optimizer=opt_c, warmup_steps=3)
+    # auto: the schedule opened over NCCL at the first warm-up step and moved to IPC before
+    # the last one, which the capture took.
+    assert opt_c.agreed_schedule is not None and opt_c.agreed_schedule.via == "ipc"
     eager_step = step_of(eager, opt_e)
     for _ in range(3):
         eager_step(sx, sy)  # the captured model's warm-up steps, on the same batch
@@ -109,5 +115,5 @@ def test_ipc_schedule_captured_replays_equal_eager_nccl_steps(hvd: Any) -> None:
     got = torch.cat([p.detach().reshape(-1) for p in captured.parameters()])
     want = torch.cat([p.detach().reshape(-1) for p in eager.parameters()])
     assert float((got - want).abs().max()) <= 1e-6 * max(1.0, float(want.abs().max()))
-    everyone = hvd.allgather(got.unsqueeze(0), name="ipcsched.params")
+    everyone = hvd.allgather(got.unsqueeze(0), name=f"ipcsched.params.{via}")
     assert all(torch.equal(everyone[0], row) for row in everyone)

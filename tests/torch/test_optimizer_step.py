@@ -357,3 +357,40 @@ def test_a_dropped_optimizer_is_collected(hvd: Any, op: str) -> None:
     del opt, model
     gc.collect()
     assert (gone(), params()) == (None, None)
+
+
+def test_move_schedule_of_host_buckets_stays_on_mpi_and_still_equals_ddp(hvd: Any,
+                                                                       ddp: None) -> None:
+    """``move_schedule`` (what ``make_graphed_step`` asks under ``schedule_transport=auto``):
+    before the schedule opens it answers why there is none; host buckets' schedule stays on
+    MPI, named; a bad ``via`` is ``ValueError``; mid-step (a bucket launched) ``HvdliteError``;
+    and the steps after it still equal DDP's bit for bit."""
+    _exact(hvd)
+    model = Model()
+    with knobs(optimizer_host_schedule=True, optimizer_size1_shortcut=False):
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                       named_parameters=model.named_parameters(),
+                                       bucket_cap_mb=100 / 2**20)
+        assert opt.move_schedule("ipc") == "the first step has not run yet"
+        with pytest.raises(ValueError, match="via must be one of nccl, ipc, got 'mpi'"):
+            opt.move_schedule("mpi")
+        launched: list[Any] = []
+
+        def between(model: Model) -> None:
+            schedule = opt.agreed_schedule
+            if schedule is None:
+                return
+            assert schedule.via == "mpi"
+            assert opt.move_schedule("ipc") == \
+                "its buckets are in host memory (their schedule runs over MPI)"
+            assert opt.agreed_schedule is schedule
+            launched.append(schedule.launches)
+
+        _train(hvd, opt, model, before=between)
+        assert launched, opt.unscheduled_reason
+        model(_coeffs(99, hvd.rank())).backward()  # buckets launched by the hooks
+        with pytest.raises(hvd.HvdliteError, match="only between steps"):
+            opt.move_schedule("nccl")
+        opt.synchronize()
+        opt.zero_grad()
+    _equal(model, _ddp_train(hvd))
