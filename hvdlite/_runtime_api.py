@@ -96,10 +96,12 @@ def open_schedule(name: str, slots: Sequence[Slot], buffers: Sequence[tuple[int,
 
 
 @contextlib.contextmanager
-def capture(schedules: Sequence[AgreedSchedule]) -> Iterator[None]:
-    """While a CUDA graph is captured on this thread: every other hvdlite call on it raises
-    ``HvdliteError`` (it would replay un-negotiated) and ``schedules``' launches are captured."""
-    with default_engine().scheduler.schedules.capture(schedules):
+def capture(schedules: Sequence[AgreedSchedule], graph: object) -> Iterator[None]:
+    """While ``graph`` (a CUDA graph, weakly referenced) is captured on this thread: every
+    other hvdlite call on it raises ``HvdliteError`` (it would replay un-negotiated) and
+    ``schedules``' launches are captured; their transports then live at least as long as
+    ``graph`` (tearing one down under a live graph waits for it)."""
+    with default_engine().scheduler.schedules.capture(schedules, graph):
         yield
 
 

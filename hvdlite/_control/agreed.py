@@ -59,30 +59,58 @@ log = logging.getLogger("hvdlite")
 _MAX_WARNED = 64  # stall warnings remembered (each logged once)
 _MAX_NAP_S = 1e-3  # longest pause of a host wait between looks at its launch
 _HOT_WAIT_S = 300e-6  # a host wait first looks without sleeping this long (as rounds do)
-# Transports of captured schedules closed by a shutdown, kept alive (bounded: one per capture
-# per re-init, the oldest let go first) so no graph replays kernels of a freed communicator.
-_RETIRED: list[Any] = []
-_MAX_RETIRED = 64
+_MAX_RETIRED = 64  # retired transports kept before those whose graphs are gone are let go
+
+
+class _Retired:
+    """A captured schedule's transport and the graphs that captured its launches (weakly):
+    tearing down an NCCL communicator whose kernels a live graph holds waits for that graph
+    (ncclCommDestroy and ncclCommAbort both hung two ranks, gpu-validation runs 104-105), so a
+    transport is let go only once every such graph is gone."""
+
+    __slots__ = ("transport", "graphs")
+
+    def __init__(self, transport: Any) -> None:
+        self.transport = transport
+        self.graphs: list[weakref.ref[Any]] = []
+
+    def held(self) -> bool:
+        return any(ref() is not None for ref in self.graphs)
+
+
+# Transports of captured schedules (closed by a shutdown, or dropped), kept alive: no graph
+# may replay kernels of a freed communicator. Past the bound, those whose graphs are all gone
+# are let go, oldest first; those some live graph holds stay.
+_RETIRED: list[_Retired] = []
 
 
 def _let_go(transport: Any) -> None:
-    # Evicted (64 captures ago): aborted, which is local (ncclCommAbort; the IPC transport's
-    # abort word), not left to the collector, whose ncclCommDestroy waits for the peers.
+    # Aborted, which is local (ncclCommAbort; the IPC transport's abort word), not left to the
+    # collector, whose ncclCommDestroy waits for the peers.
     try:
         transport.abort()
     except Exception:
         log.exception("hvdlite: letting go of a retired agreed schedule's transport failed")
 
 
+def _evict() -> None:
+    while len(_RETIRED) > _MAX_RETIRED:
+        gone = next((r for r in _RETIRED if not r.held()), None)
+        if gone is None:
+            return  # every one is in a live graph: kept (the graphs are the user's to drop)
+        _RETIRED.remove(gone)
+        _let_go(gone.transport)
+
+
 def keep_retired_at_exit() -> None:
     """At interpreter exit: keep every retired transport alive to the process's end, which
-    frees it. Its launches live in a CUDA graph the user may still hold, and an NCCL
-    communicator whose kernels a live graph holds is torn down only after that graph: the
-    collector's ncclCommDestroy, and ncclCommAbort too, hung two ranks at exit after their
-    tests passed (gpu-validation runs 104 and 105). Local; idempotent."""
-    for transport in _RETIRED:
+    frees it. A graph holding its kernels may still be alive (the user's objects die in the
+    interpreter's teardown in no set order), and the collector's ncclCommDestroy, and
+    ncclCommAbort too, then waits for it: two ranks hung at exit after their tests passed
+    (gpu-validation runs 104 and 105). Local; idempotent."""
+    for retired in _RETIRED:
         # A reference no one drops: the interpreter's teardown never collects it.
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(transport))
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(retired.transport))
     _RETIRED.clear()
 
 
@@ -112,7 +140,7 @@ class AgreedSchedule:
 
     __slots__ = ("name", "slots", "set_id", "transport", "next", "launches", "capturing",
                  "captured", "error", "_launched", "_service", "_sched", "_dropped",
-                 "__weakref__")
+                 "_retired", "__weakref__")
 
     def __init__(self, name: str, slots: Sequence[Slot], set_id: int,
                  transport: ScheduleTransport, service: Schedules) -> None:
@@ -133,6 +161,7 @@ class AgreedSchedule:
         # on any thread, inside any call).
         self._dropped = weakref.finalize(self, service.dropped.append, transport)
         self._dropped.atexit = False  # (at exit the engine's shutdown closes what is open)
+        self._retired: _Retired | None = None  # once a graph captured its launches
 
     @property
     def device_id(self) -> int:
@@ -217,16 +246,21 @@ class AgreedSchedule:
         self._dropped.detach()
         self.transport.close()
 
-    def retire(self) -> None:
-        """Its launches are captured in a CUDA graph, which may outlive it, and the engine:
-        waiting for its stream or aborting it hung a shutdown at two GPUs (2026-11-27). So the
-        transport is never closed: kept alive, unused (every launch after close raises),
-        until the process ends (bounded: the oldest let go first)."""
+    def retire(self, graph: object) -> None:
+        """Its launches are being captured in ``graph`` (a CUDA graph), which may outlive it
+        and the engine: waiting for its stream or aborting it hung a shutdown at two GPUs
+        (2026-11-27). So the transport is never closed: kept alive, unused (every launch
+        after close raises), until every graph that captured it is gone and the bound asks
+        for room, or the process ends."""
         self.captured = True
-        if self._dropped.detach() is not None:
-            _RETIRED.append(self.transport)
-            while len(_RETIRED) > _MAX_RETIRED:
-                _let_go(_RETIRED.pop(0))
+        if self._retired is None:
+            self._dropped.detach()
+            self._retired = _Retired(self.transport)
+            _RETIRED.append(self._retired)
+        graphs = self._retired.graphs
+        graphs[:] = [ref for ref in graphs if ref() is not None]
+        graphs.append(weakref.ref(graph))
+        _evict()
 
 
 class Schedules:
@@ -425,15 +459,16 @@ class Schedules:
 
     # -- capture control ---------------------------------------------------------------------
     @contextlib.contextmanager
-    def capture(self, schedules: Sequence[AgreedSchedule]) -> Iterator[None]:
-        """While a CUDA graph captures on this thread: other hvdlite calls on it are refused
-        (a replay would run them un-negotiated), and ``schedules``' launches are captured
-        (their replays then count as pending for the shutdown and abort logic)."""
+    def capture(self, schedules: Sequence[AgreedSchedule], graph: object) -> Iterator[None]:
+        """While ``graph`` (a CUDA graph) captures on this thread: other hvdlite calls on it
+        are refused (a replay would run them un-negotiated), and ``schedules``' launches are
+        captured (their replays then count as pending for the shutdown and abort logic; their
+        transports live as long as ``graph`` does, at least)."""
         sched = self.scheduler
         sched.check_usable()
         for s in schedules:
             s.capturing = True
-            s.retire()
+            s.retire(graph)
         sched.capture_thread = threading.get_ident()
         try:
             yield

@@ -90,7 +90,7 @@ def _capture(graph: torch.cuda.CUDAGraph, pool: Any, schedules: list[Any],
              step_fn: Callable[..., Any], inputs: list[torch.Tensor]) -> Any:
     """``step_fn(*inputs)`` captured into ``graph``; its outputs."""
     try:
-        with runtime.capture(schedules), \
+        with runtime.capture(schedules, graph), \
                 torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             return step_fn(*inputs)
     except Exception as exc:
