@@ -238,26 +238,21 @@ class IpcScheduleTransport(DeviceSlots):
         side, me, size, n = self.side, self.rank, self.size, self.n
         plan, op, wire = self._plans[i]
         memcpy, sptr = self.cupy.cuda.runtime.memcpyAsync, self.sptr
+        counters, inboxes, abort_word = side.counters, self._inboxes, side.abort_device
         with self.stream:
-            kernels.sched_signal(side.counters, self._inboxes, WRITTEN, i, n, me, size, True)
+            kernels.sched_step(counters, inboxes, abort_word, WRITTEN, i, n, me, size, True)
             try:
-                kernels.sched_wait(side.counters, side.inbox, side.abort_device, WRITTEN, i, n,
-                                   me, size)
                 for dst, src, nbytes in plan.pulls:
                     memcpy(dst, src, nbytes, _D2D, sptr)
                 if plan.count:
                     kernels.ipc_reduce(op, wire, plan.inputs, plan.out, plan.count,
                                        _REDUCE_BLOCKS)
-                kernels.sched_signal(side.counters, self._inboxes, REDUCED, i, n, me, size,
-                                     False)
-                kernels.sched_wait(side.counters, side.inbox, side.abort_device, REDUCED, i, n,
-                                   me, size)
+                kernels.sched_step(counters, inboxes, abort_word, REDUCED, i, n, me, size,
+                                   False)
                 for dst, src, nbytes in plan.gathers:
                     memcpy(dst, src, nbytes, _D2D, sptr)
-                kernels.sched_signal(side.counters, self._inboxes, GATHERED, i, n, me, size,
-                                     False)
-                kernels.sched_wait(side.counters, side.inbox, side.abort_device, GATHERED, i,
-                                   n, me, size)
+                kernels.sched_step(counters, inboxes, abort_word, GATHERED, i, n, me, size,
+                                   False)
             except BaseException:
                 # Broken between its signals: the peers still get every signal of this launch
                 # (their waits pass; their sums are void), so this rank's error ends the job

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from typing import Any
 
 __all__ = ["batched_copy", "CTYPES", "ipc_oneshot", "ipc_reduce", "prepare_schedule",
-           "sched_signal", "sched_wait"]
+           "sched_signal", "sched_step"]
 
 # Element type of the kernel for each wire dtype (complex travels as pairs of its real type).
 CTYPES = {
@@ -330,10 +330,9 @@ def ipc_oneshot(op: str, wire: str, ranks: int, slots: int, x: int, slot_table: 
 # cyclically); a wait also gives up once the host sets its abort word (host memory mapped into
 # the device): the way out for a stream parked on a peer that died.
 _SCHED_SOURCE = r"""
-extern "C" __global__ void hvd_sched_signal(unsigned int* counters,
+__device__ __forceinline__ unsigned int sched_signal_(unsigned int* counters,
         const unsigned long long* __restrict__ inboxes, int kind, int slot, int slots,
         int me, int ranks, int bump) {
-    if (threadIdx.x != 0) return;
     unsigned int epoch = counters[slot];
     if (bump) {
         epoch += 1u;
@@ -345,13 +344,25 @@ extern "C" __global__ void hvd_sched_signal(unsigned int* counters,
         unsigned int* f = (unsigned int*)inboxes[r] + (kind * slots + slot) * ranks + me;
         asm volatile("st.release.sys.global.u32 [%0], %1;" :: "l"(f), "r"(epoch) : "memory");
     }
+    return epoch;
 }
 
-extern "C" __global__ void hvd_sched_wait(const unsigned int* counters,
-        const unsigned int* inbox, const unsigned int* abort_word, int kind, int slot,
-        int slots, int me, int ranks) {
+extern "C" __global__ void hvd_sched_signal(unsigned int* counters,
+        const unsigned long long* __restrict__ inboxes, int kind, int slot, int slots,
+        int me, int ranks, int bump) {
     if (threadIdx.x != 0) return;
-    const unsigned int epoch = counters[slot];
+    sched_signal_(counters, inboxes, kind, slot, slots, me, ranks, bump);
+}
+
+// A step: signal, then wait until every peer signalled the same (one launch where the two
+// always come together: a launch's host calls and the graph's nodes are the fewer).
+extern "C" __global__ void hvd_sched_step(unsigned int* counters,
+        const unsigned long long* __restrict__ inboxes, const unsigned int* abort_word,
+        int kind, int slot, int slots, int me, int ranks, int bump) {
+    if (threadIdx.x != 0) return;
+    const unsigned int epoch = sched_signal_(counters, inboxes, kind, slot, slots, me, ranks,
+                                             bump);
+    const unsigned int* inbox = (const unsigned int*)inboxes[me];
     for (int r = 0; r < ranks; ++r) {
         if (r == me) continue;
         const unsigned int* f = inbox + (kind * slots + slot) * ranks + r;
@@ -374,11 +385,11 @@ def _sched_kernel(name: str) -> Any:
 
 
 def prepare_schedule(reductions: Iterable[tuple[str, str]], ranks: int) -> None:
-    """Compile and load the schedule's kernels now (signal, wait, and the reduce of each
+    """Compile and load the schedule's kernels now (signal, step, and the reduce of each
     ``(op, wire)`` over ``ranks`` inputs): a compiler failure is then the rank's answer when
     its schedule opens, never an error between a launch's signals."""
     _sched_kernel("hvd_sched_signal")
-    _sched_kernel("hvd_sched_wait")
+    _sched_kernel("hvd_sched_step")
     for op, wire in set(reductions):
         _ipc_kernel(op, ranks, wire).compile()
 
@@ -396,13 +407,14 @@ def sched_signal(counters: int, inboxes: Any, kind: int, slot: int, slots: int, 
                       np.int32(slots), np.int32(me), np.int32(ranks), np.int32(int(bump))))
 
 
-def sched_wait(counters: int, inbox: int, abort_word: int, kind: int, slot: int, slots: int,
-               me: int, ranks: int) -> None:
-    """On the current stream, before its later work: wait until every peer reached ``kind``
-    of ``slot``'s current launch, or the abort word is set."""
+def sched_step(counters: int, inboxes: Any, abort_word: int, kind: int, slot: int,
+               slots: int, me: int, ranks: int, bump: bool) -> None:
+    """On the current stream, in one kernel: :func:`sched_signal`, then wait until every
+    peer reached ``kind`` of ``slot``'s current launch too, or the abort word is set (its
+    inbox is ``inboxes[me]``); the stream's later work starts after."""
     import numpy as np
 
-    _sched_kernel("hvd_sched_wait")(
-        (1,), (32,), (np.uint64(counters), np.uint64(inbox), np.uint64(abort_word),
-                      np.int32(kind), np.int32(slot), np.int32(slots), np.int32(me),
-                      np.int32(ranks)))
+    _sched_kernel("hvd_sched_step")(
+        (1,), (32,), (np.uint64(counters), inboxes, np.uint64(abort_word), np.int32(kind),
+                      np.int32(slot), np.int32(slots), np.int32(me), np.int32(ranks),
+                      np.int32(int(bump))))
