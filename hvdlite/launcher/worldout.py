@@ -31,6 +31,8 @@ _HYDRA_MESSAGES = (
     "launcher returned error waiting for completion",
     "process manager error waiting for completion",
     "write error (Bad file descriptor)",
+    "write error (Broken pipe)",
+    "write error (Connection reset by peer)",
     "sock write error",
     "unable to write data to proxy",
     "unable to send signal downstream",
