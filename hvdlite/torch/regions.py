@@ -19,12 +19,12 @@ A region falls back to eager execution the way ``torch.compile`` says (graph bre
 shapes, recompilations past its limit: ``TORCH_LOGS=graph_breaks,recompiles``); the parameters
 outside every region (embeddings, a head) stay eager and form the last group. Give a heavy
 language-model head as a region too, with its loss in the same module and its matmuls padded
-(``compile_regions(model, [head_loss], options={"force_shape_pad": True})``: a vocabulary
-width such as GPT-2's 50257 otherwise runs unaligned GEMMs; docs/captured-step.md); a
-parameter tied to the embedding still waits in the last group. Regions share
-their compiled code: arguments that differ from one region to the next (a Hugging Face model's
-key/value cache, on by default: set ``model.config.use_cache = False`` for training, which
-:func:`compile_regions` warns of) recompile it per region.
+(``head_loss.compile(options={"force_shape_pad": True})``, then among the regions given to
+:func:`region_groups`: a vocabulary width such as GPT-2's 50257 otherwise runs unaligned
+GEMMs; docs/captured-step.md); a parameter tied to the embedding still waits in the last
+group. Regions share their compiled code: arguments that differ from one region to the next
+(a Hugging Face model's key/value cache, on by default: set ``model.config.use_cache = False``
+for training, which :func:`compile_regions` warns of) recompile it per region.
 """
 
 from __future__ import annotations
