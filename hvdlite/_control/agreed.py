@@ -139,8 +139,8 @@ class AgreedSchedule:
     """
 
     __slots__ = ("name", "slots", "set_id", "transport", "next", "launches", "capturing",
-                 "captured", "error", "_launched", "_service", "_sched", "_dropped",
-                 "_retired", "__weakref__")
+                 "error", "_launched", "_service", "_sched", "_dropped", "_retired",
+                 "__weakref__")
 
     def __init__(self, name: str, slots: Sequence[Slot], set_id: int,
                  transport: ScheduleTransport, service: Schedules) -> None:
@@ -151,7 +151,6 @@ class AgreedSchedule:
         # Set while a CUDA graph captures launches: a captured record is no record and a
         # replay is no launch the watchdog can time.
         self.capturing = False
-        self.captured = False  # launches of it live in a CUDA graph
         self.error: HvdliteError | None = None
         self._launched = [0.0] * len(self.slots)  # host time of a pending launch (0: none)
         self._service = service
@@ -162,6 +161,11 @@ class AgreedSchedule:
         self._dropped = weakref.finalize(self, service.dropped.append, transport)
         self._dropped.atexit = False  # (at exit the engine's shutdown closes what is open)
         self._retired: _Retired | None = None  # once a graph captured its launches
+
+    @property
+    def captured(self) -> bool:
+        """Whether launches of it live in a CUDA graph (it is retired, never closed)."""
+        return self._retired is not None
 
     @property
     def device_id(self) -> int:
@@ -252,7 +256,6 @@ class AgreedSchedule:
         (2026-11-27). So the transport is never closed: kept alive, unused (every launch
         after close raises), until every graph that captured it is gone and the bound asks
         for room, or the process ends."""
-        self.captured = True
         if self._retired is None:
             self._dropped.detach()
             self._retired = _Retired(self.transport)

@@ -103,10 +103,9 @@ def move_scheduled(scheduled: ScheduledBuckets, agreed: Sequence[Slot], set_id: 
     if scheduled.next or any(scheduled.pending):
         raise HvdliteError(f"{name}: its schedule can move to {via} only between steps (a "
                            "bucket of this step was already launched)")
-    why = "its buckets are in host memory (their schedule runs over MPI)" \
-        if scheduled.device < 0 else ""
-    moved, why = open_scheduled(scheduled.buckets, agreed, set_id, f"{name}.{via}",
-                                via) if not why else (None, why)
+    if scheduled.device < 0:
+        return scheduled, "its buckets are in host memory (their schedule runs over MPI)"
+    moved, why = open_scheduled(scheduled.buckets, agreed, set_id, f"{name}.{via}", via)
     if moved is None:
         return scheduled, why
     old.close()

@@ -587,4 +587,3 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     return cls(optimizer.param_groups, named_parameters, compression,
                backward_passes_per_step, op, gradient_predivide_factor, groups,
                sparse_as_dense, process_set, bool(gradient_as_bucket_view), bucket_cap_mb)
-
