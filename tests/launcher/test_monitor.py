@@ -165,16 +165,25 @@ def test_from_env_without_a_monitor() -> None:
 _RANK = r"""
 import json, sys, threading, time
 from hvdlite._rankside import watchdog
+
+
+class Timeline:  # "linger": writing the timeline takes the rank's last second, then a mark
+    def close(self, timeout=None):
+        time.sleep(1.0)
+        with open(sys.argv[2], "w") as f:  # written: the rank ended by itself
+            f.write("ended")
+
+
 got, box = threading.Event(), []
 watchdog.subscribe(lambda m: (box.append(m), got.set()))
-assert watchdog.start(lambda: None)
+assert watchdog.start(lambda: Timeline() if sys.argv[1] == "linger" else None)
 assert watchdog.send({"t": "ping", "from": "rank"})
 if sys.argv[1] == "talk":
     assert got.wait(20)
     print(json.dumps(box[0]), flush=True)
-elif sys.argv[1] == "linger":  # SIGTERM: one second's work (writing a timeline), then the end
-    import signal
-    signal.signal(signal.SIGTERM, lambda *_: (time.sleep(1.0), sys.exit(0)))
+elif sys.argv[1] == "linger":  # its wrapper's death: SIGTERM (as hvdlite's signal hook, the
+    import signal               # timeline written), or the watchdog, whichever comes first
+    signal.signal(signal.SIGTERM, lambda *_: (Timeline().close(), sys.exit(0)))
     time.sleep(600)
 else:
     time.sleep(600)  # blocked outside Python (as in an MPI call): only the watchdog can end it
@@ -190,12 +199,12 @@ def patient() -> Monitor:
     mon.close()
 
 
-def _wrapped_rank(monitor: Monitor, mode: str) -> subprocess.Popen[str]:
+def _wrapped_rank(monitor: Monitor, mode: str, *args: str) -> subprocess.Popen[str]:
     wrapper = Path(_rankwrap.__file__).resolve()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HVDLITE_", "PMI_"))}
     env |= monitor.env() | {"PMI_RANK": "0", "PYTHONPATH": str(REPO)}
     return subprocess.Popen([sys.executable, "-I", str(wrapper), sys.executable, "-c", _RANK,
-                             mode], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             mode, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
 
 
@@ -253,24 +262,27 @@ def test_a_killed_wrapper_is_a_teardown_not_a_lost_host(patient: Monitor) -> Non
 
 
 def test_a_rank_whose_wrapper_was_killed_stays_connected_until_it_ended(
-        patient: Monitor) -> None:
+        patient: Monitor, tmp_path: Path) -> None:
     # hvdliterun waits on the monitor's open connections before it returns: a rank on another
     # host whose wrapper the MPI launcher killed still writes its timeline (no live marker of
     # it reaches the launcher's host). Its guard holds the connection until the rank ended.
     monitor = patient
-    proc = _wrapped_rank(monitor, "linger")
+    mark = tmp_path / "ended"
+    proc = _wrapped_rank(monitor, "linger", str(mark))
     try:
         _wait_for(monitor, "message", timeout=30)
         assert monitor.connected() == [0]
         proc.kill()
         _wait_for(monitor, "lost", timeout=5)
         assert monitor.running() == [] and monitor.connected() == [0]  # the rank lingers
-        start = time.monotonic()
+        assert not mark.exists()
         _wait_until(lambda: monitor.connected() == [])
     finally:
         proc.kill()
         proc.communicate()
-    assert time.monotonic() - start < 3.0  # the rank's second, not the guard's 5 s
+    # Released once the rank had finished its last work and ended (it writes the mark last; a
+    # connection dropped with the wrapper would have closed before it).
+    assert mark.read_text() == "ended"
 
 
 def test_verdict_names_the_host_that_went_alone(monitor: Monitor) -> None:
