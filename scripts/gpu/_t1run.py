@@ -134,7 +134,7 @@ class Runner:
                 # The head with its loss, one region (tied to the embedding, its weight waits
                 # in the last bucket), its matmuls padded: the 50257-wide head ran cuBLAS's
                 # unaligned GEMMs eager (run 99), compiled alone and compiled with its loss
-                # (7.9 ms a step; inductor chose not to pad there), and padded as the whole
+                # (7.9 ms a step; inductor did not pad them there), and padded as the whole
                 # model's compile has them only with force_shape_pad (runs 104-106).
                 self.head_loss = head_loss(torch, self.model.lm_head)  # outside the model
                 self.head_loss.compile(options={"force_shape_pad": True})
