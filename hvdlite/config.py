@@ -408,7 +408,7 @@ class Config:
              "when the schedule opens.",
     )  # fmt: skip
     schedule_transport: str = _knob(
-        kind="choice", parse=_parse_schedule_transport, default="nccl", unit="",
+        kind="choice", parse=_parse_schedule_transport, default="auto", unit="",
         choices=SCHEDULE_TRANSPORTS,
         help="How an agreed schedule's device buckets travel (a GPU per rank, one host for "
              "ipc): nccl; ipc: the copy engines bring each rank its share of every peer's "

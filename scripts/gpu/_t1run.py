@@ -14,6 +14,7 @@ import _gpulib as gl
 from _t1vocab import (
     BASE,
     BASE_C,
+    BASE_CR,
     CAPTURE_WARMUP,
     CAPTURED,
     COMPILED,
@@ -414,7 +415,7 @@ class Env:
             if any(is_compiled(k, self.args) for k in keep):  # their references come along
                 keep |= {BASE_C, DDP_C}
             opt_in = [*HVD_CTA.values(), HVD_PRIO, HVD_G_PRIO, HVD_IPC, HVD_G_IPC,  # if asked
-                      HVD_GR_IPC]
+                      HVD_GR_IPC, BASE_CR]
             out = [v for v in [*out, *opt_in] if v in keep or v in (BASE, HVD, DDP)]
         return out
 

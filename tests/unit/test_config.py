@@ -55,7 +55,7 @@ EXPECTED_DEFAULTS = {
     "optimizer_host_schedule": False,
     "optimizer_max_ctas": 0,
     "stream_priority": "high",
-    "schedule_transport": "nccl",
+    "schedule_transport": "auto",
     "log_level": "warning",
     "nvtx": False,
 }
