@@ -42,6 +42,7 @@ from _t1vocab import (
     HVDS,
     ORDER_BUCKET_MB,
     PLAIN_G,
+    PLAIN_GR,
     REGIONED,
     SHORT,
     is_compiled,
@@ -415,7 +416,7 @@ class Env:
             if any(is_compiled(k, self.args) for k in keep):  # their references come along
                 keep |= {BASE_C, DDP_C}
             opt_in = [*HVD_CTA.values(), HVD_PRIO, HVD_G_PRIO, HVD_IPC, HVD_G_IPC,  # if asked
-                      HVD_GR_IPC, BASE_CR]
+                      HVD_GR_IPC, BASE_CR, PLAIN_GR]
             out = [v for v in [*out, *opt_in] if v in keep or v in (BASE, HVD, DDP)]
         return out
 

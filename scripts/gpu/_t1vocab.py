@@ -30,14 +30,16 @@ HVD_G_IPC = "captured: hvdlite step, schedule over CUDA IPC"
 HVD_G = "captured: hvdlite step (make_graphed_step)"
 FLAT_G = "captured: plain step + one flat allreduce after backward"
 PLAIN_G = "captured: plain step, no communication (the captured limit)"
+PLAIN_GR = "captured: plain step compiled by regions, no communication (the regions' limit)"
 # Issue 39: compiled block by block, buckets on block boundaries (hvd.compile_regions).
 BASE_CR = "compiled by regions: plain torch"
 HVD_CR = "compiled by regions: hvdlite default"
 HVD_GR = "captured: hvdlite step, compiled by regions"
 HVD_GR_IPC = "captured: hvdlite step, compiled by regions, schedule over CUDA IPC"
-REGIONED = (BASE_CR, HVD_CR, HVD_GR, HVD_GR_IPC)
-CAPTURED = (HVD_G, FLAT_G, HVD_GR, PLAIN_G, HVD_G_PRIO, HVD_G_IPC, HVD_GR_IPC)
-LOCAL = (BASE, BASE_C, BASE_CR, PLAIN_G)  # no communication: each rank trains on its own batch
+REGIONED = (BASE_CR, HVD_CR, HVD_GR, HVD_GR_IPC, PLAIN_GR)
+CAPTURED = (HVD_G, FLAT_G, HVD_GR, PLAIN_G, HVD_G_PRIO, HVD_G_IPC, HVD_GR_IPC, PLAIN_GR)
+# No communication: each rank trains on its own batch.
+LOCAL = (BASE, BASE_C, BASE_CR, PLAIN_G, PLAIN_GR)
 CAPTURE_WARMUP = 3  # eager steps a captured variant's first call runs before capturing
 HVDS = (HVD, HVD_ALT, HVD_NEG, HVD_ASYNC, HVD_C, HVD_C_ALT, HVD_G, HVD_CR, HVD_GR,
         *HVD_CTA.values(), HVD_PRIO, HVD_G_PRIO, HVD_IPC, HVD_G_IPC, HVD_GR_IPC)
@@ -45,6 +47,7 @@ DDPS = (DDP, DDP_VIEWS, DDP_C, DDP_ORDER)
 COMPILED = (BASE_C, HVD_C, HVD_C_ALT, DDP_C)
 TRANSFORMERS = ("vit_b_16", "gpt2")
 SHORT = {"hvd_g": HVD_G, "flat_g": FLAT_G, "plain_g": PLAIN_G, "alt": HVD_ALT, "neg": HVD_NEG,
+         "plain_gr": PLAIN_GR,
          "ddp_views": DDP_VIEWS, "plain_c": BASE_C, "hvd_c": HVD_C, "plain_cr": BASE_CR,
          "hvd_c_alt": HVD_C_ALT, "ddp_c": DDP_C, "hvd_cr": HVD_CR, "hvd_gr": HVD_GR,
          "prio": HVD_PRIO, "hvd_g_prio": HVD_G_PRIO, "ipc": HVD_IPC, "hvd_g_ipc": HVD_G_IPC,
