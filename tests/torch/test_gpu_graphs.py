@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch_util import cuda_device, n_rank_path
+from torch_util import cuda_device, knobs, n_rank_path
 
 import hvdlite
 
@@ -249,7 +249,8 @@ def _optimizer_of(hvd: Any, params: list[torch.nn.Parameter], tag: str) -> Any:
 def test_debug_dump_writes_the_graph_with_its_buckets_nccl_kernels(hvd: Any,
                                                                     tmp_path: Path) -> None:
     """``make_graphed_step(debug_dump=...)`` writes the captured graph as DOT, the buckets'
-    NCCL kernels among its nodes (at least one per bucket launch); the table of what each may
+    NCCL kernels among its nodes (at least one per bucket launch; the schedule kept on NCCL,
+    which ``schedule_transport=auto`` would move to CUDA IPC); the table of what each may
     overlap (scripts/gpu/graph_overlap.py) is printed for the record."""
     if not _lane_expected(hvd):
         pytest.skip("ranks sharing a GPU cannot capture (see the first test)")
@@ -258,7 +259,8 @@ def test_debug_dump_writes_the_graph_with_its_buckets_nccl_kernels(hvd: Any,
     opt = _optimizer(hvd, model, "dump")
     sx, sy = _batch(0, hvd.rank(), dev)
     path = tmp_path / f"step_{hvd.rank()}.dot"
-    hvd.make_graphed_step(_mse_step(model, opt), sx, sy, optimizer=opt, debug_dump=path)
+    with knobs(schedule_transport="nccl"):
+        hvd.make_graphed_step(_mse_step(model, opt), sx, sy, optimizer=opt, debug_dump=path)
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "gpu"))
     import graph_overlap
 
