@@ -26,12 +26,21 @@ a step captured by ``make_graphed_step`` replays the launches with the right epo
 waits are single-warp kernels that spin, which is why the ranks need a GPU each (contexts
 sharing a GPU take turns: a spinning wait would hold its peer off). :meth:`abort` sets a word
 in mapped host memory that every wait polls, so a stream parked on a dead peer drains.
+
+A launch is three signal-and-wait kernels, the copies and the reduce: about ten driver calls
+from Python, which an eager (host-bound) step pays per bucket. Since nothing in a launch
+changes from one to the next (fixed addresses, epochs on the device), each slot's launch is
+captured once, at its first eager launch, into a CUDA graph of its own, and later eager
+launches are one graph launch between the READY and DONE events. A launch that is itself being
+captured (``make_graphed_step``) enqueues the work directly, as does every launch if a slot's
+capture fails (logged once; the direct launch is the same work).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,6 +58,8 @@ from hvdlite.errors import HvdliteError
 
 __all__ = ["IpcScheduleSide", "IpcScheduleTransport", "LaunchPlan", "launch_plan", "placement_why",
            "shares", "why_not"]
+
+log = logging.getLogger("hvdlite")
 
 WRITTEN, REDUCED, GATHERED = 0, 1, 2
 _KINDS = 3
@@ -95,6 +106,15 @@ def placement_why(records: Sequence[dict[str, Any]]) -> str:
                    "spinning waits need a GPU per rank"
         seen[r["gpu"]] = rank
     return ""
+
+
+def _capturing(stream: Any) -> bool:
+    """Whether ``stream`` is being captured; True where CUDA cannot say (the legacy stream
+    while another thread captures), so the launch then enqueues its work directly."""
+    try:
+        return bool(stream.is_capturing())
+    except Exception:  # noqa: BLE001
+        return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,17 +244,70 @@ class IpcScheduleTransport(DeviceSlots):
             self._plans = [self._plan(s, buffers[i][1], [address(r, i) for r in
                                                           range(self.size)])
                            for i, s in enumerate(slots)]
+        self._graphs: list[Any] = [None] * self.n  # per slot: its launch as a CUDA graph
+        self._graphing = True  # off for good once a slot's capture failed
 
     def _plan(self, slot: Slot, count: int, ptrs: list[int]) -> tuple[LaunchPlan, str, str]:
         isz = DTYPES[slot.dtype].np_dtype.itemsize
         plan = launch_plan(self.rank, count, isz, ptrs, self._scratch, self._stride)
         return plan, _OPS[ReduceOp(slot.op)], slot.dtype
 
+    @property
+    def graphs_built(self) -> int:
+        """How many slots launch eagerly as a CUDA graph of their own (see the module
+        docstring)."""
+        return sum(g is not None for g in self._graphs)
+
     def launch(self, i: int, stream: Any) -> None:
         if self._aborted:
             raise HvdliteError("the agreed schedule's CUDA IPC transport was aborted (the job "
                                "is ending with an error raised on every rank)")
         self.fork(i, stream)
+        graph = None
+        if self._graphing and not _capturing(stream):
+            graph = self._graphs[i] or self._capture(i)
+        if graph is None:
+            self._enqueue(i, True)
+        else:
+            try:
+                graph.launch(stream=self.stream)
+            except BaseException:
+                self._broken(i, (WRITTEN, REDUCED, GATHERED))
+                raise
+        self.join(i)
+
+    def _capture(self, i: int) -> Any:
+        """Slot ``i``'s launch captured into a CUDA graph (None, and no graph from now on, if
+        the capture fails: nothing of it ran, so the direct launch follows)."""
+        rt = self.cupy.cuda.runtime
+        try:
+            self.stream.begin_capture(mode=rt.streamCaptureModeThreadLocal)
+        except Exception:  # noqa: BLE001 (no graph: the direct launch is the same work)
+            log.info("hvdlite: the CUDA IPC schedule launches without graphs", exc_info=True)
+            self._graphing = False
+            return None
+        try:
+            self._enqueue(i, False)
+        except Exception:  # noqa: BLE001
+            log.info("hvdlite: the CUDA IPC schedule launches without graphs", exc_info=True)
+            self._graphing = False
+            with contextlib.suppress(Exception):
+                self.stream.end_capture()
+            return None
+        try:
+            graph = self.stream.end_capture()
+        except Exception:  # noqa: BLE001
+            log.info("hvdlite: the CUDA IPC schedule launches without graphs", exc_info=True)
+            self._graphing = False
+            return None
+        self._graphs[i] = graph
+        return graph
+
+    def _enqueue(self, i: int, live: bool) -> None:
+        """Slot ``i``'s work on :attr:`stream`: run (``live``) or captured. A live launch
+        broken between its signals still gives the peers every later signal of it (their waits
+        pass; their sums are void), so this rank's error ends the job instead of its peers
+        spinning; the transport then takes no further launch."""
         side, me, size, n = self.side, self.rank, self.size, self.n
         plan, op, wire = self._plans[i]
         memcpy, sptr = self.cupy.cuda.runtime.memcpyAsync, self.sptr
@@ -254,16 +327,18 @@ class IpcScheduleTransport(DeviceSlots):
                 kernels.sched_step(counters, inboxes, abort_word, GATHERED, i, n, me, size,
                                    False)
             except BaseException:
-                # Broken between its signals: the peers still get every signal of this launch
-                # (their waits pass; their sums are void), so this rank's error ends the job
-                # instead of its peers spinning; the transport takes no further launch.
-                self._aborted = True
-                with contextlib.suppress(Exception):
-                    for kind in (REDUCED, GATHERED):
-                        kernels.sched_signal(side.counters, self._inboxes, kind, i, n, me,
-                                             size, False)
+                if live:
+                    self._broken(i, (REDUCED, GATHERED))
                 raise
-        self.join(i)
+
+    def _broken(self, i: int, kinds: tuple[int, ...]) -> None:
+        """A launch of slot ``i`` that failed before signalling ``kinds``: signal them (the
+        first one starts a new launch), and take no further launch."""
+        self._aborted = True
+        with contextlib.suppress(Exception), self.stream:
+            for kind in kinds:
+                kernels.sched_signal(self.side.counters, self._inboxes, kind, i, self.n,
+                                     self.rank, self.size, kind == WRITTEN)
 
     def abort(self) -> None:
         self._aborted = True
@@ -279,6 +354,7 @@ class IpcScheduleTransport(DeviceSlots):
         if not self.idle():
             self.abort()
             self.stream.synchronize()
+        self._graphs = [None] * self.n  # before the mappings their copies name go
         with self.cupy.cuda.Device(self.device_id):
             self._maps.close_all()
             self.cupy.cuda.runtime.free(self._scratch)
