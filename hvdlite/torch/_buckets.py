@@ -21,7 +21,7 @@ import torch
 
 from hvdlite._torchref import numpy_dtype
 
-__all__ = ["Bucket", "auto_buckets", "param_names", "register_hooks", "split"]
+__all__ = ["Bucket", "auto_buckets", "cap_bytes", "param_names", "register_hooks", "split"]
 
 TOO_MANY = ("gradients were computed more than backward_passes_per_step times before "
             "optimizer.step(): this backward() accumulated into a gradient after its "
@@ -156,9 +156,25 @@ class Bucket:
 _GRAD = operator.attrgetter("grad")
 
 
-def auto_buckets(params: Sequence[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
+def cap_bytes(name: str, mib: object, optional: bool = False) -> int:
+    """``mib`` MiB in bytes (``optional``: None is 0, no cap); ``ValueError`` unless it is a
+    positive number."""
+    if mib is None and optional:
+        return 0
+    if not isinstance(mib, (int, float)) or isinstance(mib, bool) or mib <= 0:
+        raise ValueError(f"{name} must be a positive number{' or None' if optional else ''}, "
+                         f"got {mib!r}")
+    return max(1, int(mib * 1024 * 1024))
+
+
+def auto_buckets(params: Sequence[torch.Tensor], cap_bytes: int,
+                 tail_bytes: int = 0) -> list[list[torch.Tensor]]:
     """``params`` (in registration order) split into buckets: reverse order, one (device,
-    dtype) per bucket, each at most ``cap_bytes`` (a larger parameter is a bucket alone)."""
+    dtype) per bucket, each at most ``cap_bytes`` (a larger parameter is a bucket alone).
+    With ``tail_bytes``, the last bucket of each (device, dtype) holds at most that (one
+    parameter at least): the first parameters, whose gradients backward computes last, so
+    what is left to reduce after backward is short; the rest of what would have been that
+    bucket goes before it."""
     buckets: list[list[torch.Tensor]] = []
     open_: dict[tuple[Any, Any], tuple[list[torch.Tensor], int]] = {}
     for p in reversed(list(params)):
@@ -170,7 +186,18 @@ def auto_buckets(params: Sequence[torch.Tensor], cap_bytes: int) -> list[list[to
             members, size = [], 0
         members.append(p)
         open_[key] = (members, size + nbytes)
-    buckets.extend(members for members, _ in open_.values() if members)
+    for members, size in open_.values():
+        if tail_bytes and size > tail_bytes and len(members) > 1:
+            # Members are in reverse registration order: the tail is the longest end whose
+            # size fits (the last member alone if it does not).
+            k, kept = len(members) - 1, members[-1].numel() * members[-1].element_size()
+            while k > 1 and kept + members[k - 1].numel() * members[k - 1].element_size() \
+                    <= tail_bytes:
+                k -= 1
+                kept += members[k].numel() * members[k].element_size()
+            buckets.append(members[:k])
+            members = members[k:]
+        buckets.append(members)
     return buckets
 
 

@@ -23,7 +23,14 @@ from hvdlite import _runtime_api as runtime
 from hvdlite import _sets
 from hvdlite._torchref import stream_of
 from hvdlite.torch import mpi_ops
-from hvdlite.torch._buckets import Bucket, auto_buckets, param_names, register_hooks, split
+from hvdlite.torch._buckets import (
+    Bucket,
+    auto_buckets,
+    cap_bytes,
+    param_names,
+    register_hooks,
+    split,
+)
 from hvdlite.torch._scheduled import VIAS, ScheduledBuckets, move_scheduled, open_scheduled, slots
 from hvdlite.torch.basics import Adasum, Average, InvalidArgumentError, resolve_op, size
 from hvdlite.torch.compression import Compression, Compressor, _CastCompressor
@@ -66,7 +73,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Any, named_parameters: Any, compression: type[Compressor],
                  backward_passes_per_step: int, op: Any, gradient_predivide_factor: float,
                  groups: Any, sparse_as_dense: bool, process_set: Any,
-                 gradient_as_bucket_view: bool, bucket_cap_mb: float) -> None:
+                 gradient_as_bucket_view: bool, caps: tuple[int, int]) -> None:
         super(self.__class__, self).__init__(params)  # type: ignore[call-arg]
         self._compression = compression
         all_params = [p for g in self.param_groups for p in g["params"]]
@@ -98,16 +105,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._member = process_set is global_process_set or bool(process_set.included())
         if self._member and (hvdlite.size() > 1
                              or not runtime.config().optimizer_size1_shortcut):
-            self._form_buckets(int(bucket_cap_mb * 1024 * 1024))
+            self._form_buckets(*caps)
             self._register_hooks()
 
     # -- buckets and hooks ------------------------------------------------------------------
-    def _form_buckets(self, cap_bytes: int) -> None:
+    def _form_buckets(self, cap_bytes: int, tail_bytes: int) -> None:
         plist = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if not plist:
             return
         if self._groups is None:
-            members = auto_buckets(plist, cap_bytes)
+            members = auto_buckets(plist, cap_bytes, tail_bytes)
         else:
             members = self._user_groups(plist)
         passes = self.backward_passes_per_step
@@ -470,8 +477,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                          groups: Any = None, sparse_as_dense: bool = False,
                          process_set: Any = global_process_set, *,
-                         gradient_as_bucket_view: bool = True,
-                         bucket_cap_mb: float = 25.0) -> torch.optim.Optimizer:
+                         gradient_as_bucket_view: bool = True, bucket_cap_mb: float = 25.0,
+                         last_bucket_cap_mb: float | None = 1.0) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so each ``step()`` uses gradients averaged over all ranks (over the
     members of ``process_set`` when one is given).
 
@@ -489,7 +496,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     hvdlite's own keywords (Horovod has neither): without ``groups``, gradients are reduced
     in buckets of at most ``bucket_cap_mb`` MiB (reverse parameter order, one device and dtype
     each), each by one allreduce of the bucket's flat buffer once all its gradients are
-    ready. By default (``gradient_as_bucket_view=True``, DDP's option of that name, on here
+    ready; the last (the first parameters, which backward finishes last) of at most
+    ``last_bucket_cap_mb`` MiB (None: ``bucket_cap_mb``), so little is left to reduce when
+    backward ends. By default (``gradient_as_bucket_view=True``, DDP's option of that name, on here
     because it was the faster at two GPUs in every same-launch comparison: see
     docs/benchmarks.md, T1) each bucket owns one flat buffer: when it is reduced its gradients
     are copied into the buffer (none when they are its views already), reduced there in place,
@@ -540,9 +549,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     if not isinstance(gradient_predivide_factor, (int, float)) or gradient_predivide_factor <= 0:
         raise ValueError(f"gradient_predivide_factor must be a positive number, got "
                          f"{gradient_predivide_factor!r}")
-    if not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) \
-            or bucket_cap_mb <= 0:
-        raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
+    caps = (cap_bytes("bucket_cap_mb", bucket_cap_mb),
+            cap_bytes("last_bucket_cap_mb", last_bucket_cap_mb, optional=True))
     if gradient_predivide_factor != 1.0 and op is not Average:
         raise ValueError("gradient_predivide_factor is only supported with op=Average")
     if num_groups:
@@ -586,4 +594,4 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                dict(_DistributedOptimizer.__dict__))
     return cls(optimizer.param_groups, named_parameters, compression,
                backward_passes_per_step, op, gradient_predivide_factor, groups,
-               sparse_as_dense, process_set, bool(gradient_as_bucket_view), bucket_cap_mb)
+               sparse_as_dense, process_set, bool(gradient_as_bucket_view), caps)

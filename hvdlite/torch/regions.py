@@ -36,6 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hvdlite.torch._buckets import cap_bytes
+
 __all__ = ["compile_regions", "find_regions", "region_groups"]
 
 
@@ -106,10 +108,7 @@ def region_groups(model: nn.Module, regions: Sequence[nn.Module],
     tied to its embedding) goes to that last group too: its gradient is final only when the
     outside module's backward has run, at the end, and a bucket holding it would wait that
     long. Only parameters that require a gradient are grouped."""
-    if not isinstance(bucket_cap_mb, (int, float)) or isinstance(bucket_cap_mb, bool) \
-            or bucket_cap_mb <= 0:
-        raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
-    cap = int(bucket_cap_mb * 1024 * 1024)
+    cap = cap_bytes("bucket_cap_mb", bucket_cap_mb)
     inside = {id(m) for r in regions for m in r.modules()}
     tied = {id(p) for m in model.modules() if id(m) not in inside
             for p in m.parameters(recurse=False)}

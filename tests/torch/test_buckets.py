@@ -271,3 +271,34 @@ def test_agreed_buckets_keep_being_negotiated_on_the_cpu(hvd: Any) -> None:
         for p, want in zip(params, _mean(step, hvd.size()), strict=True):
             np.testing.assert_array_equal(p.grad.numpy(), want)  # type: ignore[union-attr]
     assert opt.agreed_schedule is None
+
+
+@pytest.mark.parametrize("tail_bytes,want", [
+    (70, ["p4", "p1"]),  # the first parameters up to the cap: p0 (48 bytes) and p1 (20)
+    (40, ["p4", "p0"]),  # p0 alone, over the cap: the last bucket holds one at least
+    (None, ["p4"]),  # no cap of its own: one bucket of everything
+])
+def test_last_bucket_holds_the_first_parameters_up_to_its_cap(
+        hvd: Any, tail_bytes: int | None, want: list[str]) -> None:
+    """Without ``groups``, the last bucket reduced holds the first parameters (backward
+    computes their gradients last) up to ``last_bucket_cap_mb``, so little is left to reduce
+    after backward; the buckets still reduce exactly. The five parameters (48, 20, 32, 28 and
+    4 bytes) fit one 200-byte bucket, in reverse order: p4, p3, p2, p1, p0."""
+    _needs_ranks(hvd)
+    params = _params()
+    tail_mb = None if tail_bytes is None else tail_bytes / 2**20
+    opt = _optimizer(hvd, params, bucket_cap_mb=200 / 2**20, last_bucket_cap_mb=tail_mb)
+    assert opt.bucket_names == [f"DistributedOptimizer.{n}.bucket{i}"
+                                for i, n in enumerate(want)]
+    for step in range(2):
+        opt.zero_grad()
+        _backward(params, _coeffs(300 + step, hvd.rank()))
+        opt.step()
+        _check(params, _mean(300 + step, hvd.size()), hvd.size())
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, "1", True])
+def test_bad_last_bucket_cap_is_a_value_error(hvd: Any, bad: Any) -> None:
+    with pytest.raises(ValueError, match=r"last_bucket_cap_mb must be a positive number or "
+                                         r"None, got"):
+        _optimizer(hvd, _params(), last_bucket_cap_mb=bad)
