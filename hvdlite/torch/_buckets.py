@@ -4,7 +4,10 @@ the optional persistent buffers their gradients live in.
 A bucket is reduced by one in-place allreduce once every member's gradient is ready (one
 request instead of one per parameter). Without ``groups=`` the buckets are formed
 automatically: parameters in reverse registration order (roughly the order backward produces
-their gradients), one (device, dtype) per bucket, up to a byte cap. With
+their gradients), one (device, dtype) per bucket, up to a byte cap; after the first step,
+formed again in the order the first backward made the gradients ready (rank 0's, as DDP
+rebuilds its buckets), since registration order can differ (a class token or an embedding
+registered first whose gradient is not the last). With
 ``gradient_as_bucket_view`` (the default) each bucket owns one flat buffer and every member's
 ``.grad`` is a view of it, consecutive and in order: autograd accumulates straight into the
 buffer and the core reduces the buffer in place as one array, with no copy in or out.
@@ -20,8 +23,12 @@ from typing import Any
 import torch
 
 from hvdlite._torchref import numpy_dtype
+from hvdlite.torch.compression import Compression, _CastCompressor
+from hvdlite.torch.functions import broadcast_object
+from hvdlite.torch.process_sets import global_process_set
 
-__all__ = ["Bucket", "auto_buckets", "cap_bytes", "param_names", "register_hooks", "split"]
+__all__ = ["Bucket", "ReadyOrder", "auto_buckets", "cap_bytes", "ordered_buckets", "param_names",
+           "register_hooks", "remove_hooks", "split", "user_groups", "wire_type"]
 
 TOO_MANY = ("gradients were computed more than backward_passes_per_step times before "
             "optimizer.step(): this backward() accumulated into a gradient after its "
@@ -201,6 +208,77 @@ def auto_buckets(params: Sequence[torch.Tensor], cap_bytes: int,
     return buckets
 
 
+def ordered_buckets(params: Sequence[torch.Tensor], seen: Sequence[int], cap_bytes: int,
+                    tail_bytes: int) -> list[list[torch.Tensor]]:
+    """:func:`auto_buckets` of ``params`` in the order their gradients became ready
+    (``seen``: indices into ``params``, first ready first), the last bucket holding what was
+    ready last; the parameters not seen (no gradient in that step) in buckets after them."""
+    ready = [params[i] for i in seen]
+    taken = set(seen)
+    rest = [p for i, p in enumerate(params) if i not in taken]
+    return auto_buckets(ready[::-1], cap_bytes, tail_bytes) + (
+        auto_buckets(rest, cap_bytes) if rest else [])
+
+
+class ReadyOrder:
+    """The order in which the gradients of ``params`` are first accumulated, seen by hooks
+    of its own that :meth:`take` removes (nothing is left on the steady-state path); the
+    hooks go with ``owner`` if it is collected first."""
+
+    def __init__(self, owner: object, params: Sequence[torch.Tensor]) -> None:
+        self.params = list(params)
+        self.seen: list[int] = []
+        marked = [False] * len(self.params)
+        seen = self.seen
+
+        def hook_for(i: int) -> Callable[[torch.Tensor], None]:
+            def hook(_param: torch.Tensor) -> None:
+                if not marked[i]:
+                    marked[i] = True
+                    seen.append(i)
+            return hook
+
+        self.handles = [p.register_post_accumulate_grad_hook(hook_for(i))
+                        for i, p in enumerate(self.params)]
+        weakref.finalize(owner, remove_hooks, self.handles).atexit = False
+
+    def take(self) -> list[int]:
+        """The indices seen, in order; the hooks are removed."""
+        remove_hooks(self.handles)
+        return list(self.seen)
+
+
+def wire_type(compression: Any, bucket: Bucket) -> torch.dtype | None | bool:
+    """What ``bucket``'s buffer travels as under ``compression``: None (itself), the
+    compressor's cast type, or False when the compressor is not a plain cast (it then sees
+    each gradient)."""
+    if compression is Compression.none:
+        return None
+    if isinstance(compression, type) and issubclass(compression, _CastCompressor):
+        dtype = bucket.params[0].dtype
+        return compression.wire if dtype.is_floating_point and dtype != compression.wire \
+            else None
+    return False
+
+
+def user_groups(plist: list[torch.Tensor], names: dict[torch.Tensor, str], groups: Any,
+                process_set: Any) -> list[list[torch.Tensor]]:
+    """The buckets of ``groups=`` (a list of parameter lists, or a count): in the set's first
+    member's parameter order (collective over the set: one broadcast), the parameters in no
+    group one bucket each."""
+    root = 0 if process_set is global_process_set else process_set.ranks[0]
+    order = broadcast_object([names[p] for p in plist], root, "DistributedOptimizer.order",
+                             process_set)
+    rank_of = {n: i for i, n in enumerate(order)}
+    plist.sort(key=lambda p: rank_of.get(names[p], len(order)))
+    if isinstance(groups, list):
+        ids = {id(p) for p in plist}
+        p_groups = [[p for p in g if id(p) in ids] for g in groups]
+        grouped = {id(p) for g in p_groups for p in g}
+        return [g for g in p_groups if g] + [[p] for p in plist if id(p) not in grouped]
+    return split(plist, groups)
+
+
 def register_hooks(owner: object, buckets: Sequence[Bucket], flights: dict[Bucket, Any],
                    start: Callable[[Bucket], Any]) -> list[Any]:
     """Hook every member of ``buckets`` (after its gradient accumulates): a member counts
@@ -216,7 +294,7 @@ def register_hooks(owner: object, buckets: Sequence[Bucket], flights: dict[Bucke
     begin = weakref.WeakMethod(start)
     handles = [p.register_post_accumulate_grad_hook(_hook(bucket, i, flights, begin))
                for bucket in buckets for i, p in enumerate(bucket.params)]
-    weakref.finalize(owner, _remove, handles).atexit = False
+    weakref.finalize(owner, remove_hooks, handles).atexit = False
     return handles
 
 
@@ -239,7 +317,8 @@ def _hook(bucket: Bucket, i: int, flights: dict[Bucket, Any],
     return hook
 
 
-def _remove(handles: list[Any]) -> None:
+def remove_hooks(handles: list[Any]) -> None:
+    """Remove the hooks of ``handles`` (emptied; idempotent)."""
     for handle in handles:
         handle.remove()
     handles.clear()

@@ -25,16 +25,19 @@ from hvdlite._torchref import stream_of
 from hvdlite.torch import mpi_ops
 from hvdlite.torch._buckets import (
     Bucket,
+    ReadyOrder,
     auto_buckets,
     cap_bytes,
+    ordered_buckets,
     param_names,
     register_hooks,
-    split,
+    remove_hooks,
+    user_groups,
+    wire_type,
 )
 from hvdlite.torch._scheduled import VIAS, ScheduledBuckets, move_scheduled, open_scheduled, slots
 from hvdlite.torch.basics import Adasum, Average, InvalidArgumentError, resolve_op, size
-from hvdlite.torch.compression import Compression, Compressor, _CastCompressor
-from hvdlite.torch.functions import broadcast_object
+from hvdlite.torch.compression import Compression, Compressor
 from hvdlite.torch.process_sets import global_process_set, resolve
 
 __all__ = ["DistributedOptimizer"]
@@ -88,7 +91,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hook_handles: list[Any] = []
         self._synchronized = False
         self._should_synchronize = True
-        self._groups = groups
+        self._caps = caps
+        self._ready_order: ReadyOrder | None = None  # until the first step's end
         self._buckets: list[Bucket] = []
         self._bucket_of: dict[torch.Tensor, Bucket] = {}
         self._unbucketed: list[torch.Tensor] = list(all_params)
@@ -105,18 +109,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._member = process_set is global_process_set or bool(process_set.included())
         if self._member and (hvdlite.size() > 1
                              or not runtime.config().optimizer_size1_shortcut):
-            self._form_buckets(*caps)
-            self._register_hooks()
+            plist = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+            if plist:
+                self._form_buckets(auto_buckets(plist, *caps) if groups is None else user_groups(
+                    plist, self._parameter_names, groups, process_set))
+                self._register_hooks()
+                if groups is None:  # the first step shows the order backward really takes
+                    self._ready_order = ReadyOrder(self, plist)
 
     # -- buckets and hooks ------------------------------------------------------------------
-    def _form_buckets(self, cap_bytes: int, tail_bytes: int) -> None:
-        plist = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-        if not plist:
-            return
-        if self._groups is None:
-            members = auto_buckets(plist, cap_bytes, tail_bytes)
-        else:
-            members = self._user_groups(plist)
+    def _form_buckets(self, members: list[list[torch.Tensor]]) -> None:
         passes = self.backward_passes_per_step
         for i, ps in enumerate(members):
             # Named after its first member, so two optimizers' buckets never share a name.
@@ -125,7 +127,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._buckets.append(bucket)
             for p in ps:
                 self._bucket_of[p] = bucket
-            wire = self._wire_type(bucket)
+            wire = wire_type(self._compression, bucket)
             if not bucket.viewable() or wire is False:
                 bucket.viewed = False
             elif not self.gradient_as_bucket_view:
@@ -134,29 +136,26 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             # seen to be dense (a sparse one keeps the bucket out of views for good).
         self._unbucketed = [p for p in self._unbucketed if p not in self._bucket_of]
 
-    def _wire_type(self, bucket: Bucket) -> torch.dtype | None | bool:
-        """What the bucket's buffer travels as: None (itself), the compressor's cast type,
-        or False when the compressor is not a plain cast (it then sees each gradient)."""
-        comp = self._compression
-        if comp is Compression.none:
-            return None
-        if isinstance(comp, type) and issubclass(comp, _CastCompressor):
-            dtype = bucket.params[0].dtype
-            return comp.wire if dtype.is_floating_point and dtype != comp.wire else None
-        return False
-
-    def _user_groups(self, plist: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-        root = 0 if self.process_set is global_process_set else self.process_set.ranks[0]
-        order = broadcast_object([self._parameter_names[p] for p in plist], root,
-                                 "DistributedOptimizer.order", self.process_set)
-        rank_of = {n: i for i, n in enumerate(order)}
-        plist.sort(key=lambda p: rank_of.get(self._parameter_names[p], len(order)))
-        if isinstance(self._groups, list):
-            ids = {id(p) for p in plist}
-            p_groups = [[p for p in g if id(p) in ids] for g in self._groups]
-            grouped = {id(p) for g in p_groups for p in g}
-            return [g for g in p_groups if g] + [[p] for p in plist if id(p) not in grouped]
-        return split(plist, self._groups)
+    def _rebucket(self) -> None:
+        """At the end of the first step: the buckets again in the order rank 0's backward made
+        the gradients ready (collective over the set), when that differs from the guess by
+        registration order. The gradients stay where they are (views of the old buffers,
+        read by this step); a new bucket takes them into its buffer at its first start."""
+        order, self._ready_order = self._ready_order, None
+        if order is None:
+            return
+        seen = runtime.agree(f"{self._what()} gradient order", order.take(),
+                             self.process_set_id)[0]
+        members = ordered_buckets(order.params, seen, *self._caps)
+        if [[id(p) for p in m] for m in members] == [[id(p) for p in b.params]
+                                                    for b in self._buckets]:
+            return
+        remove_hooks(self._hook_handles)
+        self._buckets, self._index, self._bucket_of, self._slots = [], {}, {}, None
+        self._unbucketed = [p for g in self.param_groups for p in g["params"]]
+        self._form_buckets(members)
+        self._register_hooks()
+        self._check_buckets()
 
     def _register_hooks(self) -> None:
         self._hook_handles = register_hooks(self, self._buckets, self._handles, self._start)
@@ -191,7 +190,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if any(p.grad is not None and p.grad.is_sparse for p in bucket.params):
                 bucket.viewed = False
             else:
-                wire = self._wire_type(bucket)
+                wire = wire_type(self._compression, bucket)
                 bucket.make_views(wire if isinstance(wire, torch.dtype) else None)
         if bucket.views and bucket.realias():
             return self._start_viewed(bucket, pre, post)
@@ -331,6 +330,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = True
         if not self._schedule_tried:
             self._schedule_tried = True
+            self._rebucket()
             self._scheduled, self._unscheduled = open_scheduled(
                 self._buckets, self._slots or [], self.process_set_id, self._what())
 
@@ -355,7 +355,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     @property
     def bucket_names(self) -> list[str]:
         """The names of the gradient buckets, in launch order (empty where this rank
-        communicates nothing: one rank, or outside ``process_set``)."""
+        communicates nothing: one rank, or outside ``process_set``); formed again at the end
+        of the first step, in the order its backward made the gradients ready."""
         return [b.name for b in self._buckets]
 
     @property
@@ -391,7 +392,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         first differing bucket, instead of a stall on a bucket some ranks never reduce)."""
         wires = []
         for b in self._buckets:
-            wire = self._wire_type(b)
+            wire = wire_type(self._compression, b)
             wires.append(wire if isinstance(wire, torch.dtype) else b.params[0].dtype)
         pre, post = self._factors()
         found = slots(self._buckets, wires, self.op, pre, post)
@@ -494,12 +495,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     as in Horovod, nothing is communicated and ``step()`` applies that rank's own gradients.
 
     hvdlite's own keywords (Horovod has neither): without ``groups``, gradients are reduced
-    in buckets of at most ``bucket_cap_mb`` MiB (reverse parameter order, one device and dtype
-    each), each by one allreduce of the bucket's flat buffer once all its gradients are
-    ready; the last (the first parameters, which backward finishes last) of at most
+    in buckets of at most ``bucket_cap_mb`` MiB (one device and dtype each), each by one
+    allreduce of the bucket's flat buffer once all its gradients are ready, the last of at most
     ``last_bucket_cap_mb`` MiB (None: ``bucket_cap_mb``), so little is left to reduce when
-    backward ends. By default (``gradient_as_bucket_view=True``, DDP's option of that name, on here
-    because it was the faster at two GPUs in every same-launch comparison: see
+    backward ends: in reverse parameter order for the first step, then in the order its
+    backward made the gradients ready (rank 0's; collective at its end). By default
+    (``gradient_as_bucket_view=True``, DDP's option of that name, on here because it was the
+    faster at two GPUs in every same-launch comparison: see
     docs/benchmarks.md, T1) each bucket owns one flat buffer: when it is reduced its gradients
     are copied into the buffer (none when they are its views already), reduced there in place,
     and every member's ``.grad`` is then a view of it, which ``step()`` reads.

@@ -302,3 +302,35 @@ def test_bad_last_bucket_cap_is_a_value_error(hvd: Any, bad: Any) -> None:
     with pytest.raises(ValueError, match=r"last_bucket_cap_mb must be a positive number or "
                                          r"None, got"):
         _optimizer(hvd, _params(), last_bucket_cap_mb=bad)
+
+
+@pytest.mark.parametrize("views,to_none", [(True, True), (True, False), (False, True)])
+def test_buckets_follow_the_order_backward_made_the_gradients_ready(
+        hvd: Any, views: bool, to_none: bool) -> None:
+    """Registered p0, p1, p2, p3, but the forward chain is x * p1 * p2 * p3 * p0, so backward
+    makes p0's gradient first and p1's last (as a class token registered before the layers).
+    Before the first step the buckets guess reverse registration order ([p3, p2], [p1],
+    [p0] with a 40-byte cap and a 16-byte last bucket: p0 last); after it they follow what
+    backward did ([p0, p3], [p2], [p1]: p1 last), and every step reduces exactly (each
+    gradient is x, every parameter being 1), with views and staged, zeroing to None and in
+    place."""
+    _needs_ranks(hvd)
+    shapes = [(4,), (4,), (4,), (4,)]
+    params = [torch.nn.Parameter(torch.ones(s)) for s in shapes]
+    named = [(f"r{k}", p) for k, p in enumerate(params)]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.0), named_parameters=named,
+                                   gradient_as_bucket_view=views, bucket_cap_mb=40 / 2**20,
+                                   last_bucket_cap_mb=16 / 2**20)
+    name = "DistributedOptimizer.{}.bucket{}".format
+    assert opt.bucket_names == [name("r3", 0), name("r1", 1), name("r0", 2)]
+    for step in range(3):
+        opt.zero_grad(set_to_none=to_none)
+        x = torch.full((4,), float(hvd.rank() + step + 1))
+        (x * params[1] * params[2] * params[3] * params[0]).sum().backward()
+        opt.step()
+        if step == 0:
+            assert opt.bucket_names == [name("r0", 0), name("r2", 1), name("r1", 2)]
+        want = sum(r + step + 1 for r in range(hvd.size())) / hvd.size()
+        for k in range(4):
+            assert params[k].grad is not None
+            assert torch.equal(params[k].grad, torch.full((4,), float(want))), (step, k)
