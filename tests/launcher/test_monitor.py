@@ -163,27 +163,33 @@ def test_from_env_without_a_monitor() -> None:
 # -- the whole chain: monitor <-> rank wrapper (a real process) <-> the rank's watchdog --------
 
 _RANK = r"""
-import json, sys, threading, time
+import json, os, sys, threading, time
 from hvdlite._rankside import watchdog
 
 
 class Timeline:  # "linger": writing the timeline takes the rank's last second, then a mark
     def close(self, timeout=None):
         time.sleep(1.0)
-        with open(sys.argv[2], "w") as f:  # written: the rank ended by itself
+        # Written whole or not at all: the SIGTERM handler and the watchdog may both close a
+        # timeline, and the first to end the process may cut the other's write short.
+        part = f"{sys.argv[2]}.{threading.get_ident()}"
+        with open(part, "w") as f:  # the rank ended by itself
             f.write("ended")
+        os.replace(part, sys.argv[2])
 
 
 got, box = threading.Event(), []
 watchdog.subscribe(lambda m: (box.append(m), got.set()))
 assert watchdog.start(lambda: Timeline() if sys.argv[1] == "linger" else None)
+if sys.argv[1] == "linger":  # its wrapper's death: SIGTERM (as hvdlite's signal hook, the
+    import signal            # timeline written), or the watchdog, whichever comes first;
+    # installed before the ping, after which the test may kill the wrapper at once
+    signal.signal(signal.SIGTERM, lambda *_: (Timeline().close(), sys.exit(0)))
 assert watchdog.send({"t": "ping", "from": "rank"})
 if sys.argv[1] == "talk":
     assert got.wait(20)
     print(json.dumps(box[0]), flush=True)
-elif sys.argv[1] == "linger":  # its wrapper's death: SIGTERM (as hvdlite's signal hook, the
-    import signal               # timeline written), or the watchdog, whichever comes first
-    signal.signal(signal.SIGTERM, lambda *_: (Timeline().close(), sys.exit(0)))
+elif sys.argv[1] == "linger":
     time.sleep(600)
 else:
     time.sleep(600)  # blocked outside Python (as in an MPI call): only the watchdog can end it
