@@ -96,6 +96,16 @@ class Bucket:
         self.viewed = True
         self.realias()
 
+    def view_if_dense(self, compression: Any) -> None:
+        """Views wanted and not made yet (``viewed`` None): make them now, of the wire type
+        of ``compression``, unless a gradient is sparse (the bucket then stays out of views
+        for good)."""
+        if any(p.grad is not None and p.grad.is_sparse for p in self.params):
+            self.viewed = False
+        else:
+            wire = wire_type(compression, self)
+            self.make_views(wire if isinstance(wire, torch.dtype) else None)
+
     def make_staging(self, wire: torch.dtype | None = None) -> None:
         """Allocate the persistent staging buffer (``staging``; ``staged`` are the members'
         views of it): each step the gradients are copied in by one batched copy (cast to

@@ -139,8 +139,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _rebucket(self) -> None:
         """At the end of the first step: the buckets again in the order rank 0's backward made
         the gradients ready (collective over the set), when that differs from the guess by
-        registration order. The gradients stay where they are (views of the old buffers,
-        read by this step); a new bucket takes them into its buffer at its first start."""
+        registration order. This step's reduced gradients move into the new buckets' views
+        now (their buffers are what the schedule about to open reduces in place)."""
         order, self._ready_order = self._ready_order, None
         if order is None:
             return
@@ -154,6 +154,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._buckets, self._index, self._bucket_of, self._slots = [], {}, {}, None
         self._unbucketed = [p for g in self.param_groups for p in g["params"]]
         self._form_buckets(members)
+        for bucket in self._buckets:
+            if bucket.viewed is None:
+                bucket.view_if_dense(self._compression)
         self._register_hooks()
         self._check_buckets()
 
@@ -187,11 +190,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._check_buckets()
         pre, post = self._factors()
         if bucket.viewed is None:  # first start, views wanted: dense gradients only
-            if any(p.grad is not None and p.grad.is_sparse for p in bucket.params):
-                bucket.viewed = False
-            else:
-                wire = wire_type(self._compression, bucket)
-                bucket.make_views(wire if isinstance(wire, torch.dtype) else None)
+            bucket.view_if_dense(self._compression)
         if bucket.views and bucket.realias():
             return self._start_viewed(bucket, pre, post)
         if bucket.staging is not None:

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from torch_util import knobs
 
 SHAPES = [(3, 4), (5,), (2, 2, 2), (7,), (1,)]
 
@@ -313,7 +314,8 @@ def test_buckets_follow_the_order_backward_made_the_gradients_ready(
     [p0] with a 40-byte cap and a 16-byte last bucket: p0 last); after it they follow what
     backward did ([p0, p3], [p2], [p1]: p1 last), and every step reduces exactly (each
     gradient is x, every parameter being 1), with views and staged, zeroing to None and in
-    place."""
+    place; the new buckets open the agreed schedule (host buckets: ``optimizer_host_schedule``)
+    and run on it from the second step."""
     _needs_ranks(hvd)
     shapes = [(4,), (4,), (4,), (4,)]
     params = [torch.nn.Parameter(torch.ones(s)) for s in shapes]
@@ -323,6 +325,15 @@ def test_buckets_follow_the_order_backward_made_the_gradients_ready(
                                    last_bucket_cap_mb=16 / 2**20)
     name = "DistributedOptimizer.{}.bucket{}".format
     assert opt.bucket_names == [name("r3", 0), name("r1", 1), name("r0", 2)]
+    with knobs(optimizer_host_schedule=True):  # read when the schedule opens: step 0's end
+        _steps_in_ready_order(hvd, opt, params, name, to_none)
+    schedule = opt.agreed_schedule
+    assert schedule is not None, opt.unscheduled_reason
+    assert schedule.launches == 3 * 2  # three buckets, steps 1 and 2
+
+
+def _steps_in_ready_order(hvd: Any, opt: Any, params: list[torch.nn.Parameter], name: Any,
+                          to_none: bool) -> None:
     for step in range(3):
         opt.zero_grad(set_to_none=to_none)
         x = torch.full((4,), float(hvd.rank() + step + 1))
