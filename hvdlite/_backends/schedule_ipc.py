@@ -265,7 +265,9 @@ class IpcScheduleTransport(DeviceSlots):
         self.fork(i, stream)
         graph = None
         if self._graphing and not _capturing(stream):
-            graph = self._graphs[i] or self._capture(i)
+            graph = self._graphs[i]
+            if graph is None:
+                graph = self._capture(i)
         if graph is None:
             self._enqueue(i, True)
         else:
