@@ -248,8 +248,8 @@ class ReadyOrder:
                     seen.append(i)
             return hook
 
-        self.handles = [p.register_post_accumulate_grad_hook(torch.compiler.disable(hook_for(i)))
-                        for i, p in enumerate(self.params)]  # (disabled: see _hook)
+        self.handles = [p.register_post_accumulate_grad_hook(_opaque(hook_for(i)))
+                        for i, p in enumerate(self.params)]
         weakref.finalize(owner, remove_hooks, self.handles).atexit = False
 
     def take(self) -> list[int]:
@@ -324,11 +324,19 @@ def _hook(bucket: Bucket, i: int, flights: dict[Bucket, Any],
                 start = begin()
                 if start is not None:
                     flights[bucket] = start(bucket)
+    return _opaque(hook)
+
+
+def _opaque(hook: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
     # Opaque to torch.compile: compiled autograd traces a backward's hooks, and tracing into
     # the runtime fails deep inside it; disabled, each hook runs eagerly where backward
     # reaches it (0.3-0.4 us a call more on the CPU box, about 50 us a step for 144
-    # parameters; dynamo loaded once, at construction).
-    return torch.compiler.disable(hook)
+    # parameters; dynamo loaded once, at construction). A torch whose dynamo cannot load
+    # cannot trace either: the hook stays as it is.
+    try:
+        return torch.compiler.disable(hook)
+    except Exception:  # noqa: BLE001
+        return hook
 
 
 def remove_hooks(handles: list[Any]) -> None:
