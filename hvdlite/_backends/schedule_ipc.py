@@ -281,24 +281,14 @@ class IpcScheduleTransport(DeviceSlots):
     def _capture(self, i: int) -> Any:
         """Slot ``i``'s launch captured into a CUDA graph (None, and no graph from now on, if
         the capture fails: nothing of it ran, so the direct launch follows)."""
-        rt = self.cupy.cuda.runtime
+        stream = self.stream
         try:
-            self.stream.begin_capture(mode=rt.streamCaptureModeThreadLocal)
+            stream.begin_capture(mode=self.cupy.cuda.runtime.streamCaptureModeThreadLocal)
+            try:
+                self._enqueue(i, False)
+            finally:
+                graph = stream.end_capture()  # ends the capture whatever happened in it
         except Exception:  # noqa: BLE001 (no graph: the direct launch is the same work)
-            log.info("hvdlite: the CUDA IPC schedule launches without graphs", exc_info=True)
-            self._graphing = False
-            return None
-        try:
-            self._enqueue(i, False)
-        except Exception:  # noqa: BLE001
-            log.info("hvdlite: the CUDA IPC schedule launches without graphs", exc_info=True)
-            self._graphing = False
-            with contextlib.suppress(Exception):
-                self.stream.end_capture()
-            return None
-        try:
-            graph = self.stream.end_capture()
-        except Exception:  # noqa: BLE001
             log.info("hvdlite: the CUDA IPC schedule launches without graphs", exc_info=True)
             self._graphing = False
             return None

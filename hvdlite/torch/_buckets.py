@@ -27,7 +27,7 @@ from hvdlite.torch.compression import Compression, _CastCompressor
 from hvdlite.torch.functions import broadcast_object
 from hvdlite.torch.process_sets import global_process_set
 
-__all__ = ["Bucket", "ReadyOrder", "auto_buckets", "cap_bytes", "ordered_buckets", "param_names",
+__all__ = ["Bucket", "ReadyOrder", "auto_buckets", "mib_bytes", "ordered_buckets", "param_names",
            "register_hooks", "remove_hooks", "split", "user_groups", "wire_type"]
 
 TOO_MANY = ("gradients were computed more than backward_passes_per_step times before "
@@ -173,7 +173,7 @@ class Bucket:
 _GRAD = operator.attrgetter("grad")
 
 
-def cap_bytes(name: str, mib: object, optional: bool = False) -> int:
+def mib_bytes(name: str, mib: object, optional: bool = False) -> int:
     """``mib`` MiB in bytes (``optional``: None is 0, no cap); ``ValueError`` unless it is a
     positive number."""
     if mib is None and optional:
@@ -196,7 +196,7 @@ def auto_buckets(params: Sequence[torch.Tensor], cap_bytes: int,
     open_: dict[tuple[Any, Any], tuple[list[torch.Tensor], int]] = {}
     for p in reversed(list(params)):
         key = (p.device, p.dtype)
-        nbytes = p.numel() * p.element_size()
+        nbytes = _nbytes(p)
         members, size = open_.get(key, ([], 0))
         if members and size + nbytes > cap_bytes:
             buckets.append(members)
@@ -205,17 +205,20 @@ def auto_buckets(params: Sequence[torch.Tensor], cap_bytes: int,
         open_[key] = (members, size + nbytes)
     for members, size in open_.values():
         if tail_bytes and size > tail_bytes and len(members) > 1:
-            # Members are in reverse registration order: the tail is the longest end whose
-            # size fits (the last member alone if it does not).
-            k, kept = len(members) - 1, members[-1].numel() * members[-1].element_size()
-            while k > 1 and kept + members[k - 1].numel() * members[k - 1].element_size() \
-                    <= tail_bytes:
+            # The tail is the longest end of the members that fits (the last one alone if it
+            # does not); what precedes it becomes a bucket of its own.
+            k, kept = len(members) - 1, _nbytes(members[-1])
+            while k > 1 and kept + _nbytes(members[k - 1]) <= tail_bytes:
                 k -= 1
-                kept += members[k].numel() * members[k].element_size()
+                kept += _nbytes(members[k])
             buckets.append(members[:k])
             members = members[k:]
         buckets.append(members)
     return buckets
+
+
+def _nbytes(p: torch.Tensor) -> int:
+    return p.numel() * p.element_size()
 
 
 def ordered_buckets(params: Sequence[torch.Tensor], seen: Sequence[int], cap_bytes: int,

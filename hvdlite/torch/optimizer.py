@@ -27,7 +27,7 @@ from hvdlite.torch._buckets import (
     Bucket,
     ReadyOrder,
     auto_buckets,
-    cap_bytes,
+    mib_bytes,
     ordered_buckets,
     param_names,
     register_hooks,
@@ -550,8 +550,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     if not isinstance(gradient_predivide_factor, (int, float)) or gradient_predivide_factor <= 0:
         raise ValueError(f"gradient_predivide_factor must be a positive number, got "
                          f"{gradient_predivide_factor!r}")
-    caps = (cap_bytes("bucket_cap_mb", bucket_cap_mb),
-            cap_bytes("last_bucket_cap_mb", last_bucket_cap_mb, optional=True))
+    caps = (mib_bytes("bucket_cap_mb", bucket_cap_mb),
+            mib_bytes("last_bucket_cap_mb", last_bucket_cap_mb, optional=True))
     if gradient_predivide_factor != 1.0 and op is not Average:
         raise ValueError("gradient_predivide_factor is only supported with op=Average")
     if num_groups:

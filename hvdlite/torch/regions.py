@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hvdlite.torch._buckets import cap_bytes
+from hvdlite.torch._buckets import mib_bytes
 
 __all__ = ["compile_regions", "find_regions", "region_groups"]
 
@@ -108,7 +108,7 @@ def region_groups(model: nn.Module, regions: Sequence[nn.Module],
     tied to its embedding) goes to that last group too: its gradient is final only when the
     outside module's backward has run, at the end, and a bucket holding it would wait that
     long. Only parameters that require a gradient are grouped."""
-    cap = cap_bytes("bucket_cap_mb", bucket_cap_mb)
+    cap = mib_bytes("bucket_cap_mb", bucket_cap_mb)
     inside = {id(m) for r in regions for m in r.modules()}
     tied = {id(p) for m in model.modules() if id(m) not in inside
             for p in m.parameters(recurse=False)}
