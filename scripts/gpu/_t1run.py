@@ -37,6 +37,7 @@ from _t1vocab import (
     HVD_GR,
     HVD_GR_IPC,
     HVD_IPC,
+    HVD_REG,
     HVD_NEG,
     HVD_PRIO,
     HVDS,
@@ -112,6 +113,22 @@ def make_batch(torch: Any, args: argparse.Namespace, rank: int, device: Any) -> 
     return x.to(device), y.to(device)
 
 
+def registration_buckets(model: Any, cap_mb: float) -> list[list[Any]]:
+    """Reverse registration order cut at ``cap_mb`` MiB (one dtype each): the optimizer's
+    layout before the tail cap and the re-forming after the first step (0afb945)."""
+    out: list[list[Any]] = []
+    size, dtype = 0, None
+    for p in reversed([p for p in model.parameters() if p.requires_grad]):
+        nbytes = p.numel() * p.element_size()
+        if out and p.dtype == dtype and size + nbytes <= cap_mb * 2**20:
+            out[-1].append(p)
+            size += nbytes
+        else:
+            out.append([p])
+            size, dtype = nbytes, p.dtype
+    return out
+
+
 class Runner:
     """One variant: its own model from the initial weights, optimizer and step."""
 
@@ -152,6 +169,8 @@ class Runner:
             if regions is not None:
                 extra["groups"] = env.hvd.region_groups(self.model, regions,
                                                         args.bucket_cap_mb)
+            elif kind == HVD_REG:
+                extra["groups"] = registration_buckets(self.model, args.bucket_cap_mb)
             opt = env.hvd.DistributedOptimizer(opt, named_parameters=named, **extra)
         self.opt = opt
         self.graph: Any = None  # the captured step (CAPTURED variants), made at the first step
@@ -416,7 +435,7 @@ class Env:
             if any(is_compiled(k, self.args) for k in keep):  # their references come along
                 keep |= {BASE_C, DDP_C}
             opt_in = [*HVD_CTA.values(), HVD_PRIO, HVD_G_PRIO, HVD_IPC, HVD_G_IPC,  # if asked
-                      HVD_GR_IPC, BASE_CR, PLAIN_GR]
+                      HVD_GR_IPC, BASE_CR, PLAIN_GR, HVD_REG]
             out = [v for v in [*out, *opt_in] if v in keep or v in (BASE, HVD, DDP)]
         return out
 

@@ -26,6 +26,8 @@ HVD_CTA = {n: f"hvdlite, optimizer_max_ctas={n}" for n in (2, 4, 8, 16)}
 HVD_PRIO = "hvdlite, stream_priority=normal"
 HVD_G_PRIO = "captured: hvdlite step, stream_priority=normal"
 HVD_IPC = "hvdlite, schedule over CUDA IPC"
+# The layout before 0afb945: reverse registration order, 25 MiB buckets, kept (explicit groups).
+HVD_REG = "hvdlite, buckets by registration order"
 HVD_G_IPC = "captured: hvdlite step, schedule over CUDA IPC"
 HVD_G = "captured: hvdlite step (make_graphed_step)"
 FLAT_G = "captured: plain step + one flat allreduce after backward"
@@ -42,7 +44,7 @@ CAPTURED = (HVD_G, FLAT_G, HVD_GR, PLAIN_G, HVD_G_PRIO, HVD_G_IPC, HVD_GR_IPC, P
 LOCAL = (BASE, BASE_C, BASE_CR, PLAIN_G, PLAIN_GR)
 CAPTURE_WARMUP = 3  # eager steps a captured variant's first call runs before capturing
 HVDS = (HVD, HVD_ALT, HVD_NEG, HVD_ASYNC, HVD_C, HVD_C_ALT, HVD_G, HVD_CR, HVD_GR,
-        *HVD_CTA.values(), HVD_PRIO, HVD_G_PRIO, HVD_IPC, HVD_G_IPC, HVD_GR_IPC)
+        *HVD_CTA.values(), HVD_PRIO, HVD_G_PRIO, HVD_IPC, HVD_G_IPC, HVD_GR_IPC, HVD_REG)
 DDPS = (DDP, DDP_VIEWS, DDP_C, DDP_ORDER)
 COMPILED = (BASE_C, HVD_C, HVD_C_ALT, DDP_C)
 TRANSFORMERS = ("vit_b_16", "gpt2")
@@ -51,7 +53,7 @@ SHORT = {"hvd_g": HVD_G, "flat_g": FLAT_G, "plain_g": PLAIN_G, "alt": HVD_ALT, "
          "ddp_views": DDP_VIEWS, "plain_c": BASE_C, "hvd_c": HVD_C, "plain_cr": BASE_CR,
          "hvd_c_alt": HVD_C_ALT, "ddp_c": DDP_C, "hvd_cr": HVD_CR, "hvd_gr": HVD_GR,
          "prio": HVD_PRIO, "hvd_g_prio": HVD_G_PRIO, "ipc": HVD_IPC, "hvd_g_ipc": HVD_G_IPC,
-         "hvd_gr_ipc": HVD_GR_IPC,
+         "hvd_gr_ipc": HVD_GR_IPC, "hvd_reg": HVD_REG,
          **{f"cta{n}": v for n, v in HVD_CTA.items()}}
 COMM_HVD = "comm alone: hvdlite grouped_allreduce of every gradient"
 COMM_TORCH = "comm alone: torch.distributed all_reduce, one flat buffer"
