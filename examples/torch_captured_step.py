@@ -95,8 +95,9 @@ def main() -> None:
                            capturable=cuda)
     # Compiled whole, a model's backward is one autograd operation and every bucket waits for
     # it; compiled by blocks, with buckets on block boundaries, each starts when its blocks
-    # are done (docs/captured-step.md, "Compiled models").
-    regions = hvd.compile_regions(model) if args.compile else None
+    # are done (docs/captured-step.md, "Compiled models"); the shapes are fixed here, so each
+    # block layout gets a static graph (dynamic=False).
+    regions = hvd.compile_regions(model, dynamic=False) if args.compile else None
     opt = hvd.DistributedOptimizer(
         opt, named_parameters=model.named_parameters(),
         groups=hvd.region_groups(model, regions) if regions is not None else None)

@@ -66,11 +66,14 @@ def compile_regions(model: nn.Module, regions: Sequence[nn.Module] | None = None
     """Compile each region of ``model`` in place (``nn.Module.compile(**compile_kwargs)``:
     ``mode``, ``backend``, ``dynamic``, ... as ``torch.compile`` takes them) and return the
     regions, in forward order. ``regions``: submodules of ``model`` (default
-    :func:`find_regions`). ``dynamic`` defaults to False here (torch's default is None,
-    automatic dynamic shapes): each distinct input layout or shape gets its own static graph,
-    within torch's recompile limit (8 a frame; the regions share one frame, and a block's
-    input layout often differs between the first region and the rest). Pass ``dynamic=None``
-    for torch's behaviour. Not collective; call it on every rank alike. ``ValueError`` if a
+    :func:`find_regions`). The regions share one compiled frame, and a block's input layout
+    may differ between the first region and the rest (torchvision's ViT: batch-first, then
+    sequence-first after attention), so it compiles twice; with torch's default
+    (``dynamic=None``, automatic dynamic shapes) the second graph has symbolic strides.
+    For fixed shapes ``dynamic=False`` compiles one static graph per layout instead (2% of
+    ViT-B/16's eager step, docs/captured-step.md); for shapes that vary (dynamic padding)
+    keep the default, since static graphs would reach torch's recompile limit (8 a frame)
+    after four shapes. Not collective; call it on every rank alike. ``ValueError`` if a
     region is not a submodule of ``model`` or two regions overlap."""
     chosen = list(regions) if regions is not None else find_regions(model)
     if not chosen:
@@ -96,12 +99,6 @@ def compile_regions(model: nn.Module, regions: Sequence[nn.Module] | None = None
                       "cache makes each region recompile until torch.compile's recompile "
                       "limit leaves the rest eager; set model.config.use_cache = False for "
                       "training", stacklevel=2)
-    # Static unless asked: a block's output often has another memory layout than the
-    # model's input (torchvision's ViT: attention leaves it sequence-first), so the shared
-    # frame recompiles at the second region, and torch's automatic dynamic shapes would make
-    # that graph's strides symbolic for every later region (slower kernels, more guards).
-    # Static, it compiles once per layout instead.
-    compile_kwargs.setdefault("dynamic", False)
     for region in chosen:
         region.compile(**compile_kwargs)
     return chosen

@@ -148,7 +148,7 @@ class Runner:
                 bucket_cap_mb=ORDER_BUCKET_MB if kind == DDP_ORDER else None)
         regions = None
         if kind in REGIONED:
-            regions = env.hvd.compile_regions(self.model)
+            regions = env.hvd.compile_regions(self.model, dynamic=False)  # fixed shapes
             if args.model == "gpt2":
                 # The head with its loss, one region (tied to the embedding, its weight waits
                 # in the last bucket), its matmuls padded: the 50257-wide head ran cuBLAS's
