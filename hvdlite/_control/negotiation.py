@@ -47,6 +47,11 @@ def _field(req: Request, name: str) -> object:
 def mismatch_message(name: str, by_rank: dict[int, Request]) -> str:
     """'' if the ranks agree on ``name``; else one line naming the field and each rank's value."""
     first = by_rank[min(by_rank)]
+    # The usual case, on rank 0 for every uncached tensor: requests equal as whole tuples
+    # (compared in C) cannot differ in a checked field; only a difference is worth the
+    # field-by-field pass that names it.
+    if all(req == first for req in by_rank.values()):
+        return ""
     if first.group and len({r.group_size for r in by_rank.values()}) > 1:
         sizes: dict[int, list[int]] = {}
         for rank in sorted(by_rank):
