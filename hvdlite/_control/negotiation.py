@@ -172,10 +172,14 @@ class CoordinatorTable:
                 self._ready.append(req.name)
 
     def _complete(self, entry: _Pending) -> bool:
+        have = len(entry.by_rank)
+        if have == self.size:  # every rank submitted (its keys are ranks of the set)
+            return True
         first = next(iter(entry.by_rank.values()))
-        if first.kind is Kind.JOIN:
-            return len(entry.by_rank) == self.size
-        return all(r in entry.by_rank or r in self._joined for r in range(self.size))
+        if first.kind is Kind.JOIN or not self._joined:
+            return False
+        # Ranks that joined stand in for their requests: O(size) only while some have.
+        return have + sum(1 for r in self._joined if r not in entry.by_rank) == self.size
 
     def pop_ready(self) -> list[Response]:
         """The responses of every tensor that became complete, in the order they did (a
