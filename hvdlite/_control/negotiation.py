@@ -175,8 +175,7 @@ class CoordinatorTable:
         have = len(entry.by_rank)
         if have == self.size:  # every rank submitted (its keys are ranks of the set)
             return True
-        first = next(iter(entry.by_rank.values()))
-        if first.kind is Kind.JOIN or not self._joined:
+        if not self._joined or next(iter(entry.by_rank.values())).kind is Kind.JOIN:
             return False
         # Ranks that joined stand in for their requests: O(size) only while some have.
         return have + sum(1 for r in self._joined if r not in entry.by_rank) == self.size
