@@ -14,6 +14,7 @@ produce identical results on every rank, so every rank's cache and execution ord
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import pickle
@@ -414,13 +415,13 @@ class Negotiator:
         if sizes is None:
             self._wait(self.comm.Igatherv([data, MPI.BYTE], None, root=0))
             return None
-        counts = [int(n) for n in sizes]
-        offsets = [sum(counts[:i]) for i in range(self.size)]
+        counts = sizes.tolist()
+        offsets = [0, *itertools.accumulate(counts[:-1])]  # linear in ranks, not quadratic
         buf = np.empty(sum(counts), np.uint8)
         self._wait(self.comm.Igatherv([data, MPI.BYTE], [buf, (counts, offsets), MPI.BYTE],
                                       root=0))
-        return [pickle.loads(buf[o:o + n].tobytes()) for o, n in zip(offsets, counts,
-                                                                      strict=True)]
+        view = buf.data  # each rank's bytes unpickled in place, not copied first
+        return [pickle.loads(view[o:o + n]) for o, n in zip(offsets, counts, strict=True)]
 
     def _bcast(self, obj: Any) -> Any:
         """``comm.bcast(obj, root=0)`` through nonblocking byte collectives, polled."""
