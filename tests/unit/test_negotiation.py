@@ -71,6 +71,27 @@ def test_ready_only_when_every_rank_submitted() -> None:
     assert table.stalled(0.0, now=100.0) == []
 
 
+def test_ready_counts_joined_ranks_once_each() -> None:
+    """Eight ranks, 3 and 5 joined: a tensor is ready when the six others submitted it, not
+    one rank sooner; a joined rank that also submitted it (it did before joining) is counted
+    once, so the tensor still waits for every other rank."""
+    table = CoordinatorTable(8)
+    table.add(3, [join()], now=0.0)
+    table.add(5, [join()], now=0.0)
+    for rank in (0, 1, 2, 4, 6):
+        table.add(rank, [allreduce("a")], now=0.0)
+    assert table.pop_ready() == []
+    table.add(7, [allreduce("a")], now=0.0)
+    (resp,) = table.pop_ready()
+    assert (resp.name, resp.error, resp.joined) == ("a", "", (3, 5))
+    for rank in (3, 0, 1, 2, 4, 6):
+        table.add(rank, [allreduce("b")], now=0.0)
+    assert table.pop_ready() == []  # 5 joined, 3 submitted: rank 7 is still missing
+    table.add(7, [allreduce("b")], now=0.0)
+    (resp,) = table.pop_ready()
+    assert (resp.name, resp.error, resp.joined) == ("b", "", (5,))
+
+
 def test_single_rank_is_ready_at_once() -> None:
     table = CoordinatorTable(1)
     table.add(0, [allreduce("b"), allreduce("a")], now=0.0)
