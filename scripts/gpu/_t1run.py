@@ -114,19 +114,12 @@ def make_batch(torch: Any, args: argparse.Namespace, rank: int, device: Any) -> 
 
 
 def registration_buckets(model: Any, cap_mb: float) -> list[list[Any]]:
-    """Reverse registration order cut at ``cap_mb`` MiB (one dtype each): the optimizer's
-    layout before the tail cap and the re-forming after the first step (0afb945)."""
-    out: list[list[Any]] = []
-    size, dtype = 0, None
-    for p in reversed([p for p in model.parameters() if p.requires_grad]):
-        nbytes = p.numel() * p.element_size()
-        if out and p.dtype == dtype and size + nbytes <= cap_mb * 2**20:
-            out[-1].append(p)
-            size += nbytes
-        else:
-            out.append([p])
-            size, dtype = nbytes, p.dtype
-    return out
+    """The optimizer's layout before the tail cap and the re-forming after the first step
+    (0afb945): its own bucketing of the parameters in registration order, no tail cap."""
+    from hvdlite.torch._buckets import auto_buckets, mib_bytes
+
+    return auto_buckets([p for p in model.parameters() if p.requires_grad],
+                        mib_bytes("--bucket-cap-mb", cap_mb))
 
 
 class Runner:

@@ -73,8 +73,8 @@ def test_ready_only_when_every_rank_submitted() -> None:
 
 def test_ready_counts_joined_ranks_once_each() -> None:
     """Eight ranks, 3 and 5 joined: a tensor is ready when the six others submitted it, not
-    one rank sooner; a joined rank that also submitted it (it did before joining) is counted
-    once, so the tensor still waits for every other rank."""
+    one rank sooner; a joined rank whose request is in the table too is counted once, so the
+    tensor still waits for every rank that neither submitted nor joined."""
     table = CoordinatorTable(8)
     table.add(3, [join()], now=0.0)
     table.add(5, [join()], now=0.0)
