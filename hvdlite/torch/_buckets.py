@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import operator
 import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -141,14 +143,23 @@ class Bucket:
     def realias(self) -> bool:
         """Make every member's ``.grad`` its view again (a user may have replaced it or set
         it to None; autograd replaces it under ``create_graph``, or makes a new one after
-        ``model.zero_grad()``): one batched copy of the dense replacements in, one batched
-        zeroing of the missing ones. False, touching nothing, if a member's gradient is
-        sparse (no view can hold it)."""
-        if all(map(operator.is_, map(_GRAD, self.params), self.views)):
-            return True  # the steady state: one C-level pass, no Python per member
-        copy_to, copy_from, zero, moved = [], [], [], False
-        for p, view in zip(self.params, self.views, strict=True):
-            grad = p.grad
+        ``zero_grad()``, torch's default ``set_to_none=True``): one batched copy of the dense
+        replacements in, one batched zeroing of the missing ones. False, touching nothing, if
+        a member's gradient is sparse (no view can hold it)."""
+        grads = list(map(_GRAD, self.params))
+        views = self.views
+        if all(map(operator.is_, grads, views)):
+            return True  # the steady state with zero_grad(set_to_none=False): C-level passes
+        if not any(map(operator.is_, grads, views)) and type(None) not in map(type, grads) \
+                and not any(map(_SPARSE, grads)):
+            # Every gradient made afresh by this backward (after zero_grad() set them to
+            # None): in, and point at, without comparing each to its view (no Python per
+            # member: this runs on the autograd thread of every step that zeroes with None).
+            torch._foreach_copy_(views, grads)
+            deque(map(setattr, self.params, repeat("grad"), views), maxlen=0)
+            return True
+        copy_to, copy_from, zero = [], [], []
+        for grad, view in zip(grads, views, strict=True):
             if grad is view:
                 continue
             if grad is None:
@@ -159,18 +170,16 @@ class Bucket:
                     or grad.stride() != view.stride():
                 copy_to.append(view)
                 copy_from.append(grad)
-            moved = True
         if copy_to:
             torch._foreach_copy_(copy_to, copy_from)
         if zero:
             torch._foreach_zero_(zero)
-        if moved:
-            for p, view in zip(self.params, self.views, strict=True):
-                p.grad = view
+        deque(map(setattr, self.params, repeat("grad"), views), maxlen=0)
         return True
 
 
 _GRAD = operator.attrgetter("grad")
+_SPARSE = operator.attrgetter("is_sparse")
 
 
 def mib_bytes(name: str, mib: object, optional: bool = False) -> int:

@@ -345,3 +345,43 @@ def _steps_in_ready_order(hvd: Any, opt: Any, params: list[torch.nn.Parameter], 
         for k in range(4):
             assert params[k].grad is not None
             assert torch.equal(params[k].grad, torch.full((4,), float(want))), (step, k)
+
+
+def test_realias_takes_back_every_kind_of_gradient_into_its_view() -> None:
+    """``Bucket.realias`` per case, on one bucket: gradients all made afresh (zero_grad's
+    None, then backward: the batched copy without a per-member comparison), a mix of a
+    view, a fresh gradient, a missing one and a tensor over the view's own memory, and a
+    sparse one (False, nothing touched). Afterwards every ``.grad`` is its view and holds
+    the value it had (zero where it had none)."""
+    from hvdlite.torch._buckets import Bucket
+
+    params = _params()
+    bucket = Bucket(params, "realias", 1)
+    bucket.make_views()
+    coeffs = _coeffs(7, 0)
+
+    def check(want: list[torch.Tensor]) -> None:
+        for p, v, w in zip(params, bucket.views, want, strict=True):
+            assert p.grad is v
+            assert torch.equal(v, w)
+
+    for p, c in zip(params, coeffs, strict=True):  # all fresh
+        p.grad = c.clone()
+    assert bucket.realias()
+    check(coeffs)
+    assert bucket.realias()  # the steady state: nothing to do
+    check(coeffs)
+
+    fresh = [c * 2 for c in coeffs]
+    params[1].grad = fresh[1].clone()
+    params[2].grad = None
+    params[3].grad = bucket.views[3].view(-1).view(SHAPES[3])  # the view's memory, new object
+    assert bucket.realias()
+    check([coeffs[0], fresh[1], torch.zeros(SHAPES[2]), coeffs[3], coeffs[4]])
+
+    before = [v.clone() for v in bucket.views]
+    params[0].grad = torch.ones(SHAPES[0])
+    params[4].grad = torch.zeros(SHAPES[4]).to_sparse()
+    assert not bucket.realias()
+    assert all(torch.equal(v, b) for v, b in zip(bucket.views, before, strict=True))
+    assert params[4].grad.is_sparse and torch.equal(params[0].grad, torch.ones(SHAPES[0]))
