@@ -100,10 +100,11 @@ from hvdlite.torch.process_sets import (
     remove_process_set,
 )
 from hvdlite.torch.regions import compile_regions, find_regions, region_groups
+from hvdlite.torch.split import compile_split, split_backend
 from hvdlite.torch.sync_batch_norm import SyncBatchNorm
 
 __all__ = [
-    "compile_regions", "find_regions", "region_groups",
+    "compile_regions", "compile_split", "find_regions", "region_groups", "split_backend",
     "Adasum", "Average", "Compression", "DistributedOptimizer", "GraphedStep", "Handle",
     "HorovodInternalError",
     "HostsUpdatedInterrupt", "HvdliteError", "InvalidArgumentError", "Max", "Min",

@@ -39,12 +39,17 @@ HVD_CR = "compiled by regions: hvdlite default"
 HVD_GR = "captured: hvdlite step, compiled by regions"
 HVD_GR_IPC = "captured: hvdlite step, compiled by regions, schedule over CUDA IPC"
 REGIONED = (BASE_CR, HVD_CR, HVD_GR, HVD_GR_IPC, PLAIN_GR)
-CAPTURED = (HVD_G, FLAT_G, HVD_GR, PLAIN_G, HVD_G_PRIO, HVD_G_IPC, HVD_GR_IPC, PLAIN_GR)
+# Issue 39: compiled whole, the traced graph cut at the buckets' cap (hvd.compile_split).
+HVD_CS = "compiled split at the buckets: hvdlite default"
+HVD_GS = "captured: hvdlite step, compiled split at the buckets"
+SPLIT = (HVD_CS, HVD_GS)
+CAPTURED = (HVD_G, FLAT_G, HVD_GR, PLAIN_G, HVD_G_PRIO, HVD_G_IPC, HVD_GR_IPC, PLAIN_GR, HVD_GS)
 # No communication: each rank trains on its own batch.
 LOCAL = (BASE, BASE_C, BASE_CR, PLAIN_G, PLAIN_GR)
 CAPTURE_WARMUP = 3  # eager steps a captured variant's first call runs before capturing
 HVDS = (HVD, HVD_ALT, HVD_NEG, HVD_ASYNC, HVD_C, HVD_C_ALT, HVD_G, HVD_CR, HVD_GR,
-        *HVD_CTA.values(), HVD_PRIO, HVD_G_PRIO, HVD_IPC, HVD_G_IPC, HVD_GR_IPC, HVD_REG)
+        *HVD_CTA.values(), HVD_PRIO, HVD_G_PRIO, HVD_IPC, HVD_G_IPC, HVD_GR_IPC, HVD_REG,
+        HVD_CS, HVD_GS)
 DDPS = (DDP, DDP_VIEWS, DDP_C, DDP_ORDER)
 COMPILED = (BASE_C, HVD_C, HVD_C_ALT, DDP_C)
 TRANSFORMERS = ("vit_b_16", "gpt2")
@@ -53,7 +58,7 @@ SHORT = {"hvd_g": HVD_G, "flat_g": FLAT_G, "plain_g": PLAIN_G, "alt": HVD_ALT, "
          "ddp_views": DDP_VIEWS, "plain_c": BASE_C, "hvd_c": HVD_C, "plain_cr": BASE_CR,
          "hvd_c_alt": HVD_C_ALT, "ddp_c": DDP_C, "hvd_cr": HVD_CR, "hvd_gr": HVD_GR,
          "prio": HVD_PRIO, "hvd_g_prio": HVD_G_PRIO, "ipc": HVD_IPC, "hvd_g_ipc": HVD_G_IPC,
-         "hvd_gr_ipc": HVD_GR_IPC, "hvd_reg": HVD_REG,
+         "hvd_gr_ipc": HVD_GR_IPC, "hvd_reg": HVD_REG, "hvd_cs": HVD_CS, "hvd_gs": HVD_GS,
          **{f"cta{n}": v for n, v in HVD_CTA.items()}}
 COMM_HVD = "comm alone: hvdlite grouped_allreduce of every gradient"
 COMM_TORCH = "comm alone: torch.distributed all_reduce, one flat buffer"
@@ -70,5 +75,6 @@ NP1_RESNET_X_PLAIN, NP1_RESNET_X_DDP, NP1_TRANSFORMER_X_PLAIN = 1.05, 1.1, 1.02
 
 
 def is_compiled(kind: str, args: Any) -> bool:
-    """Whether ``kind`` runs a compiled model (whole, or by regions)."""
-    return kind in COMPILED or kind in REGIONED or (kind in CAPTURED and args.compile == "on")
+    """Whether ``kind`` runs a compiled model (whole, split, or by regions)."""
+    return kind in COMPILED or kind in REGIONED or kind in SPLIT or (
+        kind in CAPTURED and args.compile == "on")
