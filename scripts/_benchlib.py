@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -319,6 +319,27 @@ def print0(comm: MPI.Comm, text: str) -> None:
     """Print on rank 0 only, flushed."""
     if comm.Get_rank() == 0:
         print(text, flush=True)
+
+
+def split_names(text: str, known: Iterable[str]) -> list[str]:
+    """The comma-separated names in ``text`` (``--profile``'s list), where a name of
+    ``known`` may hold commas itself ("torch.distributed all_reduce (4 B), then
+    synchronize"): consecutive pieces are joined back while they form the start of a known
+    name. Pieces that form no known name are kept as they are (the caller refuses them)."""
+    names = set(known)
+    out: list[str] = []
+    pieces = [p.strip() for p in text.split(",")]
+    i = 0
+    while i < len(pieces):
+        name, j = pieces[i], i
+        while name not in names and j + 1 < len(pieces) and any(
+                n.startswith(f"{name}, {pieces[j + 1]}") for n in names):
+            j += 1
+            name = f"{name}, {pieces[j]}"
+        if name:
+            out.append(name)
+        i = j + 1
+    return out
 
 
 def profile_variants(

@@ -180,7 +180,8 @@ def main() -> None:
             (grouped_case(args), args.grouped_calls, 20)]
     results: dict[str, Any] = {}
     counts: dict[str, int] = {}
-    wanted = [w.strip() for w in args.profile.split(",") if w.strip()]
+    wanted = bl.split_names(args.profile, [f"{c.label}: {k}" for c, _, _ in plan
+                                           for k in c.variants])
     missing = sorted(set(wanted) - {f"{c.label}: {k}" for c, _, _ in plan for k in c.variants})
     bl.check_all(comm, not missing, "--profile", f"no such variant: {missing} (names are "
                  "'<case>: <variant>' as the table prints them)")

@@ -128,3 +128,20 @@ def test_bench_t4_profiles_a_variant_it_names(tmp_path: Path) -> None:
     rc, out = _run_job(2, "scripts/bench_t4.py", "--np", "2", "--quick", "--tensors", "50",
                        "--profile", "sync (1 x 4 B): no such variant")
     assert rc == 2 and "no such variant" in out, out[-6000:]
+
+
+def test_profile_names_may_hold_commas() -> None:
+    """``--profile`` takes a comma-separated list of the variants' names as the tables print
+    them, and a name may hold a comma itself (torch.distributed's 4 B variant): the pieces
+    of a known name are joined back; an unknown name stays as given, for the refusal."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    try:
+        from _benchlib import split_names
+    finally:
+        sys.path.pop(0)
+    known = ["hvdlite.torch allreduce (4 B)",
+             "torch.distributed all_reduce (4 B), then synchronize", "CuPy API allreduce (4 B)"]
+    assert split_names("hvdlite.torch allreduce (4 B),torch.distributed all_reduce (4 B), "
+                       "then synchronize , CuPy API allreduce (4 B)", known) == known
+    assert split_names("CuPy API allreduce (4 B), nothing, ", known) == [
+        "CuPy API allreduce (4 B)", "nothing"]

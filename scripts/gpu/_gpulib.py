@@ -67,6 +67,7 @@ from _benchlib import (  # noqa: E402,F401 - re-exported: the GPU scripts' one i
     refuse,
     run_facts,
     split,
+    split_names,
     stats,
     target,
     time_round_robin,

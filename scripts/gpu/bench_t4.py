@@ -134,7 +134,7 @@ def main() -> None:
         sync_fns[SYNC_D] = lambda: _dist_loop(dist, [d4], gpu)  # the call, then synchronise
     times.update(gl.time_round_robin(gpu.comm, sync_fns, args.sync_reps, warmup=50, after=gpu.sync))
     immediate = {k: _immediate(hvdlite, sync_fns[k], gpu) for k in (SYNC_T, SYNC_C)}
-    wanted = [w.strip() for w in args.profile.split(",") if w.strip()]
+    wanted = gl.split_names(args.profile, [*fns, *sync_fns])
     profiles = gl.profile_variants(gpu.comm, {**fns, **sync_fns}, wanted,
                                    max(args.reps // 2, 2)) if wanted else {}
     gl.torch_close(dist)
