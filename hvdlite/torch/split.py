@@ -33,25 +33,28 @@ from hvdlite.torch._buckets import mib_bytes
 
 __all__ = ["compile_split", "split_backend"]
 
-_FIRST_CAP_MB = 1.0  # the piece backward finishes first: small, so its allreduce starts early
-
 
 def split_backend(bucket_cap_mb: float = 25.0, first_bucket_cap_mb: float | None = None,
                   backend: str | Any = "inductor", mode: str | None = None,
                   options: dict[str, Any] | None = None, dynamic: bool | None = None) -> Any:
     """A dynamo backend (``torch.compile(model, backend=...)``) that cuts each traced graph
-    into pieces of at most ``bucket_cap_mb`` MiB of parameters (counted from the graph's end;
-    the first piece counted, the one backward finishes first, at most
-    ``first_bucket_cap_mb``, default 1 MiB or the cap if smaller) and compiles every piece
+    into pieces of about ``bucket_cap_mb`` MiB of parameters each (counted from the graph's
+    end; a piece closes at the first parameter that reaches the cap) and compiles every piece
     with ``backend`` (a name ``torch.compile`` knows, or a compiler function); ``mode`` and
     ``options`` as ``torch.compile`` takes them, for the inductor backend only.
+    ``first_bucket_cap_mb``: the cap of the piece counted first, the one backward finishes
+    first (default: ``bucket_cap_mb``). The default lines the pieces up with the optimizer's
+    buckets: those close before a parameter would pass the cap, the pieces at the first
+    that reaches it, so (counting the same parameters in the same order) bucket ``k`` is
+    complete once piece ``k``'s backward has run. A smaller first piece pays only with a
+    first bucket as small (``groups=``).
 
     Not collective; thread-safe as ``torch.compile`` is. ``ValueError`` for a cap that is not
     a positive number, a first cap above the cap, or ``mode``/``options`` with another
     backend; ``RuntimeError`` if this torch has no graph splitter."""
     cap = mib_bytes("bucket_cap_mb", bucket_cap_mb)
     first = mib_bytes("first_bucket_cap_mb", first_bucket_cap_mb) \
-        if first_bucket_cap_mb is not None else min(cap, mib_bytes("", _FIRST_CAP_MB))
+        if first_bucket_cap_mb is not None else cap
     if first > cap:
         raise ValueError(f"compile_split: first_bucket_cap_mb ({first_bucket_cap_mb}) must "
                          f"not exceed bucket_cap_mb ({bucket_cap_mb})")
