@@ -44,6 +44,13 @@ _LOCK_POLL_S = 200e-6  # how often a caller waiting for the cycle lock looks at 
 # Nap of the loop while a burst of submissions arrives (see Scheduler._settle): long enough
 # that the thread submitting the burst keeps the GIL for a few dozen calls between two looks.
 _SETTLE_NAP_S = 200e-6
+# A burst whose submissions arrive this densely (a submitting loop: one every 25 us or less)
+# is settled for up to this many cycle times, not one: cut at the cycle time, a burst that
+# the caller will wait on anyway pays another round, a partial bucket, and the GIL contention
+# of a cycle beside the thread that is still submitting. A stream as sparse as gradients
+# from backward keeps Horovod's one cycle time, so its first buckets start during backward.
+_DENSE_ARRIVALS = 8
+_DENSE_CYCLES = 8
 
 
 class EngineState(Protocol):
@@ -401,24 +408,29 @@ class Scheduler:
             except BaseException as exc:  # noqa: BLE001 - must reach every caller
                 self.die(exc)
                 return
-            if woken and not self.stop_requested:
+            if (woken or self.queue) and not self.stop_requested:
+                # (A timer's round that finds a burst starting settles it as well: cut at its
+                # first submission, the burst would cost a round of its own.)
                 self._settle()
             elif (time.perf_counter() - self.last_cycle < self.engine.negotiator.cycle_s
                   and not self.stop_requested):
                 # A caller ran a round within the cycle time: the peers' rounds are being
                 # served by it, and a timer round now would only contend for the cycle lock.
                 continue
+            settled = time.perf_counter()
             with self.cycle_lock:
                 self.in_background = True  # see immediate.run_now: worth waiting for
                 try:
                     eng = self.engine
                     if self.stopped:
                         return
-                    if woken and not self.queue and not self.stop_requested and not any(
-                            c.entries for c in eng.channels.values()):
+                    if woken and not self.stop_requested and self._only_newer(settled) \
+                            and not any(c.entries for c in eng.channels.values()):
                         # Woken for work a waiting caller has already run (allreduce_async,
-                        # then wait() at once): nothing to do. (A wake-up by the timer always
-                        # runs its round: peers with pending work may be waiting in it.)
+                        # then wait() at once): nothing to do; what was queued since starts
+                        # the next burst, whose tokens wake the loop to settle it. (A wake-up
+                        # by the timer always runs its round: peers with pending work may be
+                        # waiting in it.)
                         continue
                     try:
                         self.cycle(caller=False)
@@ -463,6 +475,11 @@ class Scheduler:
             if not channel.entries and not self.queue:
                 channel.negotiator.settle()
 
+    def _only_newer(self, since: float) -> bool:
+        """Whether everything queued was submitted after ``since`` (or nothing is)."""
+        with self.lock:
+            return all(e.enqueued_at > since for e in self.queue)
+
     def _wait_for_work(self) -> bool:
         """Sleep until work is submitted or the pace says so; False if the timer ran out."""
         wake = self.wake
@@ -482,14 +499,19 @@ class Scheduler:
 
     def _settle(self) -> None:
         """Woken by a submission: let the burst it starts (a step's gradients) finish first,
-        napping while submissions keep arriving, for up to one cycle time. A cycle per
-        submission of a burst would cost a round each, cut the burst into partial buckets
-        (no plan to replay) and take the GIL from the thread that submits."""
+        napping while submissions keep arriving, for up to one cycle time (a dense burst: up
+        to _DENSE_CYCLES of them, see _DENSE_ARRIVALS). A cycle per submission of a burst
+        would cost a round each, cut the burst into partial buckets (no plan to replay) and
+        take the GIL from the thread that submits. A caller that waits on a handle meanwhile
+        runs the cycle itself, so a burst followed by its waits is negotiated once, whole."""
         wake = self.wake
         cycle_s = self.engine.negotiator.cycle_s
-        deadline = time.perf_counter() + cycle_s
-        while time.perf_counter() < deadline:
-            time.sleep(min(_SETTLE_NAP_S, cycle_s / 4))
+        nap = min(_SETTLE_NAP_S, cycle_s / 4)
+        start = time.perf_counter()
+        deadline, dense_deadline = start + cycle_s, start + _DENSE_CYCLES * cycle_s
+        seen = len(self.queue)
+        while True:
+            time.sleep(nap)
             if wake.empty():
                 return
             try:
@@ -497,6 +519,11 @@ class Scheduler:
                     wake.get_nowait()
             except queue.Empty:
                 pass
+            queued = len(self.queue)  # read without the lock: a hint for the pace only
+            dense = queued - seen >= _DENSE_ARRIVALS
+            seen = queued
+            if time.perf_counter() >= (dense_deadline if dense else deadline):
+                return
 
     def idle_nap(self, seconds: float) -> bool:
         """A nap of the negotiation's idle wait that ends early when work is submitted here
