@@ -40,6 +40,40 @@ def _batch(step: int, rank: int) -> torch.Tensor:
     return torch.randn(4, 8, generator=torch.Generator().manual_seed(1000 * step + rank))
 
 
+def setting_knobs(hvd: Any, setting: str) -> tuple[int, dict[str, Any], bool]:
+    """(backward passes per step, the optimizer's extra arguments, bf16 autocast) for one of
+    issue 39's compositions: "backward_passes_per_step", "fp16 compression", "bf16 autocast"
+    (anything else: none)."""
+    passes = 2 if setting == "backward_passes_per_step" else 1
+    extra: dict[str, Any] = ({"backward_passes_per_step": 2} if passes == 2
+                             else {"compression": hvd.Compression.fp16}
+                             if setting == "fp16 compression" else {})
+    return passes, extra, setting == "bf16 autocast"
+
+
+def train_alike(hvd: Any, eager: nn.Module, compiled: nn.Module, params: nn.Module,
+                opts: list[Any], passes: int, amp: bool, tag: str, steps: int = 5) -> None:
+    """``steps`` steps of the eager model and the compiled one (``params``: the module that
+    holds its parameters), each with its optimizer of ``opts``, on every rank's own batches;
+    then the parameters moved, equal the eager model's, and are the same on every rank
+    (gathered under ``tag``)."""
+    start = [p.detach().clone() for p in eager.parameters()]
+    for step in range(steps):
+        for model, opt in zip((eager, compiled), opts, strict=True):
+            opt.zero_grad()
+            for k in range(passes):
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                    loss = model(_batch(passes * step + k, hvd.rank())).float().square().mean()
+                loss.backward()
+            opt.step()
+    assert any(not torch.equal(a, b) for a, b in zip(start, eager.parameters(), strict=True))
+    for (name, a), b in zip(eager.named_parameters(), params.parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=name)
+    flat = torch.cat([p.detach().reshape(1, -1) for p in params.parameters()], dim=1)
+    everyone = hvd.allgather(flat, name=f"{tag}.params")
+    assert all(torch.equal(everyone[0], row) for row in everyone)
+
+
 def test_find_regions_takes_the_repeated_blocks() -> None:
     net = Net()
     assert find(net) == list(net.blocks)
@@ -160,11 +194,7 @@ def test_regional_buckets_compose_with_accumulation_and_compression(hvd: Any,
     compiled = Net()
     compiled.load_state_dict(eager.state_dict())
     hvd.compile_regions(compiled, backend="aot_eager")
-    passes = 2 if setting == "backward_passes_per_step" else 1
-    extra: dict[str, Any] = ({"backward_passes_per_step": 2} if passes == 2
-                             else {"compression": hvd.Compression.fp16}
-                             if setting == "fp16 compression" else {})
-    amp = setting == "bf16 autocast"
+    passes, extra, amp = setting_knobs(hvd, setting)
 
     def optimizer(model: Net, tag: str) -> Any:
         with n_rank_path():
@@ -176,21 +206,7 @@ def test_regional_buckets_compose_with_accumulation_and_compression(hvd: Any,
     tag = setting.split()[0]
     opts = [optimizer(eager, f"compose.{tag}.eager"),
             optimizer(compiled, f"compose.{tag}.compiled")]
-    start = [p.detach().clone() for p in eager.parameters()]
-    for step in range(5):
-        for model, opt in zip((eager, compiled), opts, strict=True):
-            opt.zero_grad()
-            for k in range(passes):
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-                    loss = model(_batch(passes * step + k, hvd.rank())).float().square().mean()
-                loss.backward()
-            opt.step()
-    assert any(not torch.equal(a, b) for a, b in zip(start, eager.parameters(), strict=True))
-    for (name, a), b in zip(eager.named_parameters(), compiled.parameters(), strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=name)
-    everyone = hvd.allgather(torch.cat([p.detach().reshape(1, -1) for p in compiled.parameters()],
-                                       dim=1), name=f"compose.{tag}.params")
-    assert all(torch.equal(everyone[0], row) for row in everyone)
+    train_alike(hvd, eager, compiled, compiled, opts, passes, amp, f"compose.{tag}")
 
 
 def test_compiled_autograd_runs_the_hooks_eagerly_and_trains_as_eager(hvd: Any) -> None:

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_regions import Net, _batch
+from test_regions import Net, _batch, setting_knobs, train_alike
 from torch import nn
 from torch_util import n_rank_path
 
@@ -66,11 +66,7 @@ def test_split_compile_trains_as_eager(hvd: Any, setting: str) -> None:
     compiled_net = Net(depth=6)
     compiled_net.load_state_dict(eager.state_dict())
     compiled = hvd.compile_split(compiled_net, bucket_cap_mb=_CAP_MB, backend="aot_eager")
-    passes = 2 if setting == "backward_passes_per_step" else 1
-    extra: dict[str, Any] = ({"backward_passes_per_step": 2} if passes == 2
-                             else {"compression": hvd.Compression.fp16}
-                             if setting == "fp16 compression" else {})
-    amp = setting == "bf16 autocast"
+    passes, extra, amp = setting_knobs(hvd, setting)
     tag = setting.split()[0]
 
     def optimizer(model: nn.Module, which: str) -> Any:
@@ -82,21 +78,7 @@ def test_split_compile_trains_as_eager(hvd: Any, setting: str) -> None:
                 bucket_cap_mb=_CAP_MB, **extra)
 
     opts = [optimizer(eager, "eager"), optimizer(compiled_net, "compiled")]
-    start = [p.detach().clone() for p in eager.parameters()]
-    for step in range(5):
-        for model, opt in zip((eager, compiled), opts, strict=True):
-            opt.zero_grad()
-            for k in range(passes):
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-                    loss = model(_batch(passes * step + k, hvd.rank())).float().square().mean()
-                loss.backward()
-            opt.step()
-    assert any(not torch.equal(a, b) for a, b in zip(start, eager.parameters(), strict=True))
-    for (name, a), b in zip(eager.named_parameters(), compiled_net.parameters(), strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=name)
-    flat = torch.cat([p.detach().reshape(1, -1) for p in compiled_net.parameters()], dim=1)
-    everyone = hvd.allgather(flat, name=f"split.{tag}.params")
-    assert all(torch.equal(everyone[0], row) for row in everyone)
+    train_alike(hvd, eager, compiled, compiled_net, opts, passes, amp, f"split.{tag}")
 
 
 def test_split_compile_rejects_bad_arguments(hvd: Any) -> None:
