@@ -18,7 +18,7 @@ _CAP_MB = 2 * 1088 / 2**20
 _FIRST_MB = 1088 / 2**20
 
 
-def _fired_before_input_grad(model: nn.Module, steps: int = 2) -> list[int]:
+def _fired_before_input_grad(model: Any, steps: int = 2) -> list[int]:
     """Per step: how many parameters' post-accumulate hooks fired before the input's
     gradient was computed (the input's gradient is backward's last result)."""
     fired: list[int] = []
