@@ -16,6 +16,13 @@ the next call::
         ...
         loss_avg, correct_avg, seen_avg = metrics()     # the same three tensors' values, reduced
 
+With ``inplace=True`` the tensors themselves become views of that buffer (their values kept,
+their storage replaced once, at construction), so a call copies nothing: it reduces the buffer
+in place and the tensors hold the results, as :func:`grouped_allreduce_` leaves them. The
+tensors must then be dense, contiguous, not requiring grad and without shared memory, and keep
+their storage (a tensor given another storage later, by ``set_`` or ``.data =``, is refused at
+the next call).
+
 The schedule's guarantees hold: a member that stops calling, or calls another schedule's
 allreduce in its place, leaves its peers' launches pending and the stall watchdog raises
 ``StallError`` naming the schedule; after the engine fails or shuts down every call raises
@@ -28,6 +35,7 @@ why.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -56,19 +64,30 @@ class PersistentGroupedAllreduce:
     """
 
     def __init__(self, tensors: Sequence[torch.Tensor], name: str, op: ReduceOp, pre: float,
-                 post: float, process_set: Any) -> None:
+                 post: float, process_set: Any, inplace: bool = False) -> None:
         self.name = name
         self.tensors = list(tensors)
         first = self.tensors[0]
         self.device = first.get_device() if first.is_cuda else -1
         self._op, self._pre, self._post = op, pre, post
         self._process_set = process_set
+        self.inplace = inplace
         ps = resolve(process_set, _WHAT)
         set_id = 0 if ps.core is None else ps.core.process_set_id
         sizes = [t.numel() for t in self.tensors]
         self._flat = torch.empty(sum(sizes), dtype=first.dtype, device=first.device)
         self.outputs: list[torch.Tensor] = [
             v.view(t.shape) for v, t in zip(self._flat.split(sizes), self.tensors, strict=True)]
+        self._ptrs: tuple[int, ...] = ()
+        if inplace:  # the tensors move into the buffer: their values first, then their storage
+            with torch.no_grad():
+                torch._foreach_copy_(self.outputs, self.tensors)
+                storage, offset = self._flat.untyped_storage(), 0
+                for t, n in zip(self.tensors, sizes, strict=True):
+                    t.set_(storage, offset, t.shape, t.stride())
+                    offset += n
+            self.outputs = self.tensors
+            self._ptrs = tuple(map(_DATA_PTR, self.tensors))
         wire = wire_name(first.dtype) or str(first.dtype)
         slot = Slot(name, self._flat.numel(), wire, int(op), pre, post)
         runtime.check_agreed(
@@ -121,6 +140,13 @@ class PersistentGroupedAllreduce:
         if self._pending:
             raise HvdliteError(f"{_WHAT}[{self.name}]: start() again before wait(); wait for "
                                "each call before the next reuses its buffer")
+        if self.inplace and tuple(map(_DATA_PTR, self.tensors)) != self._ptrs:
+            moved = next(i for i, (t, ptr) in enumerate(zip(self.tensors, self._ptrs,
+                                                            strict=True))
+                         if t.data_ptr() != ptr)
+            raise ValueError(f"{_WHAT}[{self.name}]: tensor {moved} no longer lies in the "
+                             "in-place buffer (its storage was replaced); keep the tensors' "
+                             "storage, or build the persistent allreduce again")
         if self._schedule is None:
             with torch.no_grad():
                 got = grouped_allreduce(self.tensors, name=self.name, op=self._op,
@@ -132,14 +158,16 @@ class PersistentGroupedAllreduce:
             if not self._opened:
                 self._open()
             return
-        with torch.no_grad():
-            torch._foreach_copy_(self.outputs, self.tensors)
+        if not self.inplace:  # in place, the tensors are the buffer already
+            with torch.no_grad():
+                torch._foreach_copy_(self.outputs, self.tensors)
         stream = stream_of(self.device) if self.device >= 0 else None
         self._schedule.launch(0, stream)
         self._pending = True
 
     def wait(self) -> list[torch.Tensor]:
-        """The reduced values, as views of the buffer (valid until the next :meth:`start`).
+        """The reduced values, as views of the buffer (valid until the next :meth:`start`;
+        in place: the tensors themselves).
         CUDA: torch's current stream is ordered after the allreduce (no host wait, unless
         the timeline asks for it); host tensors: blocks until it completed. Raises the
         schedule's error (``HvdliteError``, ``StallError``)."""
@@ -160,7 +188,8 @@ class PersistentGroupedAllreduce:
 def grouped_allreduce_init(tensors: Sequence[torch.Tensor], name: str, op: Any = None,
                            average: bool | None = None, prescale_factor: float = 1.0,
                            postscale_factor: float = 1.0,
-                           process_set: Any = global_process_set) -> PersistentGroupedAllreduce:
+                           process_set: Any = global_process_set,
+                           inplace: bool = False) -> PersistentGroupedAllreduce:
     """A persistent :func:`grouped_allreduce` of ``tensors`` (see the module docstring):
     reduce their current values by calling the object it returns.
 
@@ -168,8 +197,10 @@ def grouped_allreduce_init(tensors: Sequence[torch.Tensor], name: str, op: Any =
     its other collectives, with tensors of the same shapes, one dtype and one device (dense);
     ``name`` is required (the schedule's name in errors and the timeline). ``op``,
     ``average``, ``prescale_factor`` and ``postscale_factor`` as :func:`grouped_allreduce`
-    takes them. Not thread-safe. ``TypeError``/``ValueError`` for bad arguments;
-    ``MismatchError`` on every member if the members' tensors or settings differ.
+    takes them. ``inplace``: the tensors become views of the schedule's buffer (values kept)
+    and each call reduces them in place, with no copy (contiguous tensors that do not
+    require grad and share no memory). Not thread-safe. ``TypeError``/``ValueError`` for bad
+    arguments; ``MismatchError`` on every member if the members' tensors or settings differ.
     """
     reduce_op = resolve_op(op, average, _WHAT)
     if not isinstance(name, str) or not name:
@@ -188,9 +219,37 @@ def grouped_allreduce_init(tensors: Sequence[torch.Tensor], name: str, op: Any =
             raise ValueError(f"{_WHAT}: tensor {i} is {t.dtype} on {t.device}, expected "
                              f"{members[0].dtype} on {members[0].device} as tensor 0; one "
                              "dtype and one device per persistent allreduce")
+    if not isinstance(inplace, bool):
+        raise TypeError(f"{_WHAT}: inplace must be a bool, got {inplace!r}")
+    if inplace:
+        _check_movable(members)
     for factor, label in ((prescale_factor, "prescale_factor"),
                           (postscale_factor, "postscale_factor")):
         if isinstance(factor, bool) or not isinstance(factor, (int, float)):
             raise TypeError(f"{_WHAT}: {label} must be a number, got {factor!r}")
     return PersistentGroupedAllreduce(members, name, reduce_op, float(prescale_factor),
-                                      float(postscale_factor), process_set)
+                                      float(postscale_factor), process_set, inplace)
+
+
+def _check_movable(members: Sequence[torch.Tensor]) -> None:
+    """``ValueError`` unless every member can move into the in-place buffer: contiguous, not
+    requiring grad (autograd would lose track of a leaf whose storage changes), no two
+    sharing memory (one buffer slot each: shared memory would be reduced twice)."""
+    spans = []
+    for i, t in enumerate(members):
+        if not t.is_contiguous():
+            raise ValueError(f"{_WHAT}: inplace=True needs contiguous tensors; tensor {i} is "
+                             "not (pass t.contiguous() and use that tensor)")
+        if t.requires_grad:
+            raise ValueError(f"{_WHAT}: inplace=True moves the tensors' storage; tensor {i} "
+                             "requires grad (pass a gradient or a detached buffer)")
+        start = t.data_ptr()
+        spans.append((start, start + t.numel() * t.element_size(), i))
+    spans.sort()
+    for (_, end, i), (start, _, j) in pairwise(spans):
+        if start < end:
+            raise ValueError(f"{_WHAT}: inplace=True needs tensors that share no memory; "
+                             f"tensors {min(i, j)} and {max(i, j)} overlap")
+
+
+_DATA_PTR = torch.Tensor.data_ptr

@@ -377,20 +377,26 @@ def test_cuda_optimizer_lane_reduces_exactly_in_the_agreed_order(
         assert "not NCCL" in opt.unscheduled_reason
 
 
-def test_persistent_grouped_allreduce_on_cuda(hvd: Any) -> None:
+@pytest.mark.parametrize("inplace", [False, True])
+def test_persistent_grouped_allreduce_on_cuda(hvd: Any, inplace: bool) -> None:
     """``grouped_allreduce_init`` on CUDA tensors: on the NCCL schedule with a GPU per rank
     (no host wait: torch's current stream is ordered after it), on the negotiated route where
-    ranks share a GPU (the reason says so); exact sums either way, call after call."""
+    ranks share a GPU (the reason says so); exact sums either way, call after call. In place,
+    the results are in the tensors themselves, which lie end to end in the buffer."""
     dev = _device(hvd)
     shapes = [(4, 3), (7,)]
     tensors = [torch.zeros(s, device=dev) for s in shapes]
-    group = hvd.grouped_allreduce_init(tensors, name="gpu.persistent", op=hvd.Sum)
+    group = hvd.grouped_allreduce_init(tensors, name=f"gpu.persistent.{inplace}", op=hvd.Sum,
+                                       inplace=inplace)
+    if inplace:
+        assert tensors[1].data_ptr() == tensors[0].data_ptr() + 12 * 4
     shared = torch.cuda.device_count() < hvd.local_size()
     for step in range(3):
         for k, t in enumerate(tensors):
             t.fill_(float(hvd.rank() + k + step))
         got = group()
         torch.cuda.current_stream(dev).synchronize()
+        assert not inplace or all(g is t for g, t in zip(got, tensors, strict=True))
         for k, g in enumerate(got):
             want = _rank_sum(hvd, lambda r, k=k, step=step: r + k + step)
             values = torch.unique(g).tolist()

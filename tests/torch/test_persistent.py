@@ -105,3 +105,47 @@ def test_start_wait_order_and_bad_arguments_are_clear_errors(hvd: Any) -> None:
         hvd.grouped_allreduce_init([[1.0]], name="persist.bad")
     with pytest.raises(ValueError, match="non-empty list or tuple"):
         hvd.grouped_allreduce_init([], name="persist.bad")
+
+
+def test_inplace_reduces_the_tensors_themselves_with_no_copy(hvd: Any) -> None:
+    """``inplace=True``: the tensors move into the schedule's buffer once (values kept, laid
+    end to end), and every call leaves the reduced values in them (the call returns the same
+    tensor objects); exact against every rank's inputs, the first call negotiated and the
+    rest on the schedule."""
+    n, r = hvd.size(), hvd.rank()
+    tensors = [torch.full(s, 7.0) for s in SHAPES]
+    group = hvd.grouped_allreduce_init(tensors, name="persist.inplace", op=hvd.Sum,
+                                       inplace=True)
+    assert all(torch.equal(t, torch.full(s, 7.0)) for t, s in zip(tensors, SHAPES, strict=True))
+    ends = [t.data_ptr() + t.numel() * t.element_size() for t in tensors]
+    assert [t.data_ptr() for t in tensors[1:]] == ends[:-1]  # one buffer, end to end
+    for step in range(4):
+        _fill(tensors, r, step)
+        got = group()
+        assert all(g is t for g, t in zip(got, tensors, strict=True))
+        for t, want in zip(tensors, _reference(n, step, False), strict=True):
+            np.testing.assert_array_equal(t.numpy(), want)
+        assert group.scheduled, group.unscheduled_reason
+    assert group.agreed_schedule.launches == 3
+
+
+def test_inplace_refuses_tensors_it_cannot_move_and_a_moved_tensor(hvd: Any) -> None:
+    """What cannot live in the buffer is refused at construction (every rank alike), naming
+    the tensor and the fix; a tensor given another storage afterwards is refused at the next
+    call instead of being left out of the reduction silently."""
+    init = hvd.grouped_allreduce_init
+    with pytest.raises(ValueError, match="tensor 1 requires grad"):
+        init([torch.zeros(2), torch.zeros(3, requires_grad=True)], name="p.i1", inplace=True)
+    with pytest.raises(ValueError, match="tensor 0 is not"):
+        init([torch.zeros(4, 4).t(), torch.zeros(2)], name="p.i2", inplace=True)
+    base = torch.zeros(10)
+    with pytest.raises(ValueError, match="tensors 0 and 2 overlap"):
+        init([base[0:4], torch.zeros(3), base[3:6]], name="p.i3", inplace=True)
+    with pytest.raises(TypeError, match="inplace must be a bool, got 1"):
+        init([torch.zeros(2)], name="p.i4", inplace=1)  # type: ignore[arg-type]
+    tensors = [torch.zeros(s) for s in SHAPES]
+    group = init(tensors, name="persist.moved", op=hvd.Sum, inplace=True)
+    group()
+    tensors[2].set_(torch.zeros(SHAPES[2]))  # another storage, on every rank alike
+    with pytest.raises(ValueError, match=r"tensor 2 no longer lies in the in-place buffer"):
+        group()
