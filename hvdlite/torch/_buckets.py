@@ -349,10 +349,10 @@ def _opaque(hook: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], No
     tracing into the runtime fails deep inside dynamo; so where dynamo traces the hook
     (``is_compiling()`` is constant True there) it meets ``hook`` disabled, which it calls
     eagerly where backward reaches it. Outside a trace the hook runs as it is, because the
-    disabled wrapper switches dynamo's frame callback on every call (0.3 us a call on the CPU
-    box, 2-3 us measured on a GPU machine's host: up to half a millisecond a step for 161
-    parameters, on the autograd thread's path of a host-bound model). ``_hook`` writes the
-    same test inline (one frame less per parameter and step)."""
+    disabled wrapper switches dynamo's frame callback on every call (0.35 us a call on the
+    CPU box: 161 hooks, a backward 1,506 us disabled against 1,448 us guarded), on the
+    autograd thread's path of a host-bound model. ``_hook`` writes the same test inline (one
+    frame less per parameter and step)."""
     compiling = _COMPILING or _never
     opaque = _disabled(hook)
 

@@ -78,16 +78,6 @@ class PersistentGroupedAllreduce:
         self._flat = torch.empty(sum(sizes), dtype=first.dtype, device=first.device)
         self.outputs: list[torch.Tensor] = [
             v.view(t.shape) for v, t in zip(self._flat.split(sizes), self.tensors, strict=True)]
-        self._ptrs: tuple[int, ...] = ()
-        if inplace:  # the tensors move into the buffer: their values first, then their storage
-            with torch.no_grad():
-                torch._foreach_copy_(self.outputs, self.tensors)
-                storage, offset = self._flat.untyped_storage(), 0
-                for t, n in zip(self.tensors, sizes, strict=True):
-                    t.set_(storage, offset, t.shape, t.stride())
-                    offset += n
-            self.outputs = self.tensors
-            self._ptrs = tuple(map(_DATA_PTR, self.tensors))
         wire = wire_name(first.dtype) or str(first.dtype)
         slot = Slot(name, self._flat.numel(), wire, int(op), pre, post)
         runtime.check_agreed(
@@ -97,6 +87,17 @@ class PersistentGroupedAllreduce:
             "every member must pass tensors of the same shapes and dtype, in the same order, "
             "with the same op and factors", set_id)
         self._slot, self._set_id = slot, set_id
+        self._ptrs: tuple[int, ...] = ()
+        # Only once every member agreed: a mismatch must leave the caller's tensors as they were.
+        if inplace:  # the tensors move into the buffer: their values first, then their storage
+            with torch.no_grad():
+                torch._foreach_copy_(self.outputs, self.tensors)
+                storage, offset = self._flat.untyped_storage(), 0
+                for t, n in zip(self.tensors, sizes, strict=True):
+                    t.set_(storage, offset, t.shape, t.stride())
+                    offset += n
+            self.outputs = self.tensors
+            self._ptrs = tuple(map(_DATA_PTR, self.tensors))
         self._schedule: Any = None
         #: Why calls take the negotiated route ('' once on the schedule); the first call
         #: always does: it settles the device transport the schedule is opened on.

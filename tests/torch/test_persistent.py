@@ -64,13 +64,20 @@ def test_prescale_and_postscale_apply_as_grouped_allreduce_applies_them(hvd: Any
         np.testing.assert_array_equal(g.numpy(), want)  # x 2 then x 0.5: exact
 
 
-def test_members_with_other_shapes_raise_mismatch_on_every_rank(hvd: Any) -> None:
+@pytest.mark.parametrize("inplace", [False, True])
+def test_members_with_other_shapes_raise_mismatch_on_every_rank(hvd: Any, inplace: bool) -> None:
+    """Shapes that differ across ranks raise ``MismatchError`` on every rank, naming rank 1;
+    in place, the tensors are left where they were (moved only once every member agreed)."""
     shapes = [(3,), (4 + hvd.rank(),)] if hvd.size() > 1 else [(3,), (4,)]
     if hvd.size() == 1:
         pytest.skip("needs 2 ranks to differ")
+    tensors = [torch.full(s, 2.0) for s in shapes]
+    before = [t.data_ptr() for t in tensors]
     with pytest.raises(hvd.MismatchError, match=r"persist.mismatch.*rank 1"):
-        hvd.grouped_allreduce_init([torch.zeros(s) for s in shapes], name="persist.mismatch",
-                                   op=hvd.Sum)
+        hvd.grouped_allreduce_init(tensors, name=f"persist.mismatch.{inplace}", op=hvd.Sum,
+                                   inplace=inplace)
+    assert [t.data_ptr() for t in tensors] == before
+    assert all(torch.equal(t, torch.full(s, 2.0)) for t, s in zip(tensors, shapes, strict=True))
 
 
 def test_without_a_schedule_every_rank_takes_the_negotiated_route_alike(hvd: Any) -> None:
