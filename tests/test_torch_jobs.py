@@ -1,10 +1,12 @@
 """Run ``tests/torch/`` (``hvdlite.torch``) as a real ``mpiexec -n 2`` job on CPU torch, the
 way ``tests/test_mpi_jobs.py`` runs ``tests/mpi``, and its process-set module alone at 4 ranks;
-skipped when torch is not installed. Also
+skipped when torch is not installed. Also runs ``scripts/gpu/bench_t1.py``'s correctness check
+on 4 CPU ranks, and
 checks that hvdlite works without torch and that ``hvdlite.torch`` says how to get it."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -46,6 +48,32 @@ def test_torch_optimizer_step_on_one_and_four_ranks(tmp_path: Path, np_: int) ->
     ranks; the 2-rank job above runs it with the rest."""
     run_pytest_job(np_, TORCH_TESTS / "test_optimizer_step.py", tmp_path, SETS_TIMEOUT_S,
                    CPU_SKIPS, OMP_NUM_THREADS="1")
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(200)
+@needs_torch
+def test_bench_t1_correctness_check_on_four_cpu_ranks(tmp_path: Path) -> None:
+    """``scripts/gpu/bench_t1.py --no-cuda`` at 4 ranks (a BatchNorm model, MPI for hvdlite,
+    gloo for DDP): its check runs the first-step comparison of every eager variant and both
+    reduction-order references, and hvdlite's default is within every bound it reports."""
+    out_json = tmp_path / "t1.json"
+    cmd = [mpiexec(), "-n", "4", sys.executable, "scripts/gpu/bench_t1.py", "--np", "4",
+           "--model", "tiny", "--no-cuda", "--image-size", "32", "--batch-size", "4",
+           "--iters", "1", "--warmup", "1", "--batches-per-iter", "1", "--check-steps", "10",
+           "--comm-reps", "1", "--json", str(out_json)]
+    rc, out = run_group(cmd, clean_env(OMP_NUM_THREADS="1"), 150)
+    assert rc == 0, out[-6000:]
+    check = json.loads(out_json.read_text(encoding="utf-8"))["results"]["correctness"]
+    hvd, ddp = "hvdlite DistributedOptimizer, default", "torch DDP"
+    assert check["steps"] == 4  # a BatchNorm model past two ranks (check_steps)
+    for order in ("torch DDP, 1 MB buckets (the reduction-order reference)",
+                  "torch DDP, one bucket (the second reduction-order reference)"):
+        assert f"{order}: max abs diff vs {ddp}" in check
+    first = check[f"{hvd}: first step, max abs diff vs {ddp}"]
+    assert 0 <= first < 1e-6  # rounding only: gloo and MPI sum four ranks in other orders
+    assert check[f"{hvd}: max abs diff vs {ddp}"] <= check[f"bound vs {ddp}"]
+    assert check[f"{hvd}: max abs change from init"] > 0
 
 
 @pytest.mark.timeout(60)

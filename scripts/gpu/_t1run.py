@@ -20,7 +20,6 @@ from _t1vocab import (
     COMPILED,
     DDP,
     DDP_C,
-    DDP_ORDER,
     DDP_VIEWS,
     DDPS,
     FLAT_G,
@@ -141,7 +140,7 @@ class Runner:
             ids = [env.device.index] if env.cuda else None
             self.forward = DistributedDataParallel(
                 self.model, device_ids=ids, gradient_as_bucket_view=kind == DDP_VIEWS,
-                bucket_cap_mb=ORDER_BUCKET_MB if kind == DDP_ORDER else None)
+                bucket_cap_mb=ORDER_BUCKET_MB.get(kind))
         regions = None
         if kind in REGIONED:
             regions = env.hvd.compile_regions(self.model, dynamic=False)  # fixed shapes
