@@ -102,7 +102,7 @@ def prepare(engine: ImmediateEngine, entry: Entry, framework: str, stream: Any) 
     if entry.device_id >= 0:
         runtime = engine.gpu_runtime()
         device_id = entry.device_id
-        entry.ready = runtime.record_ready(framework, device_id, stream)
+        entry.ready, entry.ready_mark = runtime.record_ready(framework, device_id, stream)
         entry.handle.attach_device(runtime.stream_waiter(framework, device_id),
                                    runtime.async_completion, device_id, entry.ready)
 

@@ -76,6 +76,27 @@ def _bits(mask: int) -> list[int]:
     return out
 
 
+def _done_in_stream_order(new: list[Entry]) -> None:
+    """Mark READY complete where a later READY of the same thread on the same stream is:
+    stream order completes the earlier one first (``Entry.ready_mark``). A burst of calls
+    from one stream then costs one event query per stream and round, not one per tensor.
+    The newest of each stream is queried; an incomplete one proves nothing of the others."""
+    settled: set[tuple[int, int, int]] = set()
+    asked: set[tuple[int, int, int]] = set()
+    for e in reversed(new):  # a thread's entries are queued in the order it recorded them
+        mark = e.ready_mark
+        if mark is None or e.ready_done:
+            continue
+        key = mark[:3]
+        if key in settled:
+            e.ready_done = True
+        elif key not in asked:
+            asked.add(key)
+            if e.ready.done:
+                e.ready_done = True
+                settled.add(key)
+
+
 @dataclass(slots=True)
 class CycleResult:
     responses: list[Response]
@@ -149,11 +170,13 @@ class Negotiator:
         now = time.monotonic()
         if self._unready:
             self._unready = [e for e in self._unready if not self._released(e, entries, now)]
+        if new and new[-1].ready is not None:
+            _done_in_stream_order(new)
         for e in new:
             ready = e.ready
             if ready is not None:
                 # A completed READY needs no stream wait at execution (see Entry.ready_done).
-                if ready.done:
+                if e.ready_done or ready.done:
                     e.ready_done = True
                 elif e.handle is not self.announce_now:
                     self._unready.append(e)

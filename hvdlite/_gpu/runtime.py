@@ -27,6 +27,7 @@ device phase is timed by a CUDA event pair, turned into timeline spans once DONE
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -40,7 +41,7 @@ from hvdlite._vocab.entry import finish_all
 from hvdlite.errors import BackendUnavailableError
 
 __all__ = ["GpuRuntime", "current_stream", "import_cupy", "isolate_from_captures",
-           "torch_streams"]
+           "latest_per_stream", "torch_streams"]
 
 log = logging.getLogger("hvdlite")
 
@@ -48,7 +49,25 @@ log = logging.getLogger("hvdlite")
 PRIORITIES = {"high": -1000, "normal": 0}
 _META_SLOTS = 64  # pinned staging slots for bucket metadata, reused round robin
 _META_SLOT_BYTES = 64 * 1024  # room for 4095 tensors per bucket
+# READY events' sequence (see Entry.ready_mark): next() on it is one C call, atomic under the GIL.
+_RECORDS = itertools.count()
+_get_ident = threading.get_ident
 _MAX_IN_FLIGHT = 4096  # buckets enqueued and not yet retired before retiring waits
+
+
+def latest_per_stream(entries: Sequence[Any]) -> list[Any]:
+    """Of ``entries`` whose READY negotiation has not seen complete, the one with the latest
+    READY of each stream, device and recording thread (``Entry.ready_mark``): waiting for it
+    waits for the others."""
+    latest: dict[tuple[int, int, int], Any] = {}
+    for e in entries:
+        if not e.ready_done:
+            mark = e.ready_mark
+            key = mark[:3]
+            seen = latest.get(key)
+            if seen is None or seen.ready_mark[3] < mark[3]:
+                latest[key] = e
+    return list(latest.values())
 
 
 def import_cupy() -> Any:
@@ -289,32 +308,38 @@ class GpuRuntime:
                                                                         self.priority)
         return ctx
 
-    def record_ready(self, framework: str, device_id: int, stream: Any) -> Any:
-        """Record a READY event on the caller's stream (caller thread, at enqueue)."""
+    def record_ready(self, framework: str, device_id: int,
+                     stream: Any) -> tuple[Any, tuple[int, int, int, int]]:
+        """Record a READY event on the caller's stream (caller thread, at enqueue); returns
+        it and its mark (see ``Entry.ready_mark``)."""
         ctx = self.context(device_id)
         if stream is None:
             stream = current_stream(framework, device_id)
         event = ctx.event()
-        if stream.ptr == 0 and self.cupy.cuda.runtime.getDevice() != device_id:
+        ptr = stream.ptr
+        if ptr == 0 and self.cupy.cuda.runtime.getDevice() != device_id:
             # The null stream means the current device's: record on the tensor's device's
             # (a tensor on another GPU than the rank's, with no stream given).
             with self.cupy.cuda.Device(device_id):
                 event.record(stream)
         else:
             event.record(stream)
-        return event
+        # The number is taken after the record: one thread's numbers follow its records.
+        return event, (ptr, device_id, _get_ident(), next(_RECORDS))
 
     def wait_ready(self, ctx: DeviceContext, entries: Sequence[Any]) -> None:
         """Order hvdlite's stream after every entry's producer (its READY event), except
-        where negotiation already saw READY complete; the events go back to the pool."""
+        where negotiation already saw READY complete; the events go back to the pool. Of
+        the events one thread recorded on one stream only the latest is waited for: it
+        completes after the others (stream order), and a bucket of a burst of calls costs
+        one stream wait per producer stream, not one per tensor."""
+        for e in latest_per_stream(entries):
+            if self.cpu_sync:
+                e.ready.synchronize()
+            else:
+                ctx.stream.wait_event(e.ready)
         for e in entries:
-            event = e.ready
-            if not e.ready_done:
-                if self.cpu_sync:
-                    event.synchronize()
-                else:
-                    ctx.stream.wait_event(event)
-            ctx.release(event)
+            ctx.release(e.ready)
 
     def complete(self, ctx: DeviceContext, entries: list[Any], outputs: list[Any],
                  timed: Sequence[Any] = ()) -> None:

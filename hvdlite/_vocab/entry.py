@@ -22,8 +22,11 @@ class Entry:
     (allreduce, broadcast) and is the input itself for in-place calls; otherwise the backend
     allocates it. ``user`` is the caller's own object to hand back (in place or ``out=``), else
     None. ``ready`` is the device event recorded on the caller's stream at enqueue;
-    ``ready_done`` is set once negotiation saw it complete (its producer has finished, so
-    hvdlite's stream need not wait on it).
+    ``ready_mark`` says where: (the stream's handle, its device, the recording thread, a
+    sequence number that grows with every record), so that of two READY events one thread
+    recorded on one stream the later one stands for both (stream order); ``ready_done`` is set
+    once negotiation saw it complete (its producer has finished, so hvdlite's stream need not
+    wait on it).
 
     A grouped call is one entry (one *unit*): ``members`` are its input arrays, ``outputs``
     their result arrays (the inputs when in place), ``span`` one flat array over all outputs
@@ -33,7 +36,7 @@ class Entry:
 
     __slots__ = ("request", "array", "output", "handle", "enqueued_at", "ready",
                  "user", "stats", "channel", "device_id", "to_user", "members", "outputs",
-                 "span", "size", "ready_done")
+                 "span", "size", "ready_done", "ready_mark")
 
     def __init__(self, request: Request, array: Any, output: Any, handle: Handle,
                  user: Any = None, device_id: int = -1,
@@ -48,6 +51,7 @@ class Entry:
         self.enqueued_at = 0.0
         self.ready: Any = None
         self.ready_done = False
+        self.ready_mark: tuple[int, int, int, int] | None = None
         self.stats: Any = None  # the engine's Stats, fed at completion
         self.channel: Any = None  # the process set's Channel it was submitted on
         self.members: list[Any] | None = None

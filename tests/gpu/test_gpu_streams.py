@@ -247,3 +247,32 @@ def test_graph_captured_beside_work_in_flight(hvd: Any) -> None:
     assert float(got.min()) == want and float(got.max()) == want
     again = hvd.allreduce(cupy.ones(8, dtype=cupy.float64), name="capture.after", op=hvd.Sum)
     assert float(again.sum()) == 8 * hvd.size()
+
+
+def test_a_burst_waits_for_each_streams_own_producers(hvd: Any, completion: str) -> None:
+    """READY events stand for one another only within one thread's stream (the latest of a
+    stream covers the earlier ones: one event query and one stream wait per stream, not per
+    tensor). Stream B's inputs, produced by a 150 ms spin, are submitted first; then a burst
+    of 12 tensors on stream A, each produced by a short spin just before its call. A's
+    completed READY events must not release B's: every result exact on every rank."""
+    a_stream = cupy.cuda.Stream(non_blocking=True)
+    b_stream = cupy.cuda.Stream(non_blocking=True)
+    b = [cupy.zeros(N, dtype=cupy.float64) for _ in range(3)]
+    a = [cupy.zeros(N, dtype=cupy.float64) for _ in range(12)]
+    cupy.cuda.Device().synchronize()
+    r = hvd.rank()
+    handles = []
+    for k, x in enumerate(b):
+        slow_fill(x, 100.0 * (r + 1) + k, ms=150 if k == 0 else 1, stream=b_stream)
+        handles.append(hvd.allreduce_async(x, name=f"burst.b{k}.{completion}", op=hvd.Sum,
+                                           stream=b_stream))
+    for k, x in enumerate(a):
+        slow_fill(x, float(r + 1 + k), ms=0.2, stream=a_stream)
+        handles.append(hvd.allreduce_async(x, name=f"burst.a{k}.{completion}", op=hvd.Sum,
+                                           stream=a_stream))
+    got = [h.wait() for h in handles]
+    cupy.cuda.Device().synchronize()
+    wants = [_expect_sum(hvd, lambda q, k=k: 100.0 * (q + 1) + k) for k in range(len(b))]
+    wants += [_expect_sum(hvd, lambda q, k=k: q + 1 + k) for k in range(len(a))]
+    for k, (g, want) in enumerate(zip(got, wants, strict=True)):
+        assert float(g.min()) == float(g.max()) == want, (k, float(g.min()), want)
