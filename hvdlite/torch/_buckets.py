@@ -16,6 +16,7 @@ buffer and the core reduces the buffer in place as one array, with no copy in or
 from __future__ import annotations
 
 import operator
+import sys
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -29,8 +30,9 @@ from hvdlite.torch.compression import Compression, _CastCompressor
 from hvdlite.torch.functions import broadcast_object
 from hvdlite.torch.process_sets import global_process_set
 
-__all__ = ["Bucket", "ReadyOrder", "auto_buckets", "mib_bytes", "ordered_buckets", "param_names",
-           "register_hooks", "remove_hooks", "split", "user_groups", "wire_type"]
+__all__ = ["Bucket", "Hooks", "ReadyOrder", "arrivals", "auto_buckets", "counting_allowed",
+           "mark_last", "mib_bytes", "ordered_buckets", "param_names", "register_hooks",
+           "remove_hooks", "split", "user_groups", "wire_type"]
 
 TOO_MANY = ("gradients were computed more than backward_passes_per_step times before "
             "optimizer.step(): this backward() accumulated into a gradient after its "
@@ -42,12 +44,16 @@ TOO_MANY = ("gradients were computed more than backward_passes_per_step times be
 class Bucket:
     """The parameters reduced together (``params``, in order) under ``name``; ``ready``
     counts members whose gradient is ready this step, ``left[i]`` the backward passes member
-    ``i`` still accumulates before it is (``full`` resets it). With views, ``views[i]`` is
-    member ``i``'s gradient, a view of the flat ``buffer``; ``wire`` (compression) is the
-    buffer's compressed twin the allreduce runs on."""
+    ``i`` still accumulates before it is (``full`` resets it): the per-member hooks' state.
+    The counted hooks' (:func:`register_hooks`): ``arrived`` the members' arrivals this step,
+    ``expect`` how many make the bucket ready, ``last`` the member whose gradient backward
+    makes ready last (its hook alone is Python), ``launched`` whether it started the bucket.
+    With views, ``views[i]`` is member ``i``'s gradient, a view of the flat ``buffer``;
+    ``wire`` (compression) is the buffer's compressed twin the allreduce runs on."""
 
     __slots__ = ("params", "name", "ready", "left", "full", "device", "buffer", "views",
-                 "wire", "staging", "staged", "viewed")
+                 "wire", "staging", "staged", "viewed", "arrived", "expect", "last",
+                 "launched")
 
     def __init__(self, params: Sequence[torch.Tensor], name: str, passes: int) -> None:
         self.params = tuple(params)
@@ -55,6 +61,10 @@ class Bucket:
         self.ready = 0
         self.full = [passes] * len(self.params)
         self.left = list(self.full)
+        self.arrived: list[torch.Tensor] = []
+        self.expect = passes * len(self.params)
+        self.last = len(self.params) - 1
+        self.launched = False
         first = self.params[0]
         self.device = first.get_device() if first.is_cuda else -1
         self.buffer: torch.Tensor | None = None
@@ -72,6 +82,14 @@ class Bucket:
         """Accumulate ``passes`` backward passes per allreduce from now on."""
         self.full = [passes] * len(self.params)
         self.left = list(self.full)
+        self.expect = passes * len(self.params)
+
+    def reset(self) -> None:
+        """The end of a step: every count back to its start."""
+        self.left[:] = self.full
+        self.ready = 0
+        self.arrived.clear()
+        self.launched = False
 
     def viewable(self) -> bool:
         """Whether the members can share one flat buffer (one dtype NumPy can hold, one
@@ -302,10 +320,17 @@ def user_groups(plist: list[torch.Tensor], names: dict[torch.Tensor, str], group
 
 
 def register_hooks(owner: object, buckets: Sequence[Bucket], flights: dict[Bucket, Any],
-                   start: Callable[[Bucket], Any]) -> list[Any]:
+                   start: Callable[[Bucket], Any], counted: bool = False) -> list[Any]:
     """Hook every member of ``buckets`` (after its gradient accumulates): a member counts
     down its passes, and the bucket's last ready member sets ``flights[bucket] =
     start(bucket)``. Returns the hooks' handles.
+
+    ``counted`` (once the order backward makes the gradients ready is known, each bucket's
+    ``last`` member the one it makes ready last): every member but ``last`` is hooked by
+    ``bucket.arrived.append`` itself, a C function (no Python frame: on a host-bound model a
+    Python hook per parameter cost 2-3% of the step, run 120), and ``last``'s Python hook
+    starts the bucket when every arrival is in. Where a step's order differs,
+    :func:`arrivals` says so and the caller goes back to per-member hooks.
 
     ``start`` (a method of ``owner``) is held weakly, and once ``owner`` is collected its
     hooks are removed: the collector does not see a parameter's hooks, so a hook holding the
@@ -314,10 +339,114 @@ def register_hooks(owner: object, buckets: Sequence[Bucket], flights: dict[Bucke
     constructor.
     """
     begin = weakref.WeakMethod(start)
-    handles = [p.register_post_accumulate_grad_hook(_hook(bucket, i, flights, begin))
-               for bucket in buckets for i, p in enumerate(bucket.params)]
+    if counted:
+        handles = [p.register_post_accumulate_grad_hook(
+                       _counted(bucket, flights, begin) if i == bucket.last
+                       else bucket.arrived.append)
+                   for bucket in buckets for i, p in enumerate(bucket.params)]
+    else:
+        handles = [p.register_post_accumulate_grad_hook(_hook(bucket, i, flights, begin))
+                   for bucket in buckets for i, p in enumerate(bucket.params)]
     weakref.finalize(owner, remove_hooks, handles).atexit = False
     return handles
+
+
+class Hooks:
+    """An optimizer's gradient hooks over its buckets (:func:`register_hooks`): per member
+    until the order backward makes the gradients ready is known (:meth:`count`), counted
+    from then on, and per member again for good after a step in another order. ``owner``,
+    ``flights`` and ``start`` as :func:`register_hooks` takes them. Not thread-safe: the
+    owner's constructor and ``synchronize()`` call it."""
+
+    def __init__(self, owner: object, flights: dict[Bucket, Any],
+                 start: Callable[[Bucket], Any]) -> None:
+        # Weakly: the owner holds this, and a cycle through it would leave a dropped owner
+        # to the collector, whose pass removes the hooks (the finalizer) only after it has
+        # chosen what to free, so the parameters the hooks held would wait for another pass.
+        self.owner, self.start = weakref.ref(owner), weakref.WeakMethod(start)
+        self.flights = flights
+        self.handles: list[Any] = []
+        self.counted = False
+
+    def register(self, buckets: Sequence[Bucket], counted: bool | None = None) -> None:
+        """Hook ``buckets`` (the hooks before removed); ``counted`` changes the kind."""
+        remove_hooks(self.handles)
+        if counted is not None:
+            self.counted = counted
+        owner, start = self.owner(), self.start()
+        assert owner is not None and start is not None  # (called by the owner)
+        self.handles = register_hooks(owner, buckets, self.flights, start, self.counted)
+
+    def count(self, buckets: Sequence[Bucket], params: Sequence[torch.Tensor],
+              seen: Sequence[int]) -> None:
+        """The order is known (``seen``, as :func:`mark_last` takes it): counted hooks."""
+        mark_last(buckets, params, seen)
+        self.register(buckets, counting_allowed())
+
+    def check(self, buckets: Sequence[Bucket]) -> tuple[bool, bool]:
+        """Before a step's end: :func:`arrivals` (nothing to say with per-member hooks)."""
+        return arrivals(buckets) if self.counted else (False, False)
+
+    def settle(self, buckets: Sequence[Bucket], verdict: tuple[bool, bool]) -> None:
+        """After a step's end (the counts reset): per-member hooks for good if the step's
+        order differed; ``AssertionError`` if a gradient accumulated after its bucket
+        started."""
+        missed, extra = verdict
+        if missed:
+            self.register(buckets, False)
+        if extra:
+            raise AssertionError(TOO_MANY)
+
+
+def counting_allowed() -> bool:
+    """Whether counted hooks may replace per-member ones: not under compiled autograd,
+    which traces a backward's hooks (a C-level hook there is untested; the Python ones
+    route themselves around the trace)."""
+    auto = sys.modules.get("torch._dynamo.compiled_autograd")  # (never imported here)
+    config = sys.modules.get("torch._dynamo.config")
+    return not (getattr(auto, "compiled_autograd_enabled", False)
+                or getattr(config, "compiled_autograd", False))
+
+
+def mark_last(buckets: Sequence[Bucket], params: Sequence[torch.Tensor],
+              seen: Sequence[int]) -> None:
+    """Each bucket's ``last``: its member whose gradient was made ready last in the order
+    ``seen`` (indices into ``params``, first ready first; a member not seen counts first)."""
+    when = {id(params[i]): k for k, i in enumerate(seen)}
+    for b in buckets:
+        b.last = max(range(len(b.params)), key=lambda i: when.get(id(b.params[i]), -1))
+
+
+def arrivals(buckets: Sequence[Bucket]) -> tuple[bool, bool]:
+    """At a step's end, with counted hooks: (a bucket whose every arrival came in without
+    its ``last`` member's hook starting it: this step's order was another; a bucket with
+    more arrivals than it expects: a gradient accumulated after its allreduce started)."""
+    missed = any(not b.launched and len(b.arrived) == b.expect for b in buckets)
+    return missed, any(len(b.arrived) > b.expect for b in buckets)
+
+
+def _counted(bucket: Bucket, flights: dict[Bucket, Any],
+             begin: Callable[[], Callable[[Bucket], Any] | None]) -> Callable[[torch.Tensor], None]:
+    arrived = bucket.arrived
+    compiling = _COMPILING or _never
+
+    # The last member's hook: its own arrival, then the bucket if every arrival is in.
+    def hook(param: torch.Tensor) -> None:
+        if compiling():  # traced by compiled autograd: see _opaque
+            return opaque(param)
+        arrived.append(param)
+        n = len(arrived)
+        if n >= bucket.expect:
+            if n > bucket.expect:
+                del arrived[bucket.expect:]  # said here: arrivals() need not say it again
+                raise AssertionError(TOO_MANY)
+            bucket.launched = True
+            start = begin()
+            if start is not None:
+                flights[bucket] = start(bucket)
+        return None
+    opaque = _disabled(hook)
+    return hook
 
 
 def _hook(bucket: Bucket, i: int, flights: dict[Bucket, Any],

@@ -4,7 +4,9 @@ One hook per parameter counts it ready the moment autograd has accumulated its g
 (``register_post_accumulate_grad_hook``); the last member of a bucket starts that bucket's one
 allreduce, of the bucket's flat buffer (its gradients copied in by one batched copy, or, with
 ``gradient_as_bucket_view``, living there), so communication overlaps the rest of the
-backward pass. ``step()`` orders the current CUDA stream after each bucket's collective (no host
+backward pass. Once the first step has shown the order backward takes, the hooks are C-level
+appends but for each bucket's last member (``_buckets.Hooks``: no Python frame per
+parameter). ``step()`` orders the current CUDA stream after each bucket's collective (no host
 wait on the device), then runs the wrapped optimizer's own step, whose kernels follow on that
 stream.
 """
@@ -25,13 +27,12 @@ from hvdlite._torchref import stream_of
 from hvdlite.torch import mpi_ops
 from hvdlite.torch._buckets import (
     Bucket,
+    Hooks,
     ReadyOrder,
     auto_buckets,
     mib_bytes,
     ordered_buckets,
     param_names,
-    register_hooks,
-    remove_hooks,
     user_groups,
     wire_type,
 )
@@ -88,7 +89,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self.process_set = process_set
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self._handles: dict[Bucket, _Flight] = {}
-        self._hook_handles: list[Any] = []
+        self._hooks = Hooks(self, self._handles, self._start)
         self._synchronized = False
         self._should_synchronize = True
         self._caps = caps
@@ -113,7 +114,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             if plist:
                 self._form_buckets(auto_buckets(plist, *caps) if groups is None else user_groups(
                     plist, self._parameter_names, groups, process_set))
-                self._register_hooks()
+                self._hooks.register(self._buckets)
                 if groups is None:  # the first step shows the order backward really takes
                     self._ready_order = ReadyOrder(self, plist)
 
@@ -147,21 +148,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         seen = runtime.agree(f"{self._what()} gradient order", order.take(),
                              self.process_set_id)[0]
         members = ordered_buckets(order.params, seen, *self._caps)
-        if [[id(p) for p in m] for m in members] == [[id(p) for p in b.params]
-                                                    for b in self._buckets]:
-            return
-        remove_hooks(self._hook_handles)
-        self._buckets, self._index, self._bucket_of, self._slots = [], {}, {}, None
-        self._unbucketed = [p for g in self.param_groups for p in g["params"]]
-        self._form_buckets(members)
-        for bucket in self._buckets:
-            if bucket.viewed is None:
-                bucket.view_if_dense(self._compression)
-        self._register_hooks()
-        self._check_buckets()
-
-    def _register_hooks(self) -> None:
-        self._hook_handles = register_hooks(self, self._buckets, self._handles, self._start)
+        same = [[id(p) for p in m] for m in members] == [[id(p) for p in b.params]
+                                                        for b in self._buckets]
+        if not same:
+            self._buckets, self._index, self._bucket_of, self._slots = [], {}, {}, None
+            self._unbucketed = [p for g in self.param_groups for p in g["params"]]
+            self._form_buckets(members)
+            for bucket in self._buckets:
+                if bucket.viewed is None:
+                    bucket.view_if_dense(self._compression)
+        self._hooks.count(self._buckets, order.params, seen)  # the order known: counted
+        if not same:
+            self._check_buckets()
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         """Change how many backward passes accumulate locally before one allreduce."""
@@ -309,6 +307,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if scheduled is not None and scheduled.world is not runtime.running():
             self._forget_schedule()
             scheduled = None
+        verdict = self._hooks.check(self._buckets)
         try:
             if scheduled is not None:
                 scheduled.finish(self._stream_ordered())
@@ -324,8 +323,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         finally:
             handles.clear()
             for bucket in self._buckets:
-                bucket.left[:] = bucket.full
-                bucket.ready = 0
+                bucket.reset()
+        self._hooks.settle(self._buckets, verdict)
         self._synchronized = True
         if not self._schedule_tried:
             self._schedule_tried = True

@@ -263,3 +263,108 @@ def test_broadcast_optimizer_state_without_state_gives_zero_grads(hvd: Any, cls:
     assert torch.equal(live.detach(), torch.full((3, 2), 2.0))
     assert torch.equal(kept.grad, torch.full((4,), 7.0))
     assert hvd.broadcast(live.grad.to_dense(), root_rank=0, name="bos.zero").abs().sum() == 0
+
+
+class _TwoBranches(nn.Module):
+    """Two branches whose gradients backward makes ready in the order the forward ran them
+    (later nodes first): ``flip`` runs them the other way round."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.a, self.b = nn.Linear(6, 4), nn.Linear(6, 4)
+
+    def forward(self, x: torch.Tensor, flip: bool = False) -> torch.Tensor:
+        if flip:
+            yb = self.b(x)
+            return (self.a(x).tanh() + yb.tanh()).sum(dim=1, keepdim=True)
+        ya = self.a(x)
+        return (ya.tanh() + self.b(x).tanh()).sum(dim=1, keepdim=True)
+
+
+def _python_hooks(model: nn.Module) -> int:
+    return sum(1 for p in model.parameters() for h in p._post_accumulate_grad_hooks.values()
+               if not hasattr(h, "__self__"))  # list.append, bound to the list: a C hook
+
+
+def _branch_step(hvd: Any, model: _TwoBranches, opt: Any, step: int, flip: bool) -> None:
+    x, y = _batch(step, 0, hvd.rank())
+    nn.functional.mse_loss(model(x, flip), y).backward()
+
+
+def test_after_the_first_step_one_python_hook_a_bucket_starts_it_in_backward(hvd: Any) -> None:
+    """From the second step, each bucket's members are counted by C-level hooks and only
+    the member backward makes ready last has a Python hook, which starts the bucket during
+    backward: the same parameters on every rank, step after step."""
+    if hvd.size() == 1:
+        pytest.skip("no hooks on one rank")
+    model = _TwoBranches()
+    opt = hvd.DistributedOptimizer(_sgd(model.parameters()),
+                                   named_parameters=model.named_parameters(),
+                                   bucket_cap_mb=120 / 2**20, last_bucket_cap_mb=None)
+    assert len(opt._buckets) == 2  # a weight (96 B) and a bias (16 B) each
+    assert _python_hooks(model) == 8  # per parameter, and the first step's order watchers
+    for step in range(4):
+        opt.zero_grad()
+        _branch_step(hvd, model, opt, step, False)
+        if step > 0:
+            assert _python_hooks(model) == len(opt._buckets)
+            assert len(opt._handles) == len(opt._buckets), "a bucket waited for step()"
+        opt.step()
+        _same_everywhere(hvd, _flat(model))
+
+
+def test_a_step_in_another_order_goes_back_to_per_parameter_hooks(hvd: Any) -> None:
+    """One bucket of both branches: the first step shows backward's order, the second runs
+    the branches the other way round, so the counted bucket's last member is not last. That
+    step is still right (the bucket starts at step()), and from then on every parameter has
+    its Python hook again, which starts the bucket in backward whatever the order."""
+    if hvd.size() == 1:
+        pytest.skip("no hooks on one rank")
+    model, ref = _TwoBranches(), _TwoBranches()
+    opt = hvd.DistributedOptimizer(_sgd(model.parameters()),
+                                   named_parameters=model.named_parameters())
+    ref_opt = _sgd(ref.parameters())
+    assert len(opt._buckets) == 1
+    for step, flip in enumerate([False, True, True, False]):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        _branch_step(hvd, model, opt, step, flip)
+        if step == 1:
+            assert _python_hooks(model) == 1 and not opt._handles  # counted, missed
+        if step >= 2:
+            assert _python_hooks(model) == 4 and len(opt._handles) == 1
+        opt.step()
+        xs, ys = zip(*[_batch(step, 0, r) for r in range(hvd.size())], strict=True)
+        nn.functional.mse_loss(ref(torch.cat(xs), flip), torch.cat(ys)).backward()
+        ref_opt.step()
+        assert torch.allclose(_flat(model), _flat(ref), atol=1e-5, rtol=1e-5), step
+
+
+def test_counted_hooks_refuse_gradients_accumulated_after_the_bucket_started(hvd: Any) -> None:
+    """With counted hooks, a second whole backward before step() raises in backward (the
+    last member's hook), and a second backward that reaches only some members raises in
+    step(): the gradients are not to be trusted either way."""
+    if hvd.size() == 1:
+        pytest.skip("no hooks on one rank")
+    model = _TwoBranches()
+    opt = hvd.DistributedOptimizer(_sgd(model.parameters()),
+                                   named_parameters=model.named_parameters())
+    x, y = _batch(0, 0, hvd.rank())
+    for _ in range(2):  # the first step shows the order; counted hooks from the second
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    assert _python_hooks(model) == 1
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    with pytest.raises(AssertionError, match="backward_passes_per_step"):
+        nn.functional.mse_loss(model(x), y).backward()
+    opt.synchronize()
+    with opt.skip_synchronize():
+        opt.step()
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    model.b(x).sum().backward()  # only branch b's parameters again (not the last member)
+    with pytest.raises(AssertionError, match="backward_passes_per_step"):
+        opt.step()
