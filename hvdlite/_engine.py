@@ -23,6 +23,7 @@ from hvdlite._control.scheduler import Scheduler
 from hvdlite._observe import clocks
 from hvdlite._observe.tracer import Tracer, open_timeline
 from hvdlite._rankside import watchdog
+from hvdlite._threads import start_quietly
 from hvdlite._vocab.entry import Entry
 from hvdlite._vocab.fusion import FusionBuffers
 from hvdlite._vocab.messages import Response
@@ -121,7 +122,7 @@ class Engine:
         if self.config.gil_switch_interval_us > 0:
             sys.setswitchinterval(min(self._switch_interval,
                                       self.config.gil_switch_interval_us / 1e6))
-        self.scheduler.thread.start()
+        start_quietly(self.scheduler.thread)
 
     def open_timeline(self, path: str, mark_cycles: bool) -> Timeline | None:
         cfg = self.config

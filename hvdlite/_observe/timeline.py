@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from hvdlite._observe import signals
+from hvdlite._threads import start_quietly
 
 __all__ = ["Timeline", "TRACE_VERSION"]
 
@@ -159,7 +160,7 @@ class Timeline:
             self._remove_stale_segments()
         self._open_file()
         self._thread = threading.Thread(target=self._run, name="hvdlite-timeline", daemon=True)
-        self._thread.start()
+        start_quietly(self._thread)
         atexit.register(self.close)
         signals.LIVE.add(self)
         if hook_signals:

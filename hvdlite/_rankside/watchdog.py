@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from hvdlite._rankside import ending
 from hvdlite._rankside.protocol import RESERVED_TYPES, WATCHDOG_FD_ENV
+from hvdlite._threads import start_quietly
 
 if TYPE_CHECKING:
     from hvdlite._observe.timeline import Timeline
@@ -72,7 +73,7 @@ def start(timeline_of: Callable[[], Timeline | None]) -> bool:
             return False
         _thread = threading.Thread(target=_watch, args=(fd,), name="hvdlite-watchdog",
                                    daemon=True)
-        _thread.start()
+        start_quietly(_thread)
         return True
 
 

@@ -74,11 +74,14 @@ def _load(name: str, path: str) -> ModuleType:
 
 
 if TYPE_CHECKING:  # only for the checker: this file runs without hvdlite on the path
+    from hvdlite import _threads
     from hvdlite._rankside import protocol
     from hvdlite.launcher.monitor import Agent
 else:
     protocol = _load("_hvdlite_rankside_protocol",
                      os.path.join(os.path.dirname(_HERE), "_rankside", "protocol.py"))
+    _threads = _load("_hvdlite_threads", os.path.join(os.path.dirname(_HERE), "_threads.py"))
+start_quietly = _threads.start_quietly
 
 REPORT_DIR_ENV = protocol.REPORT_DIR_ENV
 LIVE_PREFIX = protocol.LIVE_PREFIX
@@ -308,8 +311,7 @@ def _tee(source: Any, sink: Any, copy: Any) -> threading.Thread:
             copy.close()
 
     thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
+    return start_quietly(thread)
 
 
 def program_env(environ: dict[str, str], rank: int | None) -> dict[str, str]:
@@ -379,7 +381,8 @@ class _Supervision:
             self.theirs.close()  # the child holds its own copy
         if self.agent is not None:
             self.agent.start()
-            threading.Thread(target=self._relay, name="hvdliterun-relay", daemon=True).start()
+            start_quietly(threading.Thread(target=self._relay, name="hvdliterun-relay",
+                                           daemon=True))
 
     def _to_rank(self, message: dict[str, object]) -> None:
         """A message from the launcher for the rank (not an abort): hand it on."""

@@ -18,6 +18,8 @@ import re
 import threading
 from typing import IO
 
+from hvdlite._threads import start_quietly
+
 __all__ = ["TEARDOWN_NOISE", "BannerFilter", "NoiseFilter"]
 
 # What Hydra's mpiexec and proxies print when a world's rank or proxy goes away under them
@@ -64,7 +66,7 @@ class BannerFilter:
         self.banner = 0  # lines left in the banner (0: not in one)
         self.thread = threading.Thread(target=self._run, name="hvdliterun-banner",
                                        daemon=True)
-        self.thread.start()
+        start_quietly(self.thread)
 
     def _write(self, data: bytes) -> None:
         try:
@@ -127,7 +129,7 @@ class NoiseFilter:
         self.source, self.sink = source, sink
         self.held: list[bytes] = []
         self.thread = threading.Thread(target=self._run, name="hvdliterun-noise", daemon=True)
-        self.thread.start()
+        start_quietly(self.thread)
 
     def _write(self, data: bytes) -> None:
         try:

@@ -15,7 +15,7 @@ PKG = Path(__file__).resolve().parents[2] / "hvdlite"
 # are ordered too (observability below the device runtime, below the data planes, below the
 # control plane, below the engine).
 FLOORS: list[tuple[float, tuple[str, ...]]] = [
-    (0.0, ("hvdlite.errors", "hvdlite.config", "hvdlite._ops", "hvdlite._lru",
+    (0.0, ("hvdlite.errors", "hvdlite.config", "hvdlite._ops", "hvdlite._lru", "hvdlite._threads",
            "hvdlite._handles", "hvdlite._adasum", "hvdlite._tensorref")),
     (1.0, ("hvdlite._vocab",)),
     (2.0, ("hvdlite._observe",)),
