@@ -441,12 +441,18 @@ def _counted(bucket: Bucket, flights: dict[Bucket, Any],
                 del arrived[bucket.expect:]  # said here: arrivals() need not say it again
                 raise AssertionError(TOO_MANY)
             bucket.launched = True
-            start = begin()
-            if start is not None:
-                flights[bucket] = start(bucket)
+            _start(bucket, flights, begin)
         return None
     opaque = _disabled(hook)
     return hook
+
+
+def _start(bucket: Bucket, flights: dict[Bucket, Any],
+           begin: Callable[[], Callable[[Bucket], Any] | None]) -> None:
+    """The bucket is ready: ``flights[bucket] = start(bucket)`` while the owner lives."""
+    start = begin()
+    if start is not None:
+        flights[bucket] = start(bucket)
 
 
 def _hook(bucket: Bucket, i: int, flights: dict[Bucket, Any],
@@ -465,9 +471,7 @@ def _hook(bucket: Bucket, i: int, flights: dict[Bucket, Any],
         if left == 0:
             bucket.ready += 1
             if bucket.ready == size:
-                start = begin()
-                if start is not None:
-                    flights[bucket] = start(bucket)
+                _start(bucket, flights, begin)
         return None
     opaque = _disabled(hook)
     return hook
