@@ -47,13 +47,12 @@ class Bucket:
     ``i`` still accumulates before it is (``full`` resets it): the per-member hooks' state.
     The counted hooks' (:func:`register_hooks`): ``arrived`` the members' arrivals this step,
     ``expect`` how many make the bucket ready, ``last`` the member whose gradient backward
-    makes ready last (its hook alone is Python), ``launched`` whether it started the bucket.
+    makes ready last (its hook alone is Python).
     With views, ``views[i]`` is member ``i``'s gradient, a view of the flat ``buffer``;
     ``wire`` (compression) is the buffer's compressed twin the allreduce runs on."""
 
     __slots__ = ("params", "name", "ready", "left", "full", "device", "buffer", "views",
-                 "wire", "staging", "staged", "viewed", "arrived", "expect", "last",
-                 "launched")
+                 "wire", "staging", "staged", "viewed", "arrived", "expect", "last")
 
     def __init__(self, params: Sequence[torch.Tensor], name: str, passes: int) -> None:
         self.params = tuple(params)
@@ -64,7 +63,6 @@ class Bucket:
         self.arrived: list[torch.Tensor] = []
         self.expect = passes * len(self.params)
         self.last = len(self.params) - 1
-        self.launched = False
         first = self.params[0]
         self.device = first.get_device() if first.is_cuda else -1
         self.buffer: torch.Tensor | None = None
@@ -89,7 +87,6 @@ class Bucket:
         self.left[:] = self.full
         self.ready = 0
         self.arrived.clear()
-        self.launched = False
 
     def viewable(self) -> bool:
         """Whether the members can share one flat buffer (one dtype NumPy can hold, one
@@ -385,7 +382,7 @@ class Hooks:
 
     def check(self, buckets: Sequence[Bucket]) -> tuple[bool, bool]:
         """Before a step's end: :func:`arrivals` (nothing to say with per-member hooks)."""
-        return arrivals(buckets) if self.counted else (False, False)
+        return arrivals(buckets, self.flights) if self.counted else (False, False)
 
     def settle(self, buckets: Sequence[Bucket], verdict: tuple[bool, bool]) -> None:
         """After a step's end (the counts reset): per-member hooks for good if the step's
@@ -417,11 +414,12 @@ def mark_last(buckets: Sequence[Bucket], params: Sequence[torch.Tensor],
         b.last = max(range(len(b.params)), key=lambda i: when.get(id(b.params[i]), -1))
 
 
-def arrivals(buckets: Sequence[Bucket]) -> tuple[bool, bool]:
-    """At a step's end, with counted hooks: (a bucket whose every arrival came in without
-    its ``last`` member's hook starting it: this step's order was another; a bucket with
-    more arrivals than it expects: a gradient accumulated after its allreduce started)."""
-    missed = any(not b.launched and len(b.arrived) == b.expect for b in buckets)
+def arrivals(buckets: Sequence[Bucket], flights: dict[Bucket, Any]) -> tuple[bool, bool]:
+    """At a step's end, with counted hooks (``flights``: the buckets a hook started): (a
+    bucket whose every arrival came in without its ``last`` member's hook starting it: this
+    step's order was another; a bucket with more arrivals than it expects: a gradient
+    accumulated after its allreduce started)."""
+    missed = any(b not in flights and len(b.arrived) == b.expect for b in buckets)
     return missed, any(len(b.arrived) > b.expect for b in buckets)
 
 
@@ -440,7 +438,6 @@ def _counted(bucket: Bucket, flights: dict[Bucket, Any],
             if n > bucket.expect:
                 del arrived[bucket.expect:]  # said here: arrivals() need not say it again
                 raise AssertionError(TOO_MANY)
-            bucket.launched = True
             _start(bucket, flights, begin)
         return None
     opaque = _disabled(hook)
