@@ -87,7 +87,7 @@ from _t1vocab import (
     HVD,
     LOCAL,
     ONE_STEP_FLOOR,
-    ONE_STEP_FLOOR_COMPILED,
+    ONE_STEP_FLOOR_BF16,
     ONE_STEP_RTOL,
     ORDER_X,
     ORDERS,
@@ -314,7 +314,7 @@ def check_first_step(env: Env, ones: dict[str, Any], out: dict[str, Any]) -> Non
         if kind in LOCAL or kind == ref or kind in ORDERS or ref not in ones:
             continue
         want = ones[ref] - init
-        share = ONE_STEP_FLOOR_COMPILED if is_compiled(kind, env.args) else ONE_STEP_FLOOR
+        share = ONE_STEP_FLOOR_BF16 if env.args.autocast == "bf16" else ONE_STEP_FLOOR
         floor = share * env.max_over_ranks(float(want.abs().max()))
         excess = ((flat - init) - want).abs() - ONE_STEP_RTOL * want.abs() - floor
         worst = env.max_over_ranks(float(excess.max()))
