@@ -56,7 +56,8 @@ def test_torch_optimizer_step_on_one_and_four_ranks(tmp_path: Path, np_: int) ->
 def test_bench_t1_correctness_check_on_four_cpu_ranks(tmp_path: Path) -> None:
     """``scripts/gpu/bench_t1.py --no-cuda`` at 4 ranks (a BatchNorm model, MPI for hvdlite,
     gloo for DDP): its check runs the first-step comparison of every eager variant and both
-    reduction-order references, and hvdlite's default is within every bound it reports."""
+    reduction-order references, and hvdlite's default is within every bound it reports; the
+    report names the route its buckets took."""
     out_json = tmp_path / "t1.json"
     cmd = [mpiexec(), "-n", "4", sys.executable, "scripts/gpu/bench_t1.py", "--np", "4",
            "--model", "tiny", "--no-cuda", "--image-size", "32", "--batch-size", "4",
@@ -64,8 +65,14 @@ def test_bench_t1_correctness_check_on_four_cpu_ranks(tmp_path: Path) -> None:
            "--comm-reps", "1", "--json", str(out_json)]
     rc, out = run_group(cmd, clean_env(OMP_NUM_THREADS="1"), 150)
     assert rc == 0, out[-6000:]
-    check = json.loads(out_json.read_text(encoding="utf-8"))["results"]["correctness"]
+    results = json.loads(out_json.read_text(encoding="utf-8"))["results"]
+    check = results["correctness"]
     hvd, ddp = "hvdlite DistributedOptimizer, default", "torch DDP"
+    # The route each hvdlite variant took, as the optimizer says it (host buckets: negotiated
+    # unless optimizer_host_schedule is on), in the JSON and the report's notes.
+    assert results["routes"][hvd].startswith("negotiated, "), results["routes"]
+    assert "optimizer_host_schedule is off" in results["routes"][hvd]
+    assert f"note: route of {hvd}: negotiated" in out
     assert check["steps"] == 4  # a BatchNorm model past two ranks (check_steps)
     for order in ("torch DDP, 1 MB buckets (the reduction-order reference)",
                   "torch DDP, one bucket (the second reduction-order reference)"):

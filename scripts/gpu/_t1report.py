@@ -194,6 +194,9 @@ def report(env: Env, check: dict[str, Any], train: dict[str, np.ndarray],
         notes.append("g4: TF32 matmuls (as G4), loss = MSE against a random target")
     if not env.cuda:
         notes.append("CPU run (--no-cuda): a smoke test of the code path, no GPU claim")
+    if env.routes:
+        res["routes"] = env.routes
+        notes.extend(f"route of {k}: {v}" for k, v in env.routes.items())
     if env.kernel_overlap:
         res["kernel_overlap"] = env.kernel_overlap
         cells = [[k, round(v.get("nccl_us", 0.0)), round(v.get("other_us", 0.0)),

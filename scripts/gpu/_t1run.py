@@ -351,6 +351,7 @@ class Env:
         model = build_model(torch, args.model).to(self.device)
         self.init_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         self.kernel_overlap: dict[str, dict[str, float]] = {}  # --kernel-trace's, this rank
+        self.routes: dict[str, str] = {}  # each hvdlite variant's route after warm-up (rank 0)
         self.n_params = sum(p.numel() for p in model.parameters())
         self.grad_shapes = [tuple(p.shape) for p in model.parameters()]
         self.batch_norm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm)

@@ -85,6 +85,7 @@ from _t1vocab import (
     DDP,
     DDP_C,
     HVD,
+    HVDS,
     LOCAL,
     ONE_STEP_FLOOR,
     ONE_STEP_FLOOR_BF16,
@@ -334,6 +335,7 @@ def time_training(env: Env) -> dict[str, np.ndarray]:
     for r in runners.values():
         r.steps(args.warmup)
     env.sync()
+    env.routes = {k: route(r.opt) for k, r in runners.items() if k in HVDS}
 
     def rounds(r: Runner) -> Callable[[], None]:
         def run() -> None:
@@ -348,6 +350,17 @@ def time_training(env: Env) -> dict[str, np.ndarray]:
     if env.cuda:
         torch.cuda.empty_cache()
     return times
+
+
+def route(opt: Any) -> str:
+    """How a hvdlite variant's optimizer launches its buckets: on the agreed schedule (and
+    over which transport), or negotiated, and why (a step far slower than its peers' reads
+    differently on each)."""
+    buckets = len(opt.bucket_names)
+    why = opt.unscheduled_reason
+    if why:
+        return f"negotiated, {buckets} buckets: {why}"
+    return f"agreed schedule over {opt.agreed_schedule.via}, {buckets} buckets"
 
 
 def trace_kernels(env: Env, runners: dict[str, Runner]) -> dict[str, dict[str, float]]:
