@@ -30,6 +30,7 @@ from _t1vocab import (
     HVD_C_ALT,
     HVD_CR,
     HVD_CS,
+    HVD_CS4,
     HVD_CTA,
     HVD_G,
     HVD_G_IPC,
@@ -48,6 +49,7 @@ from _t1vocab import (
     REGIONED,
     SHORT,
     SPLIT,
+    SPLIT_COARSE,
     is_compiled,
 )
 from mpi4py import MPI
@@ -153,8 +155,9 @@ class Runner:
                 self.head_loss = head_loss(torch, self.model.lm_head)  # outside the model
                 self.head_loss.compile(options={"force_shape_pad": True})
                 regions.append(self.head_loss)
-        elif kind in SPLIT:  # cut where the optimizer's buckets fall (the same cap)
-            self.forward = env.hvd.compile_split(self.forward, args.bucket_cap_mb)
+        elif kind in SPLIT:  # cut where the optimizer's buckets fall (the same cap, or a multiple)
+            coarse = SPLIT_COARSE if kind == HVD_CS4 else 1
+            self.forward = env.hvd.compile_split(self.forward, args.bucket_cap_mb * coarse)
         elif kind in COMPILED or (kind in CAPTURED and args.compile == "on"):
             self.forward = torch.compile(self.forward)
         opt = torch.optim.SGD(self.model.parameters(), lr=args.lr)
@@ -433,7 +436,7 @@ class Env:
             if any(is_compiled(k, self.args) for k in keep):  # their references come along
                 keep |= {BASE_C, DDP_C}
             opt_in = [*HVD_CTA.values(), HVD_PRIO, HVD_G_PRIO, HVD_IPC, HVD_G_IPC,  # if asked
-                      HVD_GR_IPC, BASE_CR, PLAIN_GR, HVD_REG, HVD_CS, HVD_GS]
+                      HVD_GR_IPC, BASE_CR, PLAIN_GR, HVD_REG, HVD_CS, HVD_GS, HVD_CS4]
             out = [v for v in [*out, *opt_in] if v in keep or v in (BASE, HVD, DDP)]
         return out
 

@@ -356,11 +356,12 @@ def route(opt: Any) -> str:
     """How a hvdlite variant's optimizer launches its buckets: on the agreed schedule (and
     over which transport), or negotiated, and why (a step far slower than its peers' reads
     differently on each)."""
-    buckets = len(opt.bucket_names)
+    n = len(opt.bucket_names)
+    buckets = f"{n} bucket{'s' if n != 1 else ''}"
     why = opt.unscheduled_reason
     if why:
-        return f"negotiated, {buckets} buckets: {why}"
-    return f"agreed schedule over {opt.agreed_schedule.via}, {buckets} buckets"
+        return f"negotiated, {buckets}: {why}"
+    return f"agreed schedule over {opt.agreed_schedule.via}, {buckets}"
 
 
 def trace_kernels(env: Env, runners: dict[str, Runner]) -> dict[str, dict[str, float]]:
