@@ -8,11 +8,8 @@ ranks and the first difference otherwise). Its first call is negotiated like any
 (which settles the device transport); then the members open an agreed schedule of the runtime
 (``hvdlite/_control/agreed.py``: NCCL for CUDA tensors with a GPU per rank, MPI for host
 tensors), and each later call copies the tensors' current values into the schedule's buffer
-and launches in-place allreduces on it. The buffer is cut, at tensor boundaries, into pieces
-of about :data:`PIECE_BYTES`, one slot each: piece ``k`` is launched as soon as its copy is
-enqueued, so on a GPU the copy of piece ``k + 1`` (torch's stream) runs while piece ``k`` is
-reduced (hvdlite's), and only the first piece's copy is exposed. Results are views of that
-buffer, overwritten by the next call::
+and launches one in-place allreduce on it. Results are views of that buffer, overwritten by
+the next call::
 
     metrics = hvd.grouped_allreduce_init([loss_sum, correct, seen], name="metrics")
     for batch in loader:
@@ -56,9 +53,6 @@ from hvdlite.torch.process_sets import global_process_set, resolve
 __all__ = ["PersistentGroupedAllreduce", "grouped_allreduce_init"]
 
 _WHAT = "grouped_allreduce_init"
-#: Bytes per piece of a copying persistent allreduce (see the module docstring): the
-#: optimizer's bucket cap. Smaller pieces expose less of the copy and cost a launch each.
-PIECE_BYTES = 25 << 20
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -84,19 +78,15 @@ class PersistentGroupedAllreduce:
         self._flat = torch.empty(sum(sizes), dtype=first.dtype, device=first.device)
         self.outputs: list[torch.Tensor] = [
             v.view(t.shape) for v, t in zip(self._flat.split(sizes), self.tensors, strict=True)]
-        # In place there is no copy to overlap: one piece.
-        self._pieces = _pieces(sizes, first.element_size(), 0 if inplace else PIECE_BYTES)
         wire = wire_name(first.dtype) or str(first.dtype)
-        one = len(self._pieces) == 1
-        self._slots = [Slot(name if one else f"{name}.{k}", n, wire, int(op), pre, post)
-                       for k, (_, _, _, n) in enumerate(self._pieces)]
+        slot = Slot(name, self._flat.numel(), wire, int(op), pre, post)
         runtime.check_agreed(
             f"{_WHAT}[{name}]",
-            {"slot": runtime.slot_rows(self._slots), "shapes": [list(t.shape) for t in tensors],
+            {"slot": runtime.slot_rows([slot]), "shapes": [list(t.shape) for t in tensors],
              "device": self.device >= 0},
             "every member must pass tensors of the same shapes and dtype, in the same order, "
             "with the same op and factors", set_id)
-        self._set_id = set_id
+        self._slot, self._set_id = slot, set_id
         self._ptrs: tuple[int, ...] = ()
         # Only once every member agreed: a mismatch must leave the caller's tensors as they were.
         if inplace:  # the tensors move into the buffer: their values first, then their storage
@@ -118,10 +108,9 @@ class PersistentGroupedAllreduce:
     def _open(self) -> None:
         # Collective: every member makes its first call at the same point of its sequence.
         self._opened = True
-        base, size = self._flat.data_ptr(), self._flat.element_size()
-        buffers = [(base + offset * size, n) for _, _, offset, n in self._pieces]
+        buffers = [(self._flat.data_ptr(), self._flat.numel())]
         self._schedule, self.unscheduled_reason = runtime.open_schedule(
-            f"{_WHAT}[{self.name}]", self._slots, buffers, self.device, self._set_id,
+            f"{_WHAT}[{self.name}]", [self._slot], buffers, self.device, self._set_id,
             self._why_not())
 
     def _why_not(self) -> str:
@@ -170,13 +159,11 @@ class PersistentGroupedAllreduce:
             if not self._opened:
                 self._open()
             return
+        if not self.inplace:  # in place, the tensors are the buffer already
+            with torch.no_grad():
+                torch._foreach_copy_(self.outputs, self.tensors)
         stream = stream_of(self.device) if self.device >= 0 else None
-        launch, outputs, tensors = self._schedule.launch, self.outputs, self.tensors
-        with torch.no_grad():
-            for k, (a, b, _, _) in enumerate(self._pieces):
-                if not self.inplace:  # in place, the tensors are the buffer already
-                    torch._foreach_copy_(outputs[a:b], tensors[a:b])
-                launch(k, stream)
+        self._schedule.launch(0, stream)
         self._pending = True
 
     def wait(self) -> list[torch.Tensor]:
@@ -190,9 +177,7 @@ class PersistentGroupedAllreduce:
         self._pending = False
         if self._schedule is not None:
             ordered = self.device >= 0 and not runtime.host_waits()
-            stream = stream_of(self.device) if ordered else None
-            for k in range(len(self._pieces)):
-                self._schedule.wait(k, stream)
+            self._schedule.wait(0, stream_of(self.device) if ordered else None)
         return list(self.outputs)
 
     def __call__(self) -> list[torch.Tensor]:
@@ -245,24 +230,6 @@ def grouped_allreduce_init(tensors: Sequence[torch.Tensor], name: str, op: Any =
             raise TypeError(f"{_WHAT}: {label} must be a number, got {factor!r}")
     return PersistentGroupedAllreduce(members, name, reduce_op, float(prescale_factor),
                                       float(postscale_factor), process_set, inplace)
-
-
-def _pieces(sizes: Sequence[int], itemsize: int,
-            cap: int) -> list[tuple[int, int, int, int]]:
-    """The buffer's pieces, cut at tensor boundaries once a piece holds ``cap`` bytes (0: one
-    piece): (first tensor, end tensor, element offset, element count) each."""
-    out, start, offset, count = [], 0, 0, 0
-    for i, n in enumerate(sizes):
-        count += n
-        if cap and count * itemsize >= cap and i + 1 < len(sizes):
-            out.append((start, i + 1, offset, count))
-            start, offset, count = i + 1, offset + count, 0
-    if count or not out:
-        out.append((start, len(sizes), offset, count))
-    else:  # only empty tensors after the last cut: they join the last piece
-        a, _, o, n = out.pop()
-        out.append((a, len(sizes), o, n))
-    return out
 
 
 def _check_movable(members: Sequence[torch.Tensor]) -> None:

@@ -377,23 +377,16 @@ def test_cuda_optimizer_lane_reduces_exactly_in_the_agreed_order(
         assert "not NCCL" in opt.unscheduled_reason
 
 
-@pytest.mark.parametrize("mode", ["copy", "pieces", "inplace"])
-def test_persistent_grouped_allreduce_on_cuda(hvd: Any, monkeypatch: Any, mode: str) -> None:
+@pytest.mark.parametrize("inplace", [False, True])
+def test_persistent_grouped_allreduce_on_cuda(hvd: Any, inplace: bool) -> None:
     """``grouped_allreduce_init`` on CUDA tensors: on the NCCL schedule with a GPU per rank
     (no host wait: torch's current stream is ordered after it), on the negotiated route where
-    ranks share a GPU (the reason says so); exact sums either way, call after call. In
-    pieces (a slot per tensor: each piece launched after its copy, the next copy beside it),
-    the same sums. In place, the results are in the tensors themselves, which lie end to end
-    in the buffer."""
-    from hvdlite.torch import persistent
-
-    if mode == "pieces":
-        monkeypatch.setattr(persistent, "PIECE_BYTES", 1)
-    inplace = mode == "inplace"
+    ranks share a GPU (the reason says so); exact sums either way, call after call. In place,
+    the results are in the tensors themselves, which lie end to end in the buffer."""
     dev = _device(hvd)
     shapes = [(4, 3), (7,)]
     tensors = [torch.zeros(s, device=dev) for s in shapes]
-    group = hvd.grouped_allreduce_init(tensors, name=f"gpu.persistent.{mode}", op=hvd.Sum,
+    group = hvd.grouped_allreduce_init(tensors, name=f"gpu.persistent.{inplace}", op=hvd.Sum,
                                        inplace=inplace)
     if inplace:
         assert tensors[1].data_ptr() == tensors[0].data_ptr() + 12 * 4
@@ -409,5 +402,3 @@ def test_persistent_grouped_allreduce_on_cuda(hvd: Any, monkeypatch: Any, mode: 
             values = torch.unique(g).tolist()
             assert values == [want], f"step {step}, tensor {k}: got {values}, expected {want}"
         assert group.scheduled == (not shared), group.unscheduled_reason
-    if group.scheduled:
-        assert len(group.agreed_schedule.slots) == (2 if mode == "pieces" else 1)

@@ -54,40 +54,6 @@ def test_each_call_reduces_the_tensors_current_values_on_the_schedule(hvd: Any,
     assert group.agreed_schedule.launches == 3  # every call after the first
 
 
-@pytest.mark.parametrize("piece_bytes", [1, 48, 60])
-def test_a_buffer_cut_into_pieces_reduces_every_piece(hvd: Any, monkeypatch: Any,
-                                                      piece_bytes: int) -> None:
-    """Pieces of PIECE_BYTES (cut at tensor boundaries, one slot each, each launched after its
-    copy): 1 byte cuts after every tensor, 48 after the first (48 bytes), 60 after the
-    second (68 bytes), leaving the third alone."""
-    from hvdlite.torch import persistent
-
-    monkeypatch.setattr(persistent, "PIECE_BYTES", piece_bytes)
-    n, r = hvd.size(), hvd.rank()
-    tensors = [torch.zeros(s) for s in SHAPES]
-    group = hvd.grouped_allreduce_init(tensors, name=f"persist.pieces.{piece_bytes}",
-                                       op=hvd.Sum)
-    for step in range(3):
-        _fill(tensors, r, step)
-        for g, want in zip(group(), _reference(n, step, False), strict=True):
-            np.testing.assert_array_equal(g.numpy(), want)
-    sched = group.agreed_schedule
-    assert sched is not None, group.unscheduled_reason
-    want_slots = {1: [12, 5, 8], 48: [12, 13], 60: [17, 8]}[piece_bytes]
-    assert [slot.count for slot in sched.slots] == want_slots
-    assert sched.launches == 2 * len(want_slots)
-
-
-def test_pieces_cut_at_tensor_boundaries_and_keep_empty_tensors_in_the_last() -> None:
-    from hvdlite.torch.persistent import _pieces
-
-    assert _pieces([3, 4, 5], 4, 0) == [(0, 3, 0, 12)]
-    assert _pieces([3, 4, 5], 4, 12) == [(0, 1, 0, 3), (1, 2, 3, 4), (2, 3, 7, 5)]
-    assert _pieces([3, 4, 5], 4, 20) == [(0, 2, 0, 7), (2, 3, 7, 5)]
-    assert _pieces([3, 0, 0], 4, 4) == [(0, 3, 0, 3)]  # no piece of nothing
-    assert _pieces([0, 0], 4, 4) == [(0, 2, 0, 0)]
-
-
 def test_prescale_and_postscale_apply_as_grouped_allreduce_applies_them(hvd: Any) -> None:
     n, r = hvd.size(), hvd.rank()
     tensors = [torch.zeros(s) for s in SHAPES]
