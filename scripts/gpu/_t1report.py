@@ -202,11 +202,15 @@ def report(env: Env, check: dict[str, Any], train: dict[str, np.ndarray],
         cells = [[k, round(v.get("nccl_us", 0.0)), round(v.get("other_us", 0.0)),
                   round(v.get("overlapped_us", 0.0)),
                   f"{100 * v.get('overlapped_share', 0.0):.0f}%",
-                  round(v.get("alone_us", 0.0)), int(v.get("nccl_kernels", 0))]
+                  round(v.get("alone_us", 0.0)), int(v.get("nccl_kernels", 0)),
+                  round(v.get("idle_us", 0.0)),
+                  f"{v.get('sync_us', 0.0):.0f} ({v.get('sync_calls', 0.0):.0f})",
+                  f"{v.get('alloc_us', 0.0):.0f} ({v.get('alloc_calls', 0.0):.0f})"]
                  for k, v in env.kernel_overlap.items()]
         table += "\n" + gl.format_table(
             [f"kernels of {args.batches_per_iter} steps (rank 0, --kernel-trace)", "NCCL us",
-             "other us", "NCCL beside other us", "share", "NCCL alone us", "NCCL kernels"],
+             "other us", "NCCL beside other us", "share", "NCCL alone us", "NCCL kernels",
+             "GPU idle us", "host sync us (calls)", "host alloc us (calls)"],
             cells)
     if env.rank != 0:
         return

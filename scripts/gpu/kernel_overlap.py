@@ -4,7 +4,10 @@ Reads Chrome-trace JSON as ``torch.profiler`` exports it (``prof.export_chrome_t
 ``bench_t1.py --kernel-trace DIR`` writes one per variant and rank) and reports, per device:
 the time some NCCL kernel ran (the union of their intervals), the time some other kernel ran,
 the part of the NCCL time during which another kernel ran too (*overlapped*), and the rest
-(*alone*: communication the step waited for, or that had nothing beside it to hide under).
+(*alone*: communication the step waited for, or that had nothing beside it to hide under),
+the time no kernel ran between the first and the last (*idle*: a host-bound step shows it),
+and the host's CUDA calls that wait or allocate (*sync*: stream, event and device
+synchronisations; *alloc*: cudaMalloc/cudaFree and their driver forms, which synchronise too).
 Where a captured step's graph allows a bucket's allreduce to run beside backward
 (``scripts/gpu/graph_overlap.py``) and the step still pays for the communication, this tells
 whether the kernels ran side by side at all (issue 39's question after run 83).
@@ -74,24 +77,52 @@ def kernels(trace: dict[str, Any] | list[Any]) -> dict[int, list[tuple[float, fl
     return dict(out)
 
 
+# The host's CUDA calls that hold it until the device catches up (by name, runtime or driver).
+_SYNC = ("synchronize",)
+_ALLOC = ("cudamalloc", "cudafree", "cumemalloc", "cumemfree")
+
+
+def host_calls(trace: dict[str, Any] | list[Any]) -> dict[str, float]:
+    """The trace's CUDA runtime and driver calls that wait (``sync_us``, ``sync_calls``) or
+    allocate (``alloc_us``, ``alloc_calls``), summed over the process's threads."""
+    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+    out = {"sync_us": 0.0, "sync_calls": 0.0, "alloc_us": 0.0, "alloc_calls": 0.0}
+    for ev in events:
+        if not isinstance(ev, dict) or ev.get("ph") != "X":
+            continue
+        if str(ev.get("cat", "")).lower() not in ("cuda_runtime", "cuda_driver"):
+            continue
+        name = str(ev.get("name", "")).lower()
+        kind = "sync" if any(k in name for k in _SYNC) else \
+            "alloc" if name.startswith(_ALLOC) else ""
+        if kind:
+            out[f"{kind}_us"] += float(ev.get("dur", 0.0))
+            out[f"{kind}_calls"] += 1
+    return out
+
+
 def summary(trace: dict[str, Any] | list[Any]) -> dict[int, dict[str, float]]:
     """Per device: ``nccl_us`` (union of NCCL kernel time), ``other_us`` (union of the other
     kernels' time), ``overlapped_us`` (both at once), ``alone_us`` (NCCL with no other
-    kernel), ``span_us`` (first kernel's start to last kernel's end), ``nccl_kernels``,
-    ``other_kernels`` and ``overlapped_share`` (overlapped / NCCL time; 0 without NCCL)."""
+    kernel), ``span_us`` (first kernel's start to last kernel's end), ``idle_us`` (no kernel
+    running within the span), ``nccl_kernels``, ``other_kernels``, ``overlapped_share``
+    (overlapped / NCCL time; 0 without NCCL), and the process's :func:`host_calls`."""
     out: dict[int, dict[str, float]] = {}
+    host = host_calls(trace)
     for device, ks in sorted(kernels(trace).items()):
         nccl = _union([(a, b) for a, b, n in ks if "nccl" in n.lower()])
         other = _union([(a, b) for a, b, n in ks if "nccl" not in n.lower()])
         both = _intersection(nccl, other)
         n_us = _length(nccl)
+        span = max(b for _, b, _ in ks) - min(a for a, _, _ in ks)
         out[device] = {
             "nccl_us": n_us, "other_us": _length(other), "overlapped_us": both,
             "alone_us": n_us - both,
-            "span_us": max(b for _, b, _ in ks) - min(a for a, _, _ in ks),
+            "span_us": span, "idle_us": span - _length(_union([(a, b) for a, b, _ in ks])),
             "nccl_kernels": float(sum("nccl" in n.lower() for _, _, n in ks)),
             "other_kernels": float(sum("nccl" not in n.lower() for _, _, n in ks)),
             "overlapped_share": both / n_us if n_us else 0.0,
+            **host,
         }
     return out
 
@@ -107,14 +138,17 @@ def report(path: Path) -> tuple[str, bool]:
         return f"== {path}: no kernel events (category 'kernel')", False
     lines = [f"== {path}",
              f"{'device':>6} {'NCCL us':>10} {'other us':>10} {'overlapped':>11} "
-             f"{'alone us':>9} {'span us':>10} {'NCCL k':>7} {'other k':>8}"]
+             f"{'alone us':>9} {'span us':>10} {'idle us':>9} {'NCCL k':>7} {'other k':>8} "
+             f"{'sync us (n)':>14} {'alloc us (n)':>14}"]
     found = False
     for dev, r in rows.items():
         found |= r["nccl_kernels"] > 0
         lines.append(f"{dev:>6} {r['nccl_us']:>10.0f} {r['other_us']:>10.0f} "
                      f"{r['overlapped_us']:>6.0f} {100 * r['overlapped_share']:>3.0f}% "
-                     f"{r['alone_us']:>9.0f} {r['span_us']:>10.0f} "
-                     f"{r['nccl_kernels']:>7.0f} {r['other_kernels']:>8.0f}")
+                     f"{r['alone_us']:>9.0f} {r['span_us']:>10.0f} {r['idle_us']:>9.0f} "
+                     f"{r['nccl_kernels']:>7.0f} {r['other_kernels']:>8.0f} "
+                     f"{r['sync_us']:>8.0f} ({r['sync_calls']:>3.0f}) "
+                     f"{r['alloc_us']:>8.0f} ({r['alloc_calls']:>3.0f})")
     return "\n".join(lines), found
 
 

@@ -58,3 +58,24 @@ def test_a_trace_without_nccl_or_unreadable_is_said(tmp_path: Path) -> None:
     good = tmp_path / "good.json"
     good.write_text(json.dumps([_kernel("ncclDevKernel", 0, 10), _kernel("gemm", 5, 10)]))
     assert kernel_overlap.main([str(good)]) == 0
+
+
+def _call(name: str, ts: float, dur: float, cat: str = "cuda_runtime") -> dict[str, object]:
+    return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": 2, "ts": ts, "dur": dur}
+
+
+def test_idle_time_and_the_hosts_waiting_and_allocating_calls() -> None:
+    # kernels 0-10, 5-20 and 40-50: 20 us of the 50 us span with no kernel; the host's calls:
+    # two synchronisations (runtime and driver), two allocations, launches (neither)
+    trace = {"traceEvents": [
+        _kernel("gemm", 0, 10), _kernel("ncclDevKernel", 5, 15), _kernel("add", 40, 10),
+        _call("cudaStreamSynchronize", 20, 19), _call("cuEventSynchronize", 60, 3, "cuda_driver"),
+        _call("cudaMalloc", 1, 4), _call("cudaFree", 30, 6), _call("cudaLaunchKernel", 0, 2),
+        _call("cudaStreamSynchronize", 0, 99, "cpu_op"),  # not a CUDA call's category
+    ]}
+    s = kernel_overlap.summary(trace)[0]
+    assert s["span_us"] == 50 and s["idle_us"] == 20
+    assert (s["sync_us"], s["sync_calls"]) == (22, 2)
+    assert (s["alloc_us"], s["alloc_calls"]) == (10, 2)
+    assert kernel_overlap.host_calls([]) == {"sync_us": 0.0, "sync_calls": 0.0,
+                                             "alloc_us": 0.0, "alloc_calls": 0.0}
