@@ -76,19 +76,32 @@ class MpiScheduleTransport:
         request = comm.Iallreduce(MPI.IN_PLACE, buf, op=op)
         with self._lock:
             self._requests[i] = request
+            self._progress()
 
     def done(self, i: int) -> bool:
         with self._lock:
-            request = self._requests[i]
-            if request is None:
+            if self._requests[i] is None:
                 return True
-            if not request.Test():
-                return False
-            _, array, _, _, post = self._calls[i]
+            self._progress()
+            return self._requests[i] is None
+
+    def _progress(self) -> None:
+        """Test every launch in flight, not only the one asked about (under the lock). A
+        bucket past MPI's eager size moves by rendezvous, a handshake with the peer that
+        advances only inside MPI calls on both sides; looked at one slot at a time, the
+        handshakes of a step's slots follow one another, each waiting out a peer's nap
+        between looks (32 slots of 16 KiB: 43 ms a step against 2.5 ms negotiated, on 2 CPU
+        ranks). Looked at together, they overlap."""
+        pending = [(j, r) for j, r in enumerate(self._requests) if r is not None]
+        if not pending:
+            return
+        finished = MPI.Request.Testsome([r for _, r in pending])
+        for k in finished or ():
+            j = pending[k][0]
+            _, array, _, _, post = self._calls[j]
             if post != 1.0:  # under the lock: no other thread sees it done before it is
                 array *= post
-            self._requests[i] = None
-            return True
+            self._requests[j] = None
 
     def order(self, i: int, stream: Any) -> None:
         raise TypeError("a host schedule has no stream to order")

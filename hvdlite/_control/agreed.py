@@ -52,12 +52,16 @@ if TYPE_CHECKING:
     from hvdlite._backends.base import ScheduleTransport
     from hvdlite._control.channel import Channel
 
-__all__ = ["AgreedSchedule", "Schedules"]
+__all__ = ["MAX_WAIT_NAP_S", "AgreedSchedule", "Schedules"]
 
 log = logging.getLogger("hvdlite")
 
 _MAX_WARNED = 64  # stall warnings remembered (each logged once)
-_MAX_NAP_S = 1e-3  # longest pause of a host wait between looks at its launch
+# Longest pause of a waiting thread between looks: a host schedule's wait for its launch, and
+# a caller's wait for a round (scheduler.py). A host slot past MPI's eager size completes by a
+# rendezvous that advances only while both peers are inside MPI, so each of its steps can wait
+# out a peer's nap (16 KiB slots on 2 CPU ranks: 20 ms a step with 1 ms naps, 2.5 with these).
+MAX_WAIT_NAP_S = 200e-6
 _HOT_WAIT_S = 300e-6  # a host wait first looks without sleeping this long (as rounds do)
 _MAX_RETIRED = 64  # retired transports kept before those whose graphs are gone are let go
 
@@ -500,7 +504,7 @@ class Schedules:
                 os.sched_yield()
                 continue
             time.sleep(nap)
-            nap = min(2 * nap, _MAX_NAP_S)
+            nap = min(2 * nap, MAX_WAIT_NAP_S)
         if schedule.error is not None:
             # An abort clears the transport's pending launches, so done() turned True without
             # the collective completing: the buffer holds no reduction.

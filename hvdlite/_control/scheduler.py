@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from hvdlite._control.agreed import Schedules
+from hvdlite._control.agreed import MAX_WAIT_NAP_S, Schedules
 from hvdlite._control.held_signals import HeldSignals
 from hvdlite._vocab.entry import Entry
 from hvdlite._vocab.messages import Request, Response
@@ -39,7 +39,6 @@ log = logging.getLogger("hvdlite")
 
 POKE = object()  # wake-up token of a waiting caller (it cuts an idle nap short)
 
-_MAX_NAP_S = 200e-6  # longest pause of a waiting caller between rounds without its result
 _LOCK_POLL_S = 200e-6  # how often a caller waiting for the cycle lock looks at its handle
 # Nap of the loop while a burst of submissions arrives (see Scheduler._settle): long enough
 # that the thread submitting the burst keeps the GIL for a few dozen calls between two looks.
@@ -351,7 +350,7 @@ class Scheduler:
                 # once (it is usually there by the next round), then pace the rounds.
                 misses += 1
                 if misses > 2:
-                    time.sleep(min(self.nap_s * (1 << min(misses - 3, 10)), _MAX_NAP_S,
+                    time.sleep(min(self.nap_s * (1 << min(misses - 3, 10)), MAX_WAIT_NAP_S,
                                    self.engine.negotiator.cycle_s))
         finally:
             if self.engine.negotiator.announce_now is not None:

@@ -55,6 +55,30 @@ def test_host_schedule_reduces_exactly_round_after_round(hvd: Any) -> None:
     assert not schedule.pending()
 
 
+def test_slots_past_the_eager_size_complete_together_and_scale_once(hvd: Any) -> None:
+    # 80 KB slots move by rendezvous; a wait (and a launch) tests every slot in flight, so
+    # waiting for the last slot first completes the others on the way: each slot's factor
+    # (average, post) must still be applied exactly once, by whichever look saw it complete.
+    slots = [runtime.Slot(f"big{i}", 20000, "float64",
+                          int(ReduceOp.AVERAGE if i % 2 else ReduceOp.SUM), 1.0, 0.5 * (i + 1))
+             for i in range(6)]
+    arrays = [np.zeros(s.count, dtype=s.dtype) for s in slots]
+    schedule, why = runtime.open_schedule(
+        "test.big", slots, [(a.ctypes.data, a.size) for a in arrays], -1)
+    assert schedule is not None, why
+    for step in range(3):
+        for i, (s, a) in enumerate(zip(slots, arrays, strict=True)):
+            a[:] = make_input(300 * step + i, hvd.rank(), (s.count,), s.dtype)
+        for i in range(len(slots)):
+            schedule.launch(i)
+        for i in reversed(range(len(slots))):
+            schedule.wait(i)
+        for i, s in enumerate(slots):
+            np.testing.assert_array_equal(arrays[i], _expected(300 * step + i, hvd.size(), s),
+                                          err_msg=f"step {step} slot {s.name}")
+    assert not schedule.pending()
+
+
 def test_a_slot_out_of_turn_raises_before_anything_is_enqueued(hvd: Any) -> None:
     slots = _slots()[:2]
     arrays = [np.zeros(s.count, dtype=s.dtype) for s in slots]
