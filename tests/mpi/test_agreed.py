@@ -56,7 +56,7 @@ def test_host_schedule_reduces_exactly_round_after_round(hvd: Any) -> None:
 
 
 def test_slots_past_the_eager_size_complete_together_and_scale_once(hvd: Any) -> None:
-    # 80 KB slots move by rendezvous; a wait (and a launch) tests every slot in flight, so
+    # 160 KB slots move by rendezvous; a wait (and a launch) tests every slot in flight, so
     # waiting for the last slot first completes the others on the way: each slot's factor
     # (average, post) must still be applied exactly once, by whichever look saw it complete.
     slots = [runtime.Slot(f"big{i}", 20000, "float64",
