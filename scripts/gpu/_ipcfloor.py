@@ -5,7 +5,12 @@
 - a flag exchange: one kernel in which thread 0 writes this call's epoch into every peer's
   inbox (a release store at system scope through CUDA IPC) and spins until every peer's epoch
   has reached its own inbox (acquire loads): the one cross-GPU synchronisation every
-  allreduce of data a peer wrote in its own call needs, with no data moved.
+  allreduce of data a peer wrote in its own call needs, with no data moved;
+- the same exchange by stream memory operations, no kernel at all (where NVIDIA's
+  ``cuda-python`` is installed): ``cuStreamWriteValue32`` of the epoch into every peer's inbox,
+  then ``cuStreamWaitValue32`` (GEQ) on this rank's own inbox for each peer. With an empty
+  kernel's time for the reduction, it bounds a one-shot allreduce that signals by memops
+  (the transport's device semaphores) rather than from inside its kernel.
 
 A one-shot allreduce's device time cannot be below the flag exchange's; where the exchange
 alone takes 0.5x NCCL's allreduce or more, the I1 target is out of reach of any kernel of this
@@ -35,6 +40,8 @@ from typing import Any
 
 import _gpulib as gl
 import numpy as np
+
+from hvdlite._gpu.semaphores import checked, driver
 
 _LAZY_PEER_ACCESS = 1  # cudaIpcMemLazyEnablePeerAccess
 
@@ -125,12 +132,22 @@ class Floor:
         self.ll_own = rt.malloc(inbox_bytes)
         rt.memset(self.own, 0, 4 * gpu.size)
         rt.memset(self.ll_own, 0, inbox_bytes)
+        self.m_own = rt.malloc(4 * gpu.size)  # the memops exchange's inbox
+        rt.memset(self.m_own, 0, 4 * gpu.size)
         handles = gpu.comm.allgather((bytes(rt.ipcGetMemHandle(self.own)),
-                                      bytes(rt.ipcGetMemHandle(self.ll_own))))
+                                      bytes(rt.ipcGetMemHandle(self.ll_own)),
+                                      bytes(rt.ipcGetMemHandle(self.m_own))))
         self.peers = {r: int(rt.ipcOpenMemHandle(h[0], _LAZY_PEER_ACCESS))
                       for r, h in enumerate(handles) if r != gpu.rank}
         self.ll_peers = {r: int(rt.ipcOpenMemHandle(h[1], _LAZY_PEER_ACCESS))
                          for r, h in enumerate(handles) if r != gpu.rank}
+        self.m_peers = {r: int(rt.ipcOpenMemHandle(h[2], _LAZY_PEER_ACCESS))
+                        for r, h in enumerate(handles) if r != gpu.rank}
+        self.m_epoch = 0
+        try:
+            self.drv: Any = driver()
+        except ImportError:
+            self.drv = None
         table = [self.own if r == gpu.rank else self.peers[r] for r in range(gpu.size)]
         self.table = cp.asarray(np.array(table, dtype=np.uint64))
         ll_table = [self.ll_own if r == gpu.rank else self.ll_peers[r] for r in range(gpu.size)]
@@ -153,6 +170,21 @@ class Floor:
             self.exchange_kernel((1,), (32,), (self.table, np.int32(gpu.rank),
                                                np.int32(gpu.size), np.uint32(self.epoch)))
 
+    def memops_exchange(self) -> None:
+        """The flag exchange by stream memory operations: this call's epoch written into
+        every peer's inbox (word ``rank``), then a wait on this rank's own inbox until every
+        peer's word has reached it. Needs ``self.drv`` (cuda-python)."""
+        self.m_epoch += 1
+        drv, gpu, epoch = self.drv, self.gpu, self.m_epoch
+        stream = gpu.stream.ptr
+        for base in self.m_peers.values():
+            checked(drv.cuStreamWriteValue32(stream, base + 4 * gpu.rank, epoch, 0),
+                "cuStreamWriteValue32")
+        geq = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+        for r in self.m_peers:
+            checked(drv.cuStreamWaitValue32(stream, self.m_own + 4 * r, epoch, geq),
+                "cuStreamWaitValue32")
+
     def ll(self, x: Any, y: Any) -> None:
         """One LL one-shot allreduce (float32 sum) of ``x`` into ``y`` (CuPy arrays of at
         most ``LL_MAX_BYTES``); every rank calls it the same number of times (epochs)."""
@@ -168,11 +200,13 @@ class Floor:
     def close(self) -> None:
         self.gpu.sync()
         self.gpu.barrier()  # no peer still spins on this rank's inbox
-        for ptr in [*self.peers.values(), *self.ll_peers.values()]:
+        for ptr in [*self.peers.values(), *self.ll_peers.values(), *self.m_peers.values()]:
             self.rt.ipcCloseMemHandle(ptr)
         self.gpu.barrier()  # every peer closed its mapping of this rank's inbox
         self.rt.free(self.own)
         self.rt.free(self.ll_own)
+        self.rt.free(self.m_own)
+
 
 
 def ll_check(floor: Floor, nbytes: int) -> tuple[Any, Any]:
@@ -204,6 +238,8 @@ def bench_floor(gpu: Any, reps: int) -> dict[str, dict[str, Any]]:
         cases: list[tuple[str, Callable[[], None], int | None]] = [
             ("floor: empty kernel", floor.empty, None),
             ("floor: flag exchange", floor.exchange, None)]
+        if floor.drv is not None:
+            cases.append(("floor: flag exchange by stream memops", floor.memops_exchange, None))
         for size in LL_SIZES:
             x, y = ll_check(floor, size)
             cases.append((f"candidate: LL one-shot {gl.human_bytes(size)}",

@@ -344,8 +344,9 @@ def report(gpu: Launch, res: dict[str, Any], slot: int) -> None:
              "a 300 us spin on every rank, so the events time the device's own work (the I1 "
              "target's figure); 'late': repeats whose call outlasted the spin on some rank; "
              "'floor' rows (scripts/gpu/_ipcfloor.py): an empty kernel, and one kernel that "
-             "only exchanges a flag with every peer, against NCCL's smallest call: no "
-             "one-shot allreduce takes less device time than the exchange; 'candidate: LL "
+             "only exchanges a flag with every peer (and the same exchange by stream memops, "
+             "no kernel), against NCCL's smallest call: no one-shot allreduce signalling "
+             "that way takes less device time than the exchange; 'candidate: LL "
              "one-shot' rows: the one-shot shape with data and epoch in one 8-byte store "
              "(_ipcfloor.py), checked exact, against NCCL at its size"]
     if gpu.shared:
