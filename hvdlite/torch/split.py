@@ -19,7 +19,9 @@ The cut is torch's own, the one dynamo makes for ``DistributedDataParallel`` mod
 model needs no DDP wrapper. Where dynamo breaks the graph (``TORCH_LOGS=graph_breaks``), each
 frame is cut on its own; a piece its backend fails to compile runs eagerly, as torch does.
 Against :func:`~hvdlite.torch.compile_regions`, the model is compiled once, whatever its
-structure, and the pieces follow bytes rather than blocks.
+structure, and the pieces follow bytes rather than blocks. It is meant for a captured step
+(``make_graphed_step``): run eagerly, a step bound by the host pays for every piece, and on
+two GPUs such a step was slower split than compiled whole (docs/captured-step.md).
 """
 
 from __future__ import annotations
