@@ -30,9 +30,8 @@ from hvdlite.torch.compression import Compression, _CastCompressor
 from hvdlite.torch.functions import broadcast_object
 from hvdlite.torch.process_sets import global_process_set
 
-__all__ = ["Bucket", "Hooks", "ReadyOrder", "arrivals", "auto_buckets", "counting_allowed",
-           "mark_last", "mib_bytes", "ordered_buckets", "param_names", "register_hooks",
-           "remove_hooks", "split", "user_groups", "wire_type"]
+__all__ = ["Bucket", "Hooks", "ReadyOrder", "auto_buckets", "mib_bytes", "ordered_buckets",
+           "param_names", "remove_hooks", "split", "user_groups", "wire_type"]
 
 TOO_MANY = ("gradients were computed more than backward_passes_per_step times before "
             "optimizer.step(): this backward() accumulated into a gradient after its "
@@ -45,7 +44,7 @@ class Bucket:
     """The parameters reduced together (``params``, in order) under ``name``; ``ready``
     counts members whose gradient is ready this step, ``left[i]`` the backward passes member
     ``i`` still accumulates before it is (``full`` resets it): the per-member hooks' state.
-    The counted hooks' (:func:`register_hooks`): ``arrived`` the members' arrivals this step,
+    The counted hooks' (:func:`_register_hooks`): ``arrived`` the members' arrivals this step,
     ``expect`` how many make the bucket ready, ``last`` the member whose gradient backward
     makes ready last (its hook alone is Python).
     With views, ``views[i]`` is member ``i``'s gradient, a view of the flat ``buffer``;
@@ -316,7 +315,7 @@ def user_groups(plist: list[torch.Tensor], names: dict[torch.Tensor, str], group
     return split(plist, groups)
 
 
-def register_hooks(owner: object, buckets: Sequence[Bucket], flights: dict[Bucket, Any],
+def _register_hooks(owner: object, buckets: Sequence[Bucket], flights: dict[Bucket, Any],
                    start: Callable[[Bucket], Any], counted: bool = False) -> list[Any]:
     """Hook every member of ``buckets`` (after its gradient accumulates): a member counts
     down its passes, and the bucket's last ready member sets ``flights[bucket] =
@@ -327,7 +326,7 @@ def register_hooks(owner: object, buckets: Sequence[Bucket], flights: dict[Bucke
     ``bucket.arrived.append`` itself, a C function (no Python frame: on a host-bound model a
     Python hook per parameter cost 2-3% of the step, run 120), and ``last``'s Python hook
     starts the bucket when every arrival is in. Where a step's order differs,
-    :func:`arrivals` says so and the caller goes back to per-member hooks.
+    :func:`_arrivals` says so and the caller goes back to per-member hooks.
 
     ``start`` (a method of ``owner``) is held weakly, and once ``owner`` is collected its
     hooks are removed: the collector does not see a parameter's hooks, so a hook holding the
@@ -349,10 +348,10 @@ def register_hooks(owner: object, buckets: Sequence[Bucket], flights: dict[Bucke
 
 
 class Hooks:
-    """An optimizer's gradient hooks over its buckets (:func:`register_hooks`): per member
+    """An optimizer's gradient hooks over its buckets (:func:`_register_hooks`): per member
     until the order backward makes the gradients ready is known (:meth:`count`), counted
     from then on, and per member again for good after a step in another order. ``owner``,
-    ``flights`` and ``start`` as :func:`register_hooks` takes them. Not thread-safe: the
+    ``flights`` and ``start`` as :func:`_register_hooks` takes them. Not thread-safe: the
     owner's constructor and ``synchronize()`` call it."""
 
     def __init__(self, owner: object, flights: dict[Bucket, Any],
@@ -372,17 +371,17 @@ class Hooks:
             self.counted = counted
         owner, start = self.owner(), self.start()
         assert owner is not None and start is not None  # (called by the owner)
-        self.handles = register_hooks(owner, buckets, self.flights, start, self.counted)
+        self.handles = _register_hooks(owner, buckets, self.flights, start, self.counted)
 
     def count(self, buckets: Sequence[Bucket], params: Sequence[torch.Tensor],
               seen: Sequence[int]) -> None:
-        """The order is known (``seen``, as :func:`mark_last` takes it): counted hooks."""
-        mark_last(buckets, params, seen)
-        self.register(buckets, counting_allowed())
+        """The order is known (``seen``, as :func:`_mark_last` takes it): counted hooks."""
+        _mark_last(buckets, params, seen)
+        self.register(buckets, _counting_allowed())
 
     def check(self, buckets: Sequence[Bucket]) -> tuple[bool, bool]:
-        """Before a step's end: :func:`arrivals` (nothing to say with per-member hooks)."""
-        return arrivals(buckets, self.flights) if self.counted else (False, False)
+        """Before a step's end: :func:`_arrivals` (nothing to say with per-member hooks)."""
+        return _arrivals(buckets, self.flights) if self.counted else (False, False)
 
     def settle(self, buckets: Sequence[Bucket], verdict: tuple[bool, bool]) -> None:
         """After a step's end (the counts reset): per-member hooks for good if the step's
@@ -395,7 +394,7 @@ class Hooks:
             raise AssertionError(TOO_MANY)
 
 
-def counting_allowed() -> bool:
+def _counting_allowed() -> bool:
     """Whether counted hooks may replace per-member ones: not under compiled autograd,
     which traces a backward's hooks (a C-level hook there is untested; the Python ones
     route themselves around the trace)."""
@@ -405,7 +404,7 @@ def counting_allowed() -> bool:
                 or getattr(config, "compiled_autograd", False))
 
 
-def mark_last(buckets: Sequence[Bucket], params: Sequence[torch.Tensor],
+def _mark_last(buckets: Sequence[Bucket], params: Sequence[torch.Tensor],
               seen: Sequence[int]) -> None:
     """Each bucket's ``last``: its member whose gradient was made ready last in the order
     ``seen`` (indices into ``params``, first ready first; a member not seen counts first)."""
@@ -414,7 +413,7 @@ def mark_last(buckets: Sequence[Bucket], params: Sequence[torch.Tensor],
         b.last = max(range(len(b.params)), key=lambda i: when.get(id(b.params[i]), -1))
 
 
-def arrivals(buckets: Sequence[Bucket], flights: dict[Bucket, Any]) -> tuple[bool, bool]:
+def _arrivals(buckets: Sequence[Bucket], flights: dict[Bucket, Any]) -> tuple[bool, bool]:
     """At a step's end, with counted hooks (``flights``: the buckets a hook started): (a
     bucket whose every arrival came in without its ``last`` member's hook starting it: this
     step's order was another; a bucket with more arrivals than it expects: a gradient
@@ -436,7 +435,7 @@ def _counted(bucket: Bucket, flights: dict[Bucket, Any],
         n = len(arrived)
         if n >= bucket.expect:
             if n > bucket.expect:
-                del arrived[bucket.expect:]  # said here: arrivals() need not say it again
+                del arrived[bucket.expect:]  # said here: _arrivals() need not say it again
                 raise AssertionError(TOO_MANY)
             _start(bucket, flights, begin)
         return None
