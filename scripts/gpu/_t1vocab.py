@@ -34,8 +34,8 @@ ONE_STEP_RTOL, ONE_STEP_FLOOR = 1e-2, 1e-3
 # Under bf16 autocast a gradient's terms round at 2^-8 of themselves, and where terms cancel an
 # update moves by that much of the largest when the kernels differ: a compiled variant's graph
 # is not its reference's (compiled DDP's is split at DDP's buckets; ViT-B/16 at 2 H200s: 5.3e-6
-# where the largest update was 9.4e-4), and an eager one's attention backward accumulates with
-# atomics (GPT-2: 1.2e-6 against 4.2e-4). The floor is then ONE_STEP_FLOOR_BF16 of the largest
+# where the largest update was 9.4e-4), and an eager one's backward may add with atomics (GPT-2's
+# embedding: 1.2e-6 against 4.2e-4). The floor is then ONE_STEP_FLOOR_BF16 of the largest
 # update; a wrong sum still moves an update by a fraction of itself.
 ONE_STEP_FLOOR_BF16 = 1e-2
 HVD_CTA = {n: f"hvdlite, optimizer_max_ctas={n}" for n in (2, 4, 8, 16)}
