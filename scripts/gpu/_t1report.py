@@ -113,6 +113,9 @@ def report(env: Env, check: dict[str, Any], train: dict[str, np.ndarray],
              "faster of the two comm-alone times)",
              "the one-GPU variant runs on every rank at once (each rank its own device), in "
              "the same processes as hvdlite's background thread"]
+    if args.switch_interval_us > 0:
+        notes.append(f"sys.setswitchinterval({args.switch_interval_us:g} us) for every "
+                     "variant (Python's default: 5000 us)")
     if args.share_gpu:
         notes[-1] = (f"--share-gpu: every rank on one GPU (hvdlite over CUDA IPC, DDP over "
                      f"gloo); '{BASE}' is rank 0 alone on all {env.size} batches, so its "

@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -140,6 +141,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-neg", action="store_true",
                    help="leave out the optimizer_schedule-off variant")
     p.add_argument("--no-cuda", action="store_true", help="CPU: gloo for DDP, MPI for hvdlite")
+    p.add_argument("--switch-interval-us", type=float, default=0.0,
+                   help="sys.setswitchinterval for every variant (0: Python's, 5000 us): how "
+                        "long a thread waiting for the GIL lets its holder run on")
     p.add_argument("--share-gpu", action="store_true",
                    help="every rank on GPU 0 (hvdlite over CUDA IPC, DDP over gloo); plain "
                         "torch on rank 0 alone on the whole batch")
@@ -420,6 +424,8 @@ def time_comm(env: Env) -> dict[str, np.ndarray]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.switch_interval_us > 0:
+        sys.setswitchinterval(args.switch_interval_us * 1e-6)
     env = Env(args)
     check = check_correctness(env)
     train = time_training(env)
