@@ -57,14 +57,15 @@ def test_bench_t1_correctness_check_on_four_cpu_ranks(tmp_path: Path) -> None:
     """``scripts/gpu/bench_t1.py --no-cuda`` at 4 ranks (a BatchNorm model, MPI for hvdlite,
     gloo for DDP): its check runs the first-step comparison of every eager variant and both
     reduction-order references, and hvdlite's default is within every bound it reports; the
-    report names the route its buckets took."""
+    report names the route its buckets took, and the switch interval it was given."""
     out_json = tmp_path / "t1.json"
     cmd = [mpiexec(), "-n", "4", sys.executable, "scripts/gpu/bench_t1.py", "--np", "4",
            "--model", "tiny", "--no-cuda", "--image-size", "32", "--batch-size", "4",
            "--iters", "1", "--warmup", "1", "--batches-per-iter", "1", "--check-steps", "10",
-           "--comm-reps", "1", "--json", str(out_json)]
+           "--comm-reps", "1", "--switch-interval-us", "1000", "--json", str(out_json)]
     rc, out = run_group(cmd, clean_env(OMP_NUM_THREADS="1"), 150)
     assert rc == 0, out[-6000:]
+    assert "note: sys.setswitchinterval(1000 us) for every variant" in out, out[-6000:]
     results = json.loads(out_json.read_text(encoding="utf-8"))["results"]
     check = results["correctness"]
     hvd, ddp = "hvdlite DistributedOptimizer, default", "torch DDP"
