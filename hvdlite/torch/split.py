@@ -20,8 +20,10 @@ model needs no DDP wrapper. Where dynamo breaks the graph (``TORCH_LOGS=graph_br
 frame is cut on its own; a piece its backend fails to compile runs eagerly, as torch does.
 Against :func:`~hvdlite.torch.compile_regions`, the model is compiled once, whatever its
 structure, and the pieces follow bytes rather than blocks. It is meant for a captured step
-(``make_graphed_step``): run eagerly, a step bound by the host pays for every piece, and on
-two GPUs such a step was slower split than compiled whole (docs/captured-step.md).
+(``make_graphed_step``). Run eagerly on two GPUs, a host-bound step was slower split than
+compiled whole: not for the pieces (the split model alone cost about what the whole one
+did), but for the optimizer's work at each piece's end on the autograd thread
+(docs/captured-step.md).
 """
 
 from __future__ import annotations

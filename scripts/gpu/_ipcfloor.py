@@ -208,7 +208,6 @@ class Floor:
         self.rt.free(self.m_own)
 
 
-
 def ll_check(floor: Floor, nbytes: int) -> tuple[Any, Any]:
     """Buffers for the LL candidate at ``nbytes``, after one call checked exact against the
     sum of every rank's inputs (integer-valued floats); raises AssertionError on a mismatch."""
