@@ -92,6 +92,7 @@ from hvdlite.torch.mpi_ops import (
     synchronize,
 )
 from hvdlite.torch.optimizer import DistributedOptimizer
+from hvdlite.torch.overlap import compile_overlap, overlap_backend
 from hvdlite.torch.persistent import PersistentGroupedAllreduce, grouped_allreduce_init
 from hvdlite.torch.process_sets import (
     ProcessSet,
@@ -104,7 +105,8 @@ from hvdlite.torch.split import compile_split, split_backend
 from hvdlite.torch.sync_batch_norm import SyncBatchNorm
 
 __all__ = [
-    "compile_regions", "compile_split", "find_regions", "region_groups", "split_backend",
+    "compile_overlap", "compile_regions", "compile_split", "find_regions", "overlap_backend",
+    "region_groups", "split_backend",
     "Adasum", "Average", "Compression", "DistributedOptimizer", "GraphedStep", "Handle",
     "HorovodInternalError",
     "HostsUpdatedInterrupt", "HvdliteError", "InvalidArgumentError", "Max", "Min",

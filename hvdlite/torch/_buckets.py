@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from hvdlite._torchref import numpy_dtype
+from hvdlite.torch._accumulate import hook as accumulation_hook
 from hvdlite.torch.compression import Compression, _CastCompressor
 from hvdlite.torch.functions import broadcast_object
 from hvdlite.torch.process_sets import global_process_set
@@ -274,7 +275,7 @@ class ReadyOrder:
                     seen.append(i)
             return hook
 
-        self.handles = [p.register_post_accumulate_grad_hook(_opaque(hook_for(i)))
+        self.handles = [accumulation_hook(p, _opaque(hook_for(i)))
                         for i, p in enumerate(self.params)]
         weakref.finalize(owner, remove_hooks, self.handles).atexit = False
 
@@ -336,15 +337,23 @@ def _register_hooks(owner: object, buckets: Sequence[Bucket], flights: dict[Buck
     """
     begin = weakref.WeakMethod(start)
     if counted:
-        handles = [p.register_post_accumulate_grad_hook(
-                       _counted(bucket, flights, begin) if i == bucket.last
-                       else bucket.arrived.append)
+        handles = [accumulation_hook(p, _counted(bucket, flights, begin) if i == bucket.last
+                                     else bucket.arrived.append, _home(bucket, i))
                    for bucket in buckets for i, p in enumerate(bucket.params)]
     else:
-        handles = [p.register_post_accumulate_grad_hook(_hook(bucket, i, flights, begin))
+        handles = [accumulation_hook(p, _hook(bucket, i, flights, begin), _home(bucket, i))
                    for bucket in buckets for i, p in enumerate(bucket.params)]
     weakref.finalize(owner, remove_hooks, handles).atexit = False
     return handles
+
+
+def _home(bucket: Bucket, i: int) -> Callable[[], torch.Tensor | None]:
+    """Where member ``i``'s new gradient is to live when a compiled backward accumulates it
+    (``_accumulate.py``): its view, once the bucket has them (no copy in at the start)."""
+    def home() -> torch.Tensor | None:
+        views = bucket.views
+        return views[i] if views else None
+    return home
 
 
 class Hooks:

@@ -1,0 +1,193 @@
+"""Where hvdlite's gradient hooks run: after autograd accumulates a parameter's gradient, or
+inside a compiled backward that accumulates it itself.
+
+Every hook hvdlite puts on a parameter's gradient (a ``DistributedOptimizer``'s bucket
+counting, its first step's ready order) is registered here with :func:`hook`. Normally that is
+a post-accumulate-grad hook, run by autograd once the gradient has accumulated into ``.grad``.
+A compiled model's backward is one autograd operation, so those hooks all run at its end. A
+parameter **claimed** by a compiled graph (:func:`claim`, ``hvdlite/torch/overlap.py``) is
+accumulated by that graph's backward instead, at the point its gradient is made: the graph
+calls :func:`accumulate`, which adds the gradient into ``.grad`` as autograd would and runs the
+parameter's hooks there, while the rest of the backward still runs. The graph hands autograd no
+gradient for it, so autograd accumulates nothing more, and hvdlite's hooks are no longer
+registered with autograd. Hooks that others put on the parameter still run where autograd
+runs them, at the end, and see the accumulated gradient.
+
+A claim lasts as long as the parameter. Not thread-safe: an optimizer's constructor and step,
+and a compile, register and claim.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["accumulate", "claim", "claimable", "hook", "new_group"]
+
+Hook = Callable[[torch.Tensor], Any]
+
+
+class _Owned:
+    """A parameter's hooks registered here (by key, in order), with autograd's handles for
+    them while the parameter is not claimed, and where a new gradient of it may live."""
+
+    __slots__ = ("fns", "handles", "claimed", "home")
+
+    def __init__(self) -> None:
+        self.fns: dict[int, Hook] = {}
+        self.handles: dict[int, Any] = {}
+        self.claimed = False
+        self.home: Callable[[], torch.Tensor | None] | None = None
+
+
+_OWNED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_KEYS = itertools.count()
+# Each group's (parameter, hooks, home) rows as its last call resolved them, emptied by every
+# change of a hook or claim: resolved once per change, not per call (this runs on the
+# autograd thread of every step), and holding nothing the hooks do not hold.
+_resolved: dict[int, list[tuple[torch.Tensor | None, tuple[Hook, ...], Any]]] = {}
+
+
+class Handle:
+    """Removes one hook registered by :func:`hook` (idempotent), wherever it runs."""
+
+    __slots__ = ("_param", "_key")
+
+    def __init__(self, param: torch.Tensor, key: int) -> None:
+        self._param = weakref.ref(param)
+        self._key = key
+
+    def remove(self) -> None:
+        param = self._param()
+        owned = _OWNED.get(param) if param is not None else None
+        if owned is None:
+            return
+        _resolved.clear()
+        owned.fns.pop(self._key, None)
+        handle = owned.handles.pop(self._key, None)
+        if handle is not None:
+            handle.remove()
+
+
+def hook(param: torch.Tensor, fn: Hook,
+         home: Callable[[], torch.Tensor | None] | None = None) -> Handle:
+    """Run ``fn(param)`` each time ``param``'s gradient has accumulated: as a post-accumulate
+    -grad hook, or, once ``param`` is claimed, from the compiled backward that accumulates it.
+    ``home``: where a claimed parameter's new gradient is to live (a tensor of its shape, such
+    as its bucket's view; None: a new one), asked at each accumulation into no ``.grad``."""
+    _resolved.clear()
+    owned = _OWNED.get(param)
+    if owned is None:
+        owned = _OWNED[param] = _Owned()
+    if home is not None:
+        owned.home = home
+    key = next(_KEYS)
+    owned.fns[key] = fn
+    if not owned.claimed:
+        owned.handles[key] = param.register_post_accumulate_grad_hook(fn)
+    return Handle(param, key)
+
+
+def claimable(param: object) -> bool:
+    """Whether a compiled backward may accumulate ``param``'s gradient itself: a dense leaf
+    parameter that needs a gradient, with hvdlite's hooks, and without gradient hooks of
+    anyone else that would have to see the gradient before it accumulates."""
+    if not isinstance(param, torch.nn.Parameter) or not param.requires_grad \
+            or param.layout is not torch.strided:
+        return False
+    owned = _OWNED.get(param)
+    return owned is not None and bool(owned.fns) and not getattr(param, "_backward_hooks", None)
+
+
+def claim(params: Sequence[torch.Tensor]) -> None:
+    """From now on the compiled backward accumulates ``params`` and runs their hooks:
+    hvdlite's hooks are taken off autograd (each stays registered here)."""
+    for param in params:
+        owned = _OWNED.get(param)
+        if owned is None or owned.claimed:
+            continue
+        _resolved.clear()
+        owned.claimed = True
+        for handle in owned.handles.values():
+            handle.remove()
+        owned.handles.clear()
+
+
+# Groups of parameters a compiled backward accumulates in one call, by the key its graph
+# passes: weakly held, and dropped with their parameters (a compile makes a few; recompiles
+# are bounded by dynamo's cache size). Keys start at a random offset: a compiled graph of
+# another process that slipped past the caches names groups that do not exist here (an
+# error), never other ones.
+_GROUPS: dict[int, tuple[weakref.ref[torch.Tensor], ...]] = {}
+_GROUP_KEYS = itertools.count(random.getrandbits(40))
+
+
+def new_group(params: Sequence[torch.Tensor]) -> int:
+    """A key for ``params`` (in the order the graph will pass their gradients)."""
+    for key in [k for k, refs in _GROUPS.items() if any(r() is None for r in refs)]:
+        del _GROUPS[key]
+        _resolved.pop(key, None)
+    key = next(_GROUP_KEYS)
+    _GROUPS[key] = tuple(weakref.ref(p) for p in params)
+    return key
+
+
+def _members(key: int) -> list[tuple[torch.Tensor | None, tuple[Hook, ...], Any]]:
+    """Group ``key``'s (parameter, its hooks, its home) as of the hooks' latest change."""
+    seen = _resolved.get(key)
+    if seen is not None:
+        return seen
+    refs = _GROUPS.get(key)
+    if refs is None:
+        raise RuntimeError(f"hvdlite: a compiled backward passed gradient group {key}, which "
+                           "no longer exists (its parameters were freed)")
+    rows: list[tuple[torch.Tensor | None, tuple[Hook, ...], Any]] = []
+    for ref in refs:
+        param = ref()
+        owned = _OWNED.get(param) if param is not None else None
+        rows.append((param, tuple(owned.fns.values()) if owned is not None else (),
+                     owned.home if owned is not None else None))
+    _resolved[key] = rows
+    return rows
+
+
+def accumulate(key: int, grads: Sequence[torch.Tensor]) -> None:
+    """The compiled backward's accumulation of group ``key``: each gradient added into its
+    parameter's ``.grad``, or, where there is none, copied into its home (or a new tensor in
+    the parameter's layout: the graph reuses its own buffers once this returns), one batched
+    copy and one batched add for the group; then each parameter's hooks, in the group's
+    order."""
+    rows = _members(key)
+    fresh: list[torch.Tensor] = []
+    fresh_from: list[torch.Tensor] = []
+    into: list[torch.Tensor] = []
+    into_from: list[torch.Tensor] = []
+    for (param, _fns, home), grad in zip(rows, grads, strict=True):
+        if param is None:
+            continue
+        old = param.grad
+        if old is None:
+            new = home() if home is not None else None
+            if new is None:
+                new = torch.empty_like(param)
+            param.grad = new
+            fresh.append(new)
+            fresh_from.append(grad)
+        elif old.dtype == grad.dtype and old.device == grad.device and not old.is_sparse:
+            into.append(old)
+            into_from.append(grad)
+        else:
+            old.add_(grad)
+    if fresh:
+        torch._foreach_copy_(fresh, fresh_from)
+    if into:
+        torch._foreach_add_(into, into_from)
+    for param, fns, _home in rows:
+        for fn in fns:
+            fn(param)  # type: ignore[arg-type]

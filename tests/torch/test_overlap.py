@@ -1,0 +1,202 @@
+"""A model compiled whole whose backward accumulates the gradients and starts the buckets itself
+(``hvdlite/torch/overlap.py``, ``hvdlite/torch/_accumulate.py``): on CPU torch with the
+``aot_eager`` backend (the same aten operations as eager) and once with inductor. Step timings
+need a GPU per rank (scripts/gpu/bench_t1.py); this checks the mechanism and the results."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from test_regions import Net, _batch, setting_knobs, train_alike
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch_util import n_rank_path
+
+from hvdlite.torch import _accumulate
+
+# One block of Net(width=16): 16 x 16 + 16 float32 = 1088 bytes; a cap of two blocks.
+_CAP_MB = 2 * 1088 / 2**20
+
+
+def _fired_before_input_grad(model: nn.Module, params: list[torch.Tensor],
+                             steps: int = 2) -> list[int]:
+    """Per step: how many of ``params``' hvdlite hooks ran before the input's gradient came
+    out of the backward (with a compiled model: before its backward operation ended)."""
+    fired: list[int] = []
+    handles = [_accumulate.hook(p, lambda _p: fired.append(1)) for p in params]
+    counts = []
+    try:
+        for step in range(steps):
+            fired.clear()
+            for p in params:
+                p.grad = None
+            x = _batch(step, 0).requires_grad_()
+            seen: list[int] = []
+            x.register_hook(lambda _g: seen.append(len(fired)))  # noqa: B023
+            model(x).square().mean().backward()
+            counts.append(seen[0])
+            assert len(fired) == len(params)  # each once, however it ran
+    finally:
+        for h in handles:
+            h.remove()
+    return counts
+
+
+class _Ops(TorchDispatchMode):
+    """The aten (and hvdlite) operators run under it, by name, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_overlap_compile_runs_hooks_during_backward(hvd: Any) -> None:
+    """Compiled whole by torch.compile, every hook runs once the backward operation has
+    ended (at most one before the input's gradient comes out); by compile_overlap every hook
+    runs inside it, one call per bucket placed among the backward's matrix products (the
+    later layers' buckets before the earlier layers' products), and the gradients are
+    eager's."""
+    torch.manual_seed(0)
+    whole = Net(depth=6)
+    n = len(list(whole.parameters()))
+    counts = _fired_before_input_grad(torch.compile(whole, backend="aot_eager"),
+                                      list(whole.parameters()))
+    assert all(c <= 1 for c in counts), counts
+    net = Net(depth=6)
+    eager = Net(depth=6)
+    eager.load_state_dict(net.state_dict())
+    compiled = hvd.compile_overlap(net, bucket_cap_mb=_CAP_MB, backend="aot_eager")
+    assert _fired_before_input_grad(compiled, list(net.parameters())) == [n, n]
+    for p in net.parameters():
+        p.grad = None
+    # hvdlite hooks on the parameters and an input that needs a gradient, as the graph was
+    # compiled for (a parameter without them is left to autograd at a recompile)
+    handles = [_accumulate.hook(p, lambda _p: None) for p in net.parameters()]
+    loss = compiled(_batch(1, 0).requires_grad_()).square().mean()
+    ops = _Ops()
+    with ops:
+        loss.backward()
+    for h in handles:
+        h.remove()
+    calls = [i for i, name in enumerate(ops.names) if name == "accumulate_grads"]
+    products = [i for i, name in enumerate(ops.names) if name == "mm"]
+    assert len(calls) == 4, " ".join(ops.names)  # 16 parameters of 1088 bytes per 2
+    assert calls[0] < products[-1] and calls[-1] > products[-1], ops.names
+    eager(_batch(1, 0)).square().mean().backward()
+    for (name, a), b in zip(eager.named_parameters(), net.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_overlap_keeps_other_hooks_where_autograd_runs_them(hvd: Any) -> None:
+    """A parameter with a gradient hook of its own (``register_hook``: it must see the
+    gradient before it accumulates) is left to autograd; a post-accumulate hook of someone
+    else's still runs, at the end, and sees the accumulated gradient."""
+    torch.manual_seed(1)
+    net = Net(depth=4)
+    params = list(net.parameters())
+    seen_pre: list[float] = []
+    params[0].register_hook(lambda g: seen_pre.append(float(g.abs().sum())))
+    seen_post: list[bool] = []
+    params[-1].register_post_accumulate_grad_hook(
+        lambda p: seen_post.append(p.grad is not None and bool(p.grad.abs().sum() > 0)))
+    ours: list[int] = []
+    handles = [_accumulate.hook(p, lambda _p: ours.append(1)) for p in params]
+    try:
+        compiled = hvd.compile_overlap(net, bucket_cap_mb=_CAP_MB, backend="aot_eager")
+        for step in range(2):
+            ours.clear()
+            compiled(_batch(step, 0)).square().mean().backward()
+            assert len(ours) == len(params)
+        assert len(seen_pre) == 2 and all(v > 0 for v in seen_pre)
+        assert seen_post == [True, True]
+        assert not _accumulate.claimable(params[0])
+        assert _accumulate.claimable(params[1])
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@pytest.mark.parametrize("setting", ["plain", "backward_passes_per_step", "fp16 compression",
+                                     "bf16 autocast", "inductor"])
+def test_overlap_compile_trains_as_eager(hvd: Any, setting: str) -> None:
+    """compile_overlap with the optimizer's buckets at the same cap (alone, with 2 backward
+    passes per step, fp16 compression, bf16 autocast, or the inductor backend): after 5 steps
+    on every rank's own batches the parameters equal those of the same hvdlite settings on
+    the eager model, and are the same on every rank."""
+    torch.manual_seed(2)
+    eager = Net(depth=6)
+    compiled_net = Net(depth=6)
+    compiled_net.load_state_dict(eager.state_dict())
+    passes, extra, amp = setting_knobs(hvd, setting)
+    tag = setting.split()[0]
+
+    def optimizer(model: nn.Module, which: str) -> Any:
+        with n_rank_path():
+            return hvd.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1),
+                named_parameters=[(f"overlap.{tag}.{which}.{n}", p)
+                                  for n, p in model.named_parameters()],
+                bucket_cap_mb=_CAP_MB, **extra)
+
+    opts = [optimizer(eager, "eager"), optimizer(compiled_net, "compiled")]
+    compiled = hvd.compile_overlap(
+        compiled_net, bucket_cap_mb=_CAP_MB,
+        backend="inductor" if setting == "inductor" else "aot_eager")
+    train_alike(hvd, eager, compiled, compiled_net, opts, passes, amp, f"overlap.{tag}")
+
+
+def test_accumulate_routes_hooks_and_gradients() -> None:
+    """Without a compiler: a claimed parameter's hooks leave autograd and run from
+    ``accumulate`` (removed ones not at all), which adds into ``.grad`` or copies into the
+    parameter's home; an unclaimed one's run where autograd runs them."""
+    a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))
+    home = torch.full((3,), -1.0)
+    calls: list[str] = []
+    _accumulate.hook(a, lambda _p: calls.append("a"), home=lambda: home)
+    gone = _accumulate.hook(a, lambda _p: calls.append("gone"))
+    _accumulate.hook(b, lambda _p: calls.append("b"))
+    gone.remove()
+    (a.sum() + b.sum()).backward()
+    assert sorted(calls) == ["a", "b"]
+    a.grad = b.grad = None
+    _accumulate.claim([a, b])
+    calls.clear()
+    (a.sum() + b.sum()).backward()  # autograd accumulates; our hooks no longer run there
+    assert calls == []
+    assert a.grad is not None and torch.equal(a.grad, torch.ones(3))
+    a.grad = b.grad = None
+    key = _accumulate.new_group([a, b])
+    _accumulate.accumulate(key, [torch.full((3,), 2.0), torch.full((2,), 3.0)])
+    assert a.grad is home and torch.equal(home, torch.full((3,), 2.0))
+    assert b.grad is not None and torch.equal(b.grad, torch.full((2,), 3.0))
+    _accumulate.accumulate(key, [torch.full((3,), 1.0), torch.full((2,), 1.0)])
+    assert torch.equal(home, torch.full((3,), 3.0))
+    assert b.grad is not None and torch.equal(b.grad, torch.full((2,), 4.0))
+    assert calls == ["a", "b", "a", "b"]
+    with pytest.raises(RuntimeError, match="no longer exists"):
+        _accumulate.accumulate(key + 10**6, [])
+
+
+def test_overlap_compile_rejects_bad_arguments(hvd: Any) -> None:
+    net = Net()
+    with pytest.raises(TypeError, match="must be a torch.nn.Module, got function"):
+        hvd.compile_overlap(lambda x: x)
+    with pytest.raises(ValueError, match="bucket_cap_mb must be a positive number, got 0"):
+        hvd.compile_overlap(net, bucket_cap_mb=0)
+    with pytest.raises(ValueError, match="last_bucket_cap_mb must be a positive number or "
+                                         "None, got -1"):
+        hvd.compile_overlap(net, last_bucket_cap_mb=-1)
+    with pytest.raises(ValueError, match="backend must be one of inductor, aot_eager, got "
+                                         "'eager'"):
+        hvd.compile_overlap(net, backend="eager")
+    with pytest.raises(ValueError, match="mode= and options= are for the inductor backend, "
+                                         "got backend='aot_eager'"):
+        hvd.compile_overlap(net, backend="aot_eager", mode="max-autotune-no-cudagraphs")
