@@ -28,6 +28,7 @@ from _t1vocab import (
     HVD_ASYNC,
     HVD_C,
     HVD_C_ALT,
+    HVD_CO,
     HVD_CR,
     HVD_CS,
     HVD_CS4,
@@ -35,6 +36,7 @@ from _t1vocab import (
     HVD_G,
     HVD_G_IPC,
     HVD_G_PRIO,
+    HVD_GO,
     HVD_GR,
     HVD_GR_IPC,
     HVD_GS,
@@ -44,6 +46,7 @@ from _t1vocab import (
     HVD_REG,
     HVDS,
     ORDER_BUCKET_MB,
+    OVERLAP,
     PLAIN_G,
     PLAIN_GR,
     REGIONED,
@@ -158,6 +161,8 @@ class Runner:
         elif kind in SPLIT:  # cut where the optimizer's buckets fall (the same cap, or a multiple)
             coarse = SPLIT_COARSE if kind == HVD_CS4 else 1
             self.forward = env.hvd.compile_split(self.forward, args.bucket_cap_mb * coarse)
+        elif kind in OVERLAP:  # the buckets found in the backward with the optimizer's cap
+            self.forward = env.hvd.compile_overlap(self.model, args.bucket_cap_mb)
         elif kind in COMPILED or (kind in CAPTURED and args.compile == "on"):
             self.forward = torch.compile(self.forward)
         opt = torch.optim.SGD(self.model.parameters(), lr=args.lr)
@@ -436,7 +441,8 @@ class Env:
             if any(is_compiled(k, self.args) for k in keep):  # their references come along
                 keep |= {BASE_C, DDP_C}
             opt_in = [*HVD_CTA.values(), HVD_PRIO, HVD_G_PRIO, HVD_IPC, HVD_G_IPC,  # if asked
-                      HVD_GR_IPC, BASE_CR, PLAIN_GR, HVD_REG, HVD_CS, HVD_GS, HVD_CS4]
+                      HVD_GR_IPC, BASE_CR, PLAIN_GR, HVD_REG, HVD_CS, HVD_GS, HVD_CS4, HVD_CO,
+                      HVD_GO]
             out = [v for v in [*out, *opt_in] if v in keep or v in (BASE, HVD, DDP)]
         return out
 
