@@ -415,3 +415,41 @@ def test_hugging_face_gpt2_by_regions_compiles_nothing_in_the_capture(hvd: Any) 
     assert all(map(math.isfinite, losses)) and not torch.equal(before, after), losses
     everyone = hvd.allgather(after.unsqueeze(0), name="gpt2.params")
     assert all(torch.equal(everyone[0], row) for row in everyone)  # the replays reduce
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_overlap_eager_and_captured_equal_eager_steps(hvd: Any, backend: str) -> None:
+    """A model compiled by compile_overlap (its buckets started inside the compiled backward),
+    4 steps eager and then captured by make_graphed_step (3 warm-up steps on the first batch,
+    6 replays), against the same 13 steps of the eager model: the same bits with aot_eager
+    (the same aten operations) at up to two ranks, fp32 rounding with inductor (its kernels
+    round otherwise); the ranks equal."""
+    if not _lane_expected(hvd):
+        pytest.skip("the captured step needs a GPU per rank (NCCL)")
+    dev = _device(hvd)
+    eager, net = _model(dev), _model(dev)
+    opt_e, opt_c = _optimizer(hvd, eager, f"ov.e.{backend}"), \
+        _optimizer(hvd, net, f"ov.c.{backend}")
+    torch._dynamo.reset()
+    compiled = hvd.compile_overlap(net, bucket_cap_mb=4000 * 4 / 2**20, backend=backend)
+    batches = [_batch(s, hvd.rank(), dev) for s in range(11)]
+    eager_step, compiled_step = _mse_step(eager, opt_e), _mse_step(compiled, opt_c)
+    for x, y in batches[:4]:
+        eager_step(x, y)
+        compiled_step(x, y)
+    assert opt_c.agreed_schedule is not None, opt_c.unscheduled_reason
+    for x, y in [batches[4]] * 3 + batches[5:]:
+        eager_step(x, y)
+    sx, sy = batches[4][0].clone(), batches[4][1].clone()
+    graphed = hvd.make_graphed_step(compiled_step, sx, sy, optimizer=opt_c)
+    for x, y in batches[5:]:
+        graphed(x, y)
+    torch.cuda.synchronize(dev)
+    got, want = _flat(net), _flat(eager)
+    if backend == "aot_eager" and hvd.size() <= 2:
+        assert torch.equal(got, want), (got - want).abs().max()
+    else:
+        bound = 1e-5 * max(1.0, float(want.abs().max()))
+        assert float((got - want).abs().max()) <= bound, (got - want).abs().max()
+    everyone = hvd.allgather(got.unsqueeze(0), name=f"ov.{backend}.params")
+    assert all(torch.equal(everyone[0], row) for row in everyone)
