@@ -71,8 +71,11 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action="store_true",
-                   help="compile the model block by block (hvd.compile_regions), so each "
-                        "block's gradient bucket starts while backward goes on")
+                   help="compile the model whole with each gradient bucket started inside "
+                        "its compiled backward (hvd.compile_overlap), while backward goes on")
+    p.add_argument("--compile-regions", action="store_true",
+                   help="compile it block by block instead (hvd.compile_regions), the "
+                        "buckets on the block boundaries")
     p.add_argument("--compile-whole", action="store_true",
                    help="torch.compile the whole model instead (its buckets start only after "
                         "backward)")
@@ -93,15 +96,18 @@ def main() -> None:
     lr = args.lr * hvd.size()
     opt = torch.optim.Adam(model.parameters(), lr=torch.tensor(lr, device=device) if cuda else lr,
                            capturable=cuda)
-    # Compiled whole, a model's backward is one autograd operation and every bucket waits for
-    # it; compiled by blocks, with buckets on block boundaries, each starts when its blocks
-    # are done (docs/captured-step.md, "Compiled models"); the shapes are fixed here, so each
-    # block layout gets a static graph (dynamic=False).
-    regions = hvd.compile_regions(model, dynamic=False) if args.compile else None
+    # Compiled whole by torch.compile, a model's backward is one autograd operation and every
+    # bucket waits for it. compile_overlap starts each bucket inside that backward, where its
+    # last gradient is computed; compile_regions compiles block by block with the buckets on
+    # the block boundaries (docs/captured-step.md, "Compiled models"). The shapes are fixed
+    # here (dynamic=False).
+    regions = hvd.compile_regions(model, dynamic=False) if args.compile_regions else None
     opt = hvd.DistributedOptimizer(
         opt, named_parameters=model.named_parameters(),
         groups=hvd.region_groups(model, regions) if regions is not None else None)
-    net = torch.compile(model) if args.compile_whole else model
+    # (after the optimizer: the first call compiles, and finds the optimizer's hooks then)
+    net = hvd.compile_overlap(model, dynamic=False) if args.compile else \
+        torch.compile(model) if args.compile_whole else model
     data = batches(args, device)
     tokens = data[0].clone()  # the static input the captured step reads
 
