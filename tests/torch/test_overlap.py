@@ -9,10 +9,9 @@ from typing import Any
 
 import pytest
 import torch
-from test_regions import Net, _batch, setting_knobs, train_alike
+from test_regions import Net, _batch, paired_nets, train_alike
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch_util import n_rank_path
 
 from hvdlite.torch import _accumulate
 
@@ -131,26 +130,11 @@ def test_overlap_compile_trains_as_eager(hvd: Any, setting: str) -> None:
     passes per step, fp16 compression, bf16 autocast, or the inductor backend): after 5 steps
     on every rank's own batches the parameters equal those of the same hvdlite settings on
     the eager model, and are the same on every rank."""
-    torch.manual_seed(2)
-    eager = Net(depth=6)
-    compiled_net = Net(depth=6)
-    compiled_net.load_state_dict(eager.state_dict())
-    passes, extra, amp = setting_knobs(hvd, setting)
-    tag = setting.split()[0]
-
-    def optimizer(model: nn.Module, which: str) -> Any:
-        with n_rank_path():
-            return hvd.DistributedOptimizer(
-                torch.optim.SGD(model.parameters(), lr=0.1),
-                named_parameters=[(f"overlap.{tag}.{which}.{n}", p)
-                                  for n, p in model.named_parameters()],
-                bucket_cap_mb=_CAP_MB, **extra)
-
-    opts = [optimizer(eager, "eager"), optimizer(compiled_net, "compiled")]
+    eager, twin, opts, passes, amp, tag = paired_nets(hvd, setting, "overlap", _CAP_MB)
     compiled = hvd.compile_overlap(
-        compiled_net, bucket_cap_mb=_CAP_MB,
+        twin, bucket_cap_mb=_CAP_MB,
         backend="inductor" if setting == "inductor" else "aot_eager")
-    train_alike(hvd, eager, compiled, compiled_net, opts, passes, amp, f"overlap.{tag}")
+    train_alike(hvd, eager, compiled, twin, opts, passes, amp, f"overlap.{tag}")
 
 
 def test_accumulate_routes_hooks_and_gradients() -> None:

@@ -51,6 +51,30 @@ def setting_knobs(hvd: Any, setting: str) -> tuple[int, dict[str, Any], bool]:
     return passes, extra, setting == "bf16 autocast"
 
 
+def paired_nets(hvd: Any, setting: str, prefix: str, cap_mb: float
+                ) -> tuple[nn.Module, nn.Module, list[Any], int, bool, str]:
+    """An eager Net(depth=6) and its twin with the same weights (to be compiled), each with a
+    DistributedOptimizer of ``setting``'s knobs (:func:`setting_knobs`) at bucket cap
+    ``cap_mb``: (eager, twin, their optimizers, passes, bf16 autocast, the setting's tag)."""
+    torch.manual_seed(2)
+    eager = Net(depth=6)
+    twin = Net(depth=6)
+    twin.load_state_dict(eager.state_dict())
+    passes, extra, amp = setting_knobs(hvd, setting)
+    tag = setting.split()[0]
+
+    def optimizer(model: nn.Module, which: str) -> Any:
+        with n_rank_path():
+            return hvd.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1),
+                named_parameters=[(f"{prefix}.{tag}.{which}.{n}", p)
+                                  for n, p in model.named_parameters()],
+                bucket_cap_mb=cap_mb, **extra)
+
+    return eager, twin, [optimizer(eager, "eager"), optimizer(twin, "compiled")], passes, amp, \
+        tag
+
+
 def train_alike(hvd: Any, eager: nn.Module, compiled: nn.Module, params: nn.Module,
                 opts: list[Any], passes: int, amp: bool, tag: str, steps: int = 5) -> None:
     """``steps`` steps of the eager model and the compiled one (``params``: the module that

@@ -9,9 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_regions import Net, _batch, setting_knobs, train_alike
-from torch import nn
-from torch_util import n_rank_path
+from test_regions import Net, _batch, paired_nets, train_alike
 
 # One block of Net(width=16): 16 x 16 + 16 float32 = 1088 bytes; a cap of two blocks.
 _CAP_MB = 2 * 1088 / 2**20
@@ -61,24 +59,9 @@ def test_split_compile_trains_as_eager(hvd: Any, setting: str) -> None:
     passes per step, fp16 compression, or bf16 autocast): after 5 steps on every rank's own
     batches the parameters equal those of the same hvdlite settings on the eager model, and
     are the same on every rank."""
-    torch.manual_seed(2)
-    eager = Net(depth=6)
-    compiled_net = Net(depth=6)
-    compiled_net.load_state_dict(eager.state_dict())
-    compiled = hvd.compile_split(compiled_net, bucket_cap_mb=_CAP_MB, backend="aot_eager")
-    passes, extra, amp = setting_knobs(hvd, setting)
-    tag = setting.split()[0]
-
-    def optimizer(model: nn.Module, which: str) -> Any:
-        with n_rank_path():
-            return hvd.DistributedOptimizer(
-                torch.optim.SGD(model.parameters(), lr=0.1),
-                named_parameters=[(f"split.{tag}.{which}.{n}", p)
-                                  for n, p in model.named_parameters()],
-                bucket_cap_mb=_CAP_MB, **extra)
-
-    opts = [optimizer(eager, "eager"), optimizer(compiled_net, "compiled")]
-    train_alike(hvd, eager, compiled, compiled_net, opts, passes, amp, f"split.{tag}")
+    eager, twin, opts, passes, amp, tag = paired_nets(hvd, setting, "split", _CAP_MB)
+    compiled = hvd.compile_split(twin, bucket_cap_mb=_CAP_MB, backend="aot_eager")
+    train_alike(hvd, eager, compiled, twin, opts, passes, amp, f"split.{tag}")
 
 
 def test_split_compile_rejects_bad_arguments(hvd: Any) -> None:
