@@ -28,12 +28,15 @@ of someone else's (``register_hook``), is not dense, or is not a graph input.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import fx, nn
 
+import hvdlite
+from hvdlite.errors import HvdliteError
 from hvdlite.torch import _accumulate
 from hvdlite.torch._buckets import mib_bytes, ordered_buckets
 
@@ -198,6 +201,7 @@ def _insert_calls(bw: fx.GraphModule, fw_inputs: Sequence[Any],
             continue
         found.append((position[grad], i, param, grad))
     if not found:
+        _warn_unclaimed(fw_inputs)
         return []
     found.sort(key=lambda f: f[0])
     params = [f[2] for f in found]
@@ -219,3 +223,25 @@ def _insert_calls(bw: fx.GraphModule, fw_inputs: Sequence[Any],
     graph.lint()
     bw.recompile()
     return buckets
+
+
+def _warn_unclaimed(fw_inputs: Sequence[Any]) -> None:
+    """A graph with parameters that need gradients, none with hvdlite's hooks, in a job of
+    more than one rank: its buckets will start after the backward, as with torch.compile;
+    say why once (the usual cause: the optimizer was made after the first forward)."""
+    global _warned
+    if _warned or not any(isinstance(t, nn.Parameter) and t.requires_grad for t in fw_inputs):
+        return
+    try:
+        many = hvdlite.size() > 1
+    except HvdliteError:  # not initialised: nothing to reduce yet
+        return
+    if many:
+        _warned = True
+        warnings.warn("compile_overlap: none of this graph's parameters has a "
+                      "DistributedOptimizer's hooks at its compile, so its gradient buckets "
+                      "start after the backward, as with torch.compile; create the optimizer "
+                      "before the model's first call", stacklevel=2)
+
+
+_warned = False

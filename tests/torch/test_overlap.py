@@ -19,6 +19,13 @@ from hvdlite.torch import _accumulate
 _CAP_MB = 2 * 1088 / 2**20
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> None:
+    """Each test compiles its own models: past torch's recompile limit for Net's code (8),
+    dynamo would run the rest eagerly, and nothing here would be compiled."""
+    torch._dynamo.reset()
+
+
 def _fired_before_input_grad(model: nn.Module, params: list[torch.Tensor],
                              steps: int = 2) -> list[int]:
     """Per step: how many of ``params``' hvdlite hooks ran before the input's gradient came
@@ -184,3 +191,21 @@ def test_overlap_compile_rejects_bad_arguments(hvd: Any) -> None:
     with pytest.raises(ValueError, match="mode= and options= are for the inductor backend, "
                                          "got backend='aot_eager'"):
         hvd.compile_overlap(net, backend="aot_eager", mode="max-autotune-no-cudagraphs")
+
+
+def test_overlap_compile_without_optimizer_hooks_says_so(hvd: Any) -> None:
+    """A model compiled by compile_overlap whose parameters have no optimizer hooks at its
+    first call (the optimizer made later) trains as torch.compile would, and past one rank a
+    warning says why its buckets start after the backward."""
+    from hvdlite.torch import overlap
+
+    overlap._warned = False
+    net = Net(depth=2)
+    compiled = hvd.compile_overlap(net, backend="aot_eager")
+    if hvd.size() > 1:
+        with pytest.warns(UserWarning, match="create the optimizer before the model's first "
+                                             "call"):
+            compiled(_batch(0, 0)).square().mean().backward()
+    else:
+        compiled(_batch(0, 0)).square().mean().backward()
+    assert all(p.grad is not None for p in net.parameters())
