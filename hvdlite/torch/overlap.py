@@ -29,7 +29,7 @@ of someone else's (``register_hook``), is not dense, or is not a graph input.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -93,17 +93,15 @@ def overlap_backend(bucket_cap_mb: float = 25.0, last_bucket_cap_mb: float | Non
     def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         from torch._functorch import config as functorch_config
 
-        claims: list[list[torch.Tensor]] = []
-
-        def backward(bw: fx.GraphModule) -> None:
-            claims.extend(_insert_calls(bw, example_inputs, caps))
-
+        # Only the parameters are kept for the backward's compile (it may come at the first
+        # backward): not the first batch.
+        params = [t if isinstance(t, nn.Parameter) else None for t in example_inputs]
         # A cached artifact would skip the backward's compile, and with it the calls and the
         # claims (and one made by another process names its own groups): no cache here.
         with functorch_config.patch(enable_autograd_cache=False):
             if backend == "inductor":
-                return _inductor(gm, example_inputs, patches, backward, claims)
-            return _aot_eager(gm, example_inputs, backward, claims)
+                return _inductor(gm, example_inputs, patches, params, caps)
+            return _aot_eager(gm, example_inputs, params, caps)
 
     return compile_graph
 
@@ -142,22 +140,20 @@ def _inductor_patches(mode: str | None, options: dict[str, Any] | None,
 
 
 def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], patches: dict[str, Any],
-              backward: Any, claims: list[list[torch.Tensor]]) -> Any:
+              params: Sequence[Any], caps: tuple[int, int]) -> Any:
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     def inner(graph: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
         if not kwargs.get("is_backward"):
             return compile_fx_inner(graph, inputs, **kwargs)
-        backward(graph)
-        compiled = compile_fx_inner(graph, inputs, **kwargs)
-        _claim(claims)  # only once the graph with the calls exists
-        return compiled
+        return _compile_backward(graph, params, caps,
+                                 lambda g: compile_fx_inner(g, inputs, **kwargs))
 
     return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
 
 
-def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], backward: Any,
-               claims: list[list[torch.Tensor]]) -> Any:
+def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], params: Sequence[Any],
+               caps: tuple[int, int]) -> Any:
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -165,31 +161,62 @@ def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], backward: Any,
         return make_boxed_func(graph.forward)
 
     def backward_compiler(graph: fx.GraphModule, _inputs: Sequence[Any]) -> Any:
-        backward(graph)
-        _claim(claims)
-        return make_boxed_func(graph.forward)
+        return _compile_backward(graph, params, caps, lambda g: make_boxed_func(g.forward))
 
     return aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler)(
         gm, example_inputs)
 
 
-def _claim(claims: list[list[torch.Tensor]]) -> None:
-    for params in claims:
-        _accumulate.claim(params)
-    claims.clear()
+def _compile_backward(bw: fx.GraphModule, params: Sequence[Any], caps: tuple[int, int],
+                      compile_fn: Callable[[fx.GraphModule], Any]) -> Any:
+    """``compile_fn(bw)`` with hvdlite's calls in ``bw``, its parameters claimed once that
+    compiled; if it does not compile with them, a warning and the graph as it was."""
+    calls = _insert_calls(bw, params, caps)
+    if calls is None:
+        return compile_fn(bw)
+    try:
+        compiled = compile_fn(bw)
+    except Exception as exc:  # noqa: BLE001 - the compiler's own failure, said and bypassed
+        calls.undo()
+        warnings.warn(f"compile_overlap: the backward graph did not compile with hvdlite's "
+                      f"calls ({type(exc).__name__}: {str(exc)[:300]}); compiled without "
+                      "them, so its gradient buckets start after the backward", stacklevel=2)
+        return compile_fn(bw)
+    for members in calls.buckets:
+        _accumulate.claim(members)
+    return compiled
+
+
+class _Calls:
+    """The calls :func:`_insert_calls` put in a backward graph: the buckets to claim, and how
+    to take the calls out again."""
+
+    def __init__(self, bw: fx.GraphModule, buckets: list[list[torch.Tensor]],
+                 nodes: list[fx.Node], out: fx.Node, args: Any, visible: Any) -> None:
+        self.bw, self.buckets, self.nodes = bw, buckets, nodes
+        self.out, self.args, self.visible = out, args, visible
+
+    def undo(self) -> None:
+        self.out.args = self.args
+        if self.visible is not None:
+            self.out.meta["user_visible_output_idxs"] = self.visible
+        for node in reversed(self.nodes):
+            self.bw.graph.erase_node(node)
+        self.bw.graph.lint()
+        self.bw.recompile()
 
 
 def _insert_calls(bw: fx.GraphModule, fw_inputs: Sequence[Any],
-                  caps: tuple[int, int]) -> list[list[torch.Tensor]]:
+                  caps: tuple[int, int]) -> _Calls | None:
     """Put a call to the operator after each bucket's last gradient in the backward graph
     ``bw`` (its outputs: the gradients of the forward's inputs ``fw_inputs``, in order), and
-    hand autograd None for those parameters. Returns the buckets, to claim once ``bw`` is
-    compiled; none (``bw`` untouched) if its outputs do not line up with the inputs."""
+    hand autograd None for those parameters. None (``bw`` untouched) if its outputs do not
+    line up with the inputs or no parameter is claimable."""
     graph = bw.graph
     out = next(n for n in reversed(graph.nodes) if n.op == "output")
     grads = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else None
     if grads is None or len(grads) != len(fw_inputs):
-        return []
+        return None
     position = {node: k for k, node in enumerate(graph.nodes)}
     found: list[tuple[int, int, torch.Tensor, fx.Node]] = []
     for i, (param, grad) in enumerate(zip(fw_inputs, grads, strict=True)):
@@ -202,27 +229,28 @@ def _insert_calls(bw: fx.GraphModule, fw_inputs: Sequence[Any],
         found.append((position[grad], i, param, grad))
     if not found:
         _warn_unclaimed(fw_inputs)
-        return []
+        return None
     found.sort(key=lambda f: f[0])
     params = [f[2] for f in found]
     where = {id(f[2]): f for f in found}
     buckets = ordered_buckets(params, list(range(len(params))), *caps)
+    calls = _Calls(bw, buckets, [], out, out.args, out.meta.get("user_visible_output_idxs"))
     op = _op()
     for members in buckets:
         rows = [where[id(p)] for p in members]
         last = max((r[3] for r in rows), key=position.__getitem__)
         key = _accumulate.new_group(members)
         with graph.inserting_after(last):
-            graph.call_function(op, (key, [r[3] for r in rows]))
+            calls.nodes.append(graph.call_function(op, (key, [r[3] for r in rows])))
         for r in rows:
             grads[r[1]] = None
     out.args = (type(out.args[0])(grads),)
-    visible = out.meta.get("user_visible_output_idxs")
-    if visible is not None:  # inductor keeps the strides of these outputs: none now
-        out.meta["user_visible_output_idxs"] = [i for i in visible if grads[i] is not None]
+    if calls.visible is not None:  # inductor keeps the strides of these outputs: none now
+        out.meta["user_visible_output_idxs"] = [i for i in calls.visible
+                                                if grads[i] is not None]
     graph.lint()
     bw.recompile()
-    return buckets
+    return calls
 
 
 def _warn_unclaimed(fw_inputs: Sequence[Any]) -> None:

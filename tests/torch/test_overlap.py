@@ -209,3 +209,47 @@ def test_overlap_compile_without_optimizer_hooks_says_so(hvd: Any) -> None:
     else:
         compiled(_batch(0, 0)).square().mean().backward()
     assert all(p.grad is not None for p in net.parameters())
+
+
+def test_a_backward_that_fails_to_compile_with_the_calls_compiles_without(hvd: Any) -> None:
+    """Where the compiler refuses the backward graph with hvdlite's calls in it (here a
+    compiler function that fails on any graph holding one), a warning says so and the graph
+    is compiled as it was: nothing claimed, the hooks run where autograd runs them, and the
+    gradients are eager's."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from hvdlite.torch import overlap
+
+    def refusing(graph: torch.fx.GraphModule) -> Any:
+        if any(n.target is overlap._op() for n in graph.graph.nodes):
+            raise RuntimeError("this compiler takes no hvdlite calls")
+        return make_boxed_func(graph.forward)
+
+    torch.manual_seed(3)
+    net, eager = Net(depth=2), Net(depth=2)
+    eager.load_state_dict(net.state_dict())
+    fired: list[int] = []
+    handles = [_accumulate.hook(p, lambda _p: fired.append(1)) for p in net.parameters()]
+
+    def backend(gm: torch.fx.GraphModule, inputs: Any) -> Any:
+        params = [t if isinstance(t, nn.Parameter) else None for t in inputs]
+        return aot_autograd(
+            fw_compiler=lambda g, _i: make_boxed_func(g.forward),
+            bw_compiler=lambda g, _i: overlap._compile_backward(g, params, (1 << 20, 0),
+                                                               refusing))(gm, inputs)
+
+    try:
+        compiled = torch.compile(net, backend=backend)
+        with pytest.warns(UserWarning, match="did not compile with hvdlite's calls "
+                                             r"\(RuntimeError: this compiler takes no"):
+            compiled(_batch(0, 0)).square().mean().backward()
+        assert len(fired) == len(list(net.parameters()))
+        assert not any(_accumulate._OWNED[p].claimed for p in net.parameters())
+    finally:
+        for h in handles:
+            h.remove()
+    eager(_batch(0, 0)).square().mean().backward()
+    for a, b in zip(eager.parameters(), net.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7)
