@@ -37,12 +37,16 @@ class _Owned:
     """A parameter's hooks registered here (by key, in order), with autograd's handles for
     them while the parameter is not claimed, and where a new gradient of it may live."""
 
-    __slots__ = ("fns", "handles", "claimed", "home")
+    __slots__ = ("fns", "handles", "claimed", "frame", "shared", "home")
 
     def __init__(self) -> None:
         self.fns: dict[int, Hook] = {}
         self.handles: dict[int, Any] = {}
         self.claimed = False
+        self.frame: object = None  # the compiled frame that claimed it
+        # In more than one frame: each frame's call only accumulates its part, and autograd,
+        # which runs the hooks, adds the last (hooks run once, with the whole gradient).
+        self.shared = False
         self.home: Callable[[], torch.Tensor | None] | None = None
 
 
@@ -94,29 +98,49 @@ def hook(param: torch.Tensor, fn: Hook,
     return Handle(param, key)
 
 
-def claimable(param: object) -> bool:
-    """Whether a compiled backward may accumulate ``param``'s gradient itself: a dense leaf
-    parameter that needs a gradient, with hvdlite's hooks, and without gradient hooks of
-    anyone else that would have to see the gradient before it accumulates."""
+def claimable(param: object, frame: object) -> bool:
+    """Whether the compiled backward of ``frame`` (dynamo's frame, whose recompiles claim
+    alike) may accumulate ``param``'s gradient itself: a dense leaf parameter that needs a
+    gradient, with hvdlite's hooks, without gradient hooks of anyone else that would have to
+    see the gradient before it accumulates, and not claimed by another frame (a parameter in
+    two frames, such as a weight tied across a graph break, is then shared: see ``_Owned``)."""
     if not isinstance(param, torch.nn.Parameter) or not param.requires_grad \
             or param.layout is not torch.strided:
         return False
     owned = _OWNED.get(param)
-    return owned is not None and bool(owned.fns) and not getattr(param, "_backward_hooks", None)
+    if owned is None or not owned.fns or owned.shared \
+            or getattr(param, "_backward_hooks", None):
+        return False
+    if owned.claimed and owned.frame != frame:
+        _share(owned, param)
+        return False
+    return True
 
 
-def claim(params: Sequence[torch.Tensor]) -> None:
-    """From now on the compiled backward accumulates ``params`` and runs their hooks:
-    hvdlite's hooks are taken off autograd (each stays registered here)."""
+def claim(params: Sequence[torch.Tensor], frame: object) -> None:
+    """From now on the compiled backward of ``frame`` accumulates ``params`` and runs their
+    hooks: hvdlite's hooks are taken off autograd (each stays registered here)."""
     for param in params:
         owned = _OWNED.get(param)
-        if owned is None or owned.claimed:
+        if owned is None or owned.shared or (owned.claimed and owned.frame == frame):
+            continue
+        if owned.claimed:
+            _share(owned, param)
             continue
         _resolved.clear()
-        owned.claimed = True
+        owned.claimed, owned.frame = True, frame
         for handle in owned.handles.values():
             handle.remove()
         owned.handles.clear()
+
+
+def _share(owned: _Owned, param: torch.Tensor) -> None:
+    """``param`` is in the graphs of two frames: its hooks go back to autograd for good."""
+    _resolved.clear()
+    owned.shared, owned.claimed = True, False
+    for key, fn in owned.fns.items():
+        if key not in owned.handles:
+            owned.handles[key] = param.register_post_accumulate_grad_hook(fn)
 
 
 # Groups of parameters a compiled backward accumulates in one call, by the key its graph
@@ -151,8 +175,11 @@ def _members(key: int) -> list[tuple[torch.Tensor | None, tuple[Hook, ...], Any]
     for ref in refs:
         param = ref()
         owned = _OWNED.get(param) if param is not None else None
-        rows.append((param, tuple(owned.fns.values()) if owned is not None else (),
-                     owned.home if owned is not None else None))
+        if owned is None:
+            rows.append((param, (), None))
+        else:  # unclaimed (shared): autograd runs the hooks
+            rows.append((param, tuple(owned.fns.values()) if owned.claimed else (),
+                         owned.home))
     _resolved[key] = rows
     return rows
 

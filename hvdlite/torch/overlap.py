@@ -96,12 +96,18 @@ def overlap_backend(bucket_cap_mb: float = 25.0, last_bucket_cap_mb: float | Non
         # Only the parameters are kept for the backward's compile (it may come at the first
         # backward): not the first batch.
         params = [t if isinstance(t, nn.Parameter) else None for t in example_inputs]
+        frame = _frame_of(gm)
         # A cached artifact would skip the backward's compile, and with it the calls and the
-        # claims (and one made by another process names its own groups): no cache here.
-        with functorch_config.patch(enable_autograd_cache=False):
+        # claims (and one made by another process names its own groups): no cache here. The
+        # backward is compiled with the forward, not at its first run: a parameter in two
+        # frames' graphs is then found shared before any backward's call runs its hooks.
+        patches_aot: dict[str, Any] = {"enable_autograd_cache": False}
+        if hasattr(functorch_config, "force_non_lazy_backward_lowering"):
+            patches_aot["force_non_lazy_backward_lowering"] = True
+        with functorch_config.patch(**patches_aot):
             if backend == "inductor":
-                return _inductor(gm, example_inputs, patches, params, caps)
-            return _aot_eager(gm, example_inputs, params, caps)
+                return _inductor(gm, example_inputs, patches, params, caps, frame)
+            return _aot_eager(gm, example_inputs, params, caps, frame)
 
     return compile_graph
 
@@ -139,21 +145,33 @@ def _inductor_patches(mode: str | None, options: dict[str, Any] | None,
     return dict(wrapper(mode, options, dynamic).config)
 
 
+def _frame_of(gm: fx.GraphModule) -> object:
+    """The dynamo frame being compiled (its recompiles share it), or the graph itself."""
+    try:
+        from torch._guards import CompileContext
+
+        compile_id = CompileContext.current_compile_id()
+    except (ImportError, AttributeError):
+        compile_id = None
+    frame = getattr(compile_id, "frame_id", None)
+    return ("frame", frame) if frame is not None else ("graph", id(gm))
+
+
 def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], patches: dict[str, Any],
-              params: Sequence[Any], caps: tuple[int, int]) -> Any:
+              params: Sequence[Any], caps: tuple[int, int], frame: object) -> Any:
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     def inner(graph: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
         if not kwargs.get("is_backward"):
             return compile_fx_inner(graph, inputs, **kwargs)
-        return _compile_backward(graph, params, caps,
+        return _compile_backward(graph, params, caps, frame,
                                  lambda g: compile_fx_inner(g, inputs, **kwargs))
 
     return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
 
 
 def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], params: Sequence[Any],
-               caps: tuple[int, int]) -> Any:
+               caps: tuple[int, int], frame: object) -> Any:
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -161,17 +179,18 @@ def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], params: Sequen
         return make_boxed_func(graph.forward)
 
     def backward_compiler(graph: fx.GraphModule, _inputs: Sequence[Any]) -> Any:
-        return _compile_backward(graph, params, caps, lambda g: make_boxed_func(g.forward))
+        return _compile_backward(graph, params, caps, frame,
+                                 lambda g: make_boxed_func(g.forward))
 
     return aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler)(
         gm, example_inputs)
 
 
 def _compile_backward(bw: fx.GraphModule, params: Sequence[Any], caps: tuple[int, int],
-                      compile_fn: Callable[[fx.GraphModule], Any]) -> Any:
+                      frame: object, compile_fn: Callable[[fx.GraphModule], Any]) -> Any:
     """``compile_fn(bw)`` with hvdlite's calls in ``bw``, its parameters claimed once that
     compiled; if it does not compile with them, a warning and the graph as it was."""
-    calls = _insert_calls(bw, params, caps)
+    calls = _insert_calls(bw, params, caps, frame)
     if calls is None:
         return compile_fn(bw)
     try:
@@ -183,7 +202,7 @@ def _compile_backward(bw: fx.GraphModule, params: Sequence[Any], caps: tuple[int
                       "them, so its gradient buckets start after the backward", stacklevel=2)
         return compile_fn(bw)
     for members in calls.buckets:
-        _accumulate.claim(members)
+        _accumulate.claim(members, frame)
     return compiled
 
 
@@ -206,8 +225,8 @@ class _Calls:
         self.bw.recompile()
 
 
-def _insert_calls(bw: fx.GraphModule, fw_inputs: Sequence[Any],
-                  caps: tuple[int, int]) -> _Calls | None:
+def _insert_calls(bw: fx.GraphModule, fw_inputs: Sequence[Any], caps: tuple[int, int],
+                  frame: object) -> _Calls | None:
     """Put a call to the operator after each bucket's last gradient in the backward graph
     ``bw`` (its outputs: the gradients of the forward's inputs ``fw_inputs``, in order), and
     hand autograd None for those parameters. None (``bw`` untouched) if its outputs do not
@@ -220,7 +239,7 @@ def _insert_calls(bw: fx.GraphModule, fw_inputs: Sequence[Any],
     position = {node: k for k, node in enumerate(graph.nodes)}
     found: list[tuple[int, int, torch.Tensor, fx.Node]] = []
     for i, (param, grad) in enumerate(zip(fw_inputs, grads, strict=True)):
-        if not isinstance(grad, fx.Node) or not _accumulate.claimable(param):
+        if not isinstance(grad, fx.Node) or not _accumulate.claimable(param, frame):
             continue
         val = grad.meta.get("val")
         if not isinstance(val, torch.Tensor) or val.shape != param.shape \

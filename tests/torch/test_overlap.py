@@ -12,6 +12,7 @@ import torch
 from test_regions import Net, _batch, paired_nets, train_alike
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch_util import n_rank_path
 
 from hvdlite.torch import _accumulate
 
@@ -123,8 +124,8 @@ def test_overlap_keeps_other_hooks_where_autograd_runs_them(hvd: Any) -> None:
             assert len(ours) == len(params)
         assert len(seen_pre) == 2 and all(v > 0 for v in seen_pre)
         assert seen_post == [True, True]
-        assert not _accumulate.claimable(params[0])
-        assert _accumulate.claimable(params[1])
+        assert not _accumulate.claimable(params[0], None)
+        assert _accumulate._OWNED[params[1]].claimed
     finally:
         for h in handles:
             h.remove()
@@ -158,7 +159,7 @@ def test_accumulate_routes_hooks_and_gradients() -> None:
     (a.sum() + b.sum()).backward()
     assert sorted(calls) == ["a", "b"]
     a.grad = b.grad = None
-    _accumulate.claim([a, b])
+    _accumulate.claim([a, b], "frame")
     calls.clear()
     (a.sum() + b.sum()).backward()  # autograd accumulates; our hooks no longer run there
     assert calls == []
@@ -237,7 +238,8 @@ def test_a_backward_that_fails_to_compile_with_the_calls_compiles_without(hvd: A
         return aot_autograd(
             fw_compiler=lambda g, _i: make_boxed_func(g.forward),
             bw_compiler=lambda g, _i: overlap._compile_backward(g, params, (1 << 20, 0),
-                                                               refusing))(gm, inputs)
+                                                               "refusing", refusing))(
+            gm, inputs)
 
     try:
         compiled = torch.compile(net, backend=backend)
@@ -253,3 +255,51 @@ def test_a_backward_that_fails_to_compile_with_the_calls_compiles_without(hvd: A
     for a, b in zip(eager.parameters(), net.parameters(), strict=True):
         assert a.grad is not None and b.grad is not None
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7)
+
+
+class _TiedAcrossBreak(nn.Module):
+    """One linear layer used on both sides of a graph break (two compiled frames)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Linear(8, 8)
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.shared(x))
+        torch._dynamo.graph_break()
+        x = torch.tanh(self.shared(self.mid(x)))
+        return self.head(x)
+
+
+def test_a_parameter_in_two_compiled_frames_is_left_to_autograd(hvd: Any) -> None:
+    """A weight used in two frames (a graph break between its uses) gets a gradient from
+    each frame's backward: it is claimed by neither (its hooks run once, in autograd, on the
+    whole gradient), while the others' buckets start inside their frames; 4 steps equal the
+    eager model's with the same optimizer, alone and with 2 backward passes a step."""
+    for passes in (1, 2):
+        torch.manual_seed(4)
+        eager, net = _TiedAcrossBreak(), _TiedAcrossBreak()
+        net.load_state_dict(eager.state_dict())
+        opts = []
+        for model, which in ((eager, "e"), (net, "c")):
+            with n_rank_path():
+                opts.append(hvd.DistributedOptimizer(
+                    torch.optim.SGD(model.parameters(), lr=0.1),
+                    named_parameters=[(f"tied{passes}.{which}.{n}", p)
+                                      for n, p in model.named_parameters()],
+                    bucket_cap_mb=300 / 2**20, backward_passes_per_step=passes))
+        compiled = hvd.compile_overlap(net, bucket_cap_mb=300 / 2**20, backend="aot_eager")
+        for step in range(4):
+            for model, opt in zip((eager, compiled), opts, strict=True):
+                opt.zero_grad()
+                for k in range(passes):
+                    model(_batch(passes * step + k, hvd.rank())).square().mean().backward()
+                opt.step()
+        owned = _accumulate._OWNED
+        assert owned[net.shared.weight].shared and not owned[net.shared.weight].claimed
+        assert owned[net.head.weight].claimed
+        for (name, a), b in zip(eager.named_parameters(), net.parameters(), strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=name)
+        torch._dynamo.reset()
