@@ -77,6 +77,8 @@ class Handle:
         handle = owned.handles.pop(self._key, None)
         if handle is not None:
             handle.remove()
+        if not owned.fns:  # its home holds a bucket, which holds the parameter
+            owned.home = None
 
 
 def hook(param: torch.Tensor, fn: Hook,
