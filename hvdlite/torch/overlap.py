@@ -23,7 +23,10 @@ optimizer's rule and caps (give both the same ``bucket_cap_mb`` and ``last_bucke
 the defaults are the optimizer's). After its first step the optimizer forms its buckets in the
 order its hooks ran, which is this order, so each call starts one bucket. A parameter is left
 to autograd (its bucket starts at the end, as with ``torch.compile``) if it has gradient hooks
-of someone else's (``register_hook``), is not dense, or is not a graph input.
+of someone else's (``register_hook``), is not dense, is not a graph input, or is in the graphs
+of two frames (a weight tied across a graph break: each frame's call adds its part, autograd
+runs the hooks once). A backward graph the compiler refuses with the calls in it is compiled
+without them, with a warning.
 """
 
 from __future__ import annotations
