@@ -1,14 +1,14 @@
 """``DistributedOptimizer``: average gradients across ranks while ``backward()`` runs.
 
-One hook per parameter counts it ready the moment autograd has accumulated its gradient
-(``register_post_accumulate_grad_hook``); the last member of a bucket starts that bucket's one
-allreduce, of the bucket's flat buffer (its gradients copied in by one batched copy, or, with
-``gradient_as_bucket_view``, living there), so communication overlaps the rest of the
-backward pass. Once the first step has shown the order backward takes, the hooks are C-level
-appends but for each bucket's last member (``_buckets.Hooks``: no Python frame per
-parameter). ``step()`` orders the current CUDA stream after each bucket's collective (no host
-wait on the device), then runs the wrapped optimizer's own step, whose kernels follow on that
-stream.
+One hook per parameter counts it ready the moment its gradient has accumulated (autograd's
+post-accumulate hook, or a compiled backward's call: ``_accumulate.py``, ``overlap.py``); the
+last member of a bucket starts that bucket's one allreduce, of the bucket's flat buffer (its
+gradients copied in by one batched copy, or, with ``gradient_as_bucket_view``, living there),
+so communication overlaps the rest of the backward pass. Once the first step has shown the
+order backward takes, the hooks are C-level appends but for each bucket's last member
+(``_buckets.Hooks``: no Python frame per parameter). ``step()`` orders the current CUDA
+stream after each bucket's collective (no host wait on the device), then runs the wrapped
+optimizer's own step, whose kernels follow on that stream.
 """
 
 from __future__ import annotations
