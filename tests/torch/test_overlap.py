@@ -303,3 +303,37 @@ def test_a_parameter_in_two_compiled_frames_is_left_to_autograd(hvd: Any) -> Non
         for (name, a), b in zip(eager.named_parameters(), net.parameters(), strict=True):
             torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=name)
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("layout", ["staged", "groups", "dynamic shapes"])
+def test_overlap_compile_trains_as_eager_in_other_layouts(hvd: Any, layout: str) -> None:
+    """compile_overlap against the same optimizer on the eager model with buckets that do not
+    live in views (``gradient_as_bucket_view=False``), with user groups (``groups=3``, which
+    the graph's buckets do not match), and with batches of varying size (recompiles, dynamic
+    shapes): after 6 steps the parameters are the eager model's, on every rank alike."""
+    torch.manual_seed(5)
+    eager, net = Net(depth=4), Net(depth=4)
+    net.load_state_dict(eager.state_dict())
+    extra: dict[str, Any] = {"gradient_as_bucket_view": False} if layout == "staged" else \
+        {"groups": 3} if layout == "groups" else {}
+    opts = []
+    for model, which in ((eager, "e"), (net, "c")):
+        with n_rank_path():
+            opts.append(hvd.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5),
+                named_parameters=[(f"layout.{layout}.{which}.{n}", p)
+                                  for n, p in model.named_parameters()],
+                bucket_cap_mb=_CAP_MB, **extra))
+    compiled = hvd.compile_overlap(net, bucket_cap_mb=_CAP_MB, backend="aot_eager")
+    rows = [4, 6, 4, 8, 5, 4] if layout == "dynamic shapes" else [4] * 6
+    for step, n in enumerate(rows):
+        x = torch.randn(n, 8, generator=torch.Generator().manual_seed(100 * step + hvd.rank()))
+        for model, opt in zip((eager, compiled), opts, strict=True):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+    for (name, a), b in zip(eager.named_parameters(), net.parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=name)
+    flat = torch.cat([p.detach().reshape(1, -1) for p in net.parameters()], dim=1)
+    everyone = hvd.allgather(flat, name=f"layout.{layout}.params")
+    assert all(torch.equal(everyone[0], row) for row in everyone)
