@@ -132,16 +132,18 @@ def test_overlap_keeps_other_hooks_where_autograd_runs_them(hvd: Any) -> None:
 
 
 @pytest.mark.parametrize("setting", ["plain", "backward_passes_per_step", "fp16 compression",
-                                     "bf16 autocast", "inductor"])
+                                     "bf16 autocast", "inductor", "max-autotune"])
 def test_overlap_compile_trains_as_eager(hvd: Any, setting: str) -> None:
     """compile_overlap with the optimizer's buckets at the same cap (alone, with 2 backward
-    passes per step, fp16 compression, bf16 autocast, or the inductor backend): after 5 steps
+    passes per step, fp16 compression, bf16 autocast, the inductor backend, or inductor's
+    max-autotune-no-cudagraphs mode): after 5 steps
     on every rank's own batches the parameters equal those of the same hvdlite settings on
     the eager model, and are the same on every rank."""
     eager, twin, opts, passes, amp, tag = paired_nets(hvd, setting, "overlap", _CAP_MB)
+    inductor = setting in ("inductor", "max-autotune")
     compiled = hvd.compile_overlap(
-        twin, bucket_cap_mb=_CAP_MB,
-        backend="inductor" if setting == "inductor" else "aot_eager")
+        twin, bucket_cap_mb=_CAP_MB, backend="inductor" if inductor else "aot_eager",
+        mode="max-autotune-no-cudagraphs" if setting == "max-autotune" else None)
     train_alike(hvd, eager, compiled, twin, opts, passes, amp, f"overlap.{tag}")
 
 
