@@ -15,15 +15,26 @@ so ``super().step()`` is the wrapped optimizer's step.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from hvdlite.torch._accumulate import hook as accumulation_hook
+from hvdlite.torch._buckets import remove_hooks
 from hvdlite.torch.basics import Adasum
 from hvdlite.torch.mpi_ops import allreduce_async_, synchronize
 
 __all__ = ["_DistributedAdasumOptimizer"]
+
+
+def _weak_hook(owner: weakref.ref[Any], p: torch.Tensor) -> Any:
+    def hook(_param: torch.Tensor) -> None:
+        opt = owner()
+        if opt is not None:
+            opt._gradient_ready(p)
+    return hook
 
 
 class _DistributedAdasumOptimizer(torch.optim.Optimizer):
@@ -54,14 +65,17 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
         self._start = {p: torch.zeros_like(p, requires_grad=False) for p in every}
         self._handles: dict[Any, tuple[Any, Any]] = {}
         self._requires_update: set[Any] = set()
-        self._grad_accs: list[Any] = []
+        # Through hvdlite's accumulation hooks (``_accumulate.py``), so a model compiled by
+        # compile_overlap starts each delta inside its backward too; held weakly, and removed
+        # once the optimizer is collected (a hook holding it would keep it alive).
+        me = weakref.ref(self)
+        self._hooks: list[Any] = []
         for p in every:
             if p.requires_grad:
                 p.grad = p.data.new_zeros(p.size())
                 self._requires_update.add(p)
-                acc = p.expand_as(p).grad_fn.next_functions[0][0]
-                acc.register_hook(self._make_hook(p))
-                self._grad_accs.append(acc)
+                self._hooks.append(accumulation_hook(p, _weak_hook(me, p)))
+        weakref.finalize(self, remove_hooks, self._hooks).atexit = False
 
     def set_backward_passes_per_step(self, passes: int) -> None:
         self.backward_passes_per_step = passes
@@ -85,15 +99,15 @@ class _DistributedAdasumOptimizer(torch.optim.Optimizer):
         compressed, ctx = self._compression.compress(p.data)
         return allreduce_async_(compressed, name=self._names.get(p), op=Adasum), ctx
 
-    def _make_hook(self, p: Any) -> Any:
-        def hook(*_: Any) -> None:
-            if self._handles.get(p, (None, None))[0] is not None and self._delay[p] <= 0:
-                raise AssertionError("gradients were computed more than "
-                                     "backward_passes_per_step times before step(); raise "
-                                     "backward_passes_per_step to accumulate locally")
-            self._delay[p] -= 1
-            self._handles[p] = self._delta_async(p) if self._delay[p] == 0 else (None, None)
-        return hook
+    def _gradient_ready(self, p: Any) -> None:
+        """``p``'s gradient has accumulated: count the pass, and on the last one start its
+        delta's Adasum."""
+        if self._handles.get(p, (None, None))[0] is not None and self._delay[p] <= 0:
+            raise AssertionError("gradients were computed more than backward_passes_per_step "
+                                 "times before step(); raise backward_passes_per_step to "
+                                 "accumulate locally")
+        self._delay[p] -= 1
+        self._handles[p] = self._delta_async(p) if self._delay[p] == 0 else (None, None)
 
     def synchronize(self) -> None:
         """Nothing to do before ``step()``: the deltas are applied there."""
