@@ -2,7 +2,8 @@
 inside a compiled backward that accumulates it itself.
 
 Every hook hvdlite puts on a parameter's gradient (a ``DistributedOptimizer``'s bucket
-counting, its first step's ready order) is registered here with :func:`hook`. Normally that is
+counting, its first step's ready order, the Adasum optimizer's deltas) is registered here with
+:func:`hook`. Normally that is
 a post-accumulate-grad hook, run by autograd once the gradient has accumulated into ``.grad``.
 A compiled model's backward is one autograd operation, so those hooks all run at its end. A
 parameter **claimed** by a compiled graph (:func:`claim`, ``hvdlite/torch/overlap.py``) is
@@ -13,8 +14,10 @@ gradient for it, so autograd accumulates nothing more, and hvdlite's hooks are n
 registered with autograd. Hooks that others put on the parameter still run where autograd
 runs them, at the end, and see the accumulated gradient.
 
-A claim lasts as long as the parameter. Not thread-safe: an optimizer's constructor and step,
-and a compile, register and claim.
+A claim lasts as long as the parameter, unless the graph of another compiled frame has the
+parameter too: it is then shared, and its hooks go back to autograd for good (each frame's
+call adds only its part). Not thread-safe: an optimizer's constructor and step, and a
+compile, register and claim.
 """
 
 from __future__ import annotations
