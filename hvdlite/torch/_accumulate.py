@@ -34,6 +34,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 __all__ = ["accumulate", "claim", "claimable", "hook", "new_group"]
 
 Hook = Callable[[torch.Tensor], Any]
+# A group member as a call resolves it: (parameter, its hooks, its home, the autograd node
+# that accumulates into it).
+Row = tuple[torch.Tensor | None, tuple[Hook, ...], Any, Any]
 
 
 class _Owned:
@@ -58,7 +61,7 @@ _KEYS = itertools.count()
 # Each group's (parameter, hooks, home) rows as its last call resolved them, emptied by every
 # change of a hook or claim: resolved once per change, not per call (this runs on the
 # autograd thread of every step), and holding nothing the hooks do not hold.
-_resolved: dict[int, list[tuple[torch.Tensor | None, tuple[Hook, ...], Any]]] = {}
+_resolved: dict[int, list[Row]] = {}
 
 
 class Handle:
@@ -167,8 +170,9 @@ def new_group(params: Sequence[torch.Tensor]) -> int:
     return key
 
 
-def _members(key: int) -> list[tuple[torch.Tensor | None, tuple[Hook, ...], Any]]:
-    """Group ``key``'s (parameter, its hooks, its home) as of the hooks' latest change."""
+def _members(key: int) -> list[Row]:
+    """Group ``key``'s (parameter, its hooks, its home, its accumulator node) as of the hooks'
+    latest change."""
     seen = _resolved.get(key)
     if seen is not None:
         return seen
@@ -176,17 +180,33 @@ def _members(key: int) -> list[tuple[torch.Tensor | None, tuple[Hook, ...], Any]
     if refs is None:
         raise RuntimeError(f"hvdlite: a compiled backward passed gradient group {key}, which "
                            "no longer exists (its parameters were freed)")
-    rows: list[tuple[torch.Tensor | None, tuple[Hook, ...], Any]] = []
+    rows: list[Row] = []
     for ref in refs:
         param = ref()
         owned = _OWNED.get(param) if param is not None else None
-        if owned is None:
-            rows.append((param, (), None))
-        else:  # unclaimed (shared): autograd runs the hooks
-            rows.append((param, tuple(owned.fns.values()) if owned.claimed else (),
-                         owned.home))
+        if param is None or owned is None:
+            rows.append((param, (), None, None))
+            continue
+        with torch.enable_grad():  # the autograd node that accumulates into ``param``
+            view = param.view_as(param).grad_fn
+            node = view.next_functions[0][0] if view is not None else None
+        # unclaimed (shared): autograd runs the hooks
+        rows.append((param, tuple(owned.fns.values()) if owned.claimed else (), owned.home,
+                     node))
     _resolved[key] = rows
     return rows
+
+
+def _accumulating(node: Any) -> bool:
+    """Whether this backward accumulates into the parameter of ``node`` (``backward()``:
+    yes; ``torch.autograd.grad`` of other tensors, or ``backward(inputs=...)`` without it:
+    no); yes outside a backward (a direct call)."""
+    if node is None:
+        return True
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:
+        return True
 
 
 def accumulate(key: int, grads: Sequence[torch.Tensor]) -> None:
@@ -194,15 +214,18 @@ def accumulate(key: int, grads: Sequence[torch.Tensor]) -> None:
     parameter's ``.grad``, or, where there is none, copied into its home (or a new tensor in
     the parameter's layout: the graph reuses its own buffers once this returns), one batched
     copy and one batched add for the group; then each parameter's hooks, in the group's
-    order."""
+    order. A parameter this backward does not accumulate into (``torch.autograd.grad`` of
+    the inputs) is left alone, its hooks not run."""
     rows = _members(key)
     fresh: list[torch.Tensor] = []
     fresh_from: list[torch.Tensor] = []
     into: list[torch.Tensor] = []
     into_from: list[torch.Tensor] = []
-    for (param, _fns, home), grad in zip(rows, grads, strict=True):
-        if param is None:
+    done: list[tuple[torch.Tensor, tuple[Hook, ...]]] = []
+    for (param, fns, home, node), grad in zip(rows, grads, strict=True):
+        if param is None or not _accumulating(node):
             continue
+        done.append((param, fns))
         old = param.grad
         if old is None:
             new = home() if home is not None else None
@@ -220,6 +243,6 @@ def accumulate(key: int, grads: Sequence[torch.Tensor]) -> None:
         torch._foreach_copy_(fresh, fresh_from)
     if into:
         torch._foreach_add_(into, into_from)
-    for param, fns, _home in rows:
+    for param, fns in done:
         for fn in fns:
-            fn(param)  # type: ignore[arg-type]
+            fn(param)

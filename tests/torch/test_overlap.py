@@ -362,3 +362,37 @@ def test_overlap_compile_with_adasum_trains_as_eager(hvd: Any) -> None:
     assert all(_accumulate._OWNED[p].claimed for p in net.parameters())
     for (name, a), b in zip(eager.named_parameters(), net.parameters(), strict=True):
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_autograd_grad_of_the_input_leaves_the_parameters_alone(hvd: Any) -> None:
+    """``torch.autograd.grad`` of the input through a compile_overlap model (a saliency map
+    taken each step before the step's own forward and ``backward()``) runs the compiled
+    backward, calls included: they
+    accumulate nothing and start no bucket, since that backward accumulates into no
+    parameter. 4 steps equal the eager model's with the same optimizer, input gradients
+    too."""
+    torch.manual_seed(7)
+    eager, net = Net(depth=3), Net(depth=3)
+    net.load_state_dict(eager.state_dict())
+    opts = []
+    for model, which in ((eager, "e"), (net, "c")):
+        with n_rank_path():
+            opts.append(hvd.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1),
+                named_parameters=[(f"saliency.{which}.{n}", p)
+                                  for n, p in model.named_parameters()],
+                bucket_cap_mb=_CAP_MB))
+    compiled = hvd.compile_overlap(net, bucket_cap_mb=_CAP_MB, backend="aot_eager")
+    for step in range(4):
+        maps = []
+        for model, opt in zip((eager, compiled), opts, strict=True):
+            opt.zero_grad()
+            x = _batch(step, hvd.rank()).requires_grad_()
+            maps.append(torch.autograd.grad(model(x).square().mean(), x)[0])
+            if model is compiled:
+                assert all(p.grad is None for p in net.parameters())
+            model(x).square().mean().backward()
+            opt.step()
+        torch.testing.assert_close(maps[1], maps[0], rtol=1e-6, atol=1e-7)
+    for (name, a), b in zip(eager.named_parameters(), net.parameters(), strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=name)
