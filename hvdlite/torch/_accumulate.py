@@ -58,9 +58,10 @@ class _Owned:
 
 _OWNED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _KEYS = itertools.count()
-# Each group's (parameter, hooks, home) rows as its last call resolved them, emptied by every
-# change of a hook or claim: resolved once per change, not per call (this runs on the
-# autograd thread of every step), and holding nothing the hooks do not hold.
+# Each group's rows (``Row``) as its last call resolved them, emptied by every change of a
+# hook or claim: resolved once per change, not per call (this runs on the autograd thread of
+# every step). A row's accumulator node holds its parameter, as the hooks do; the rows go
+# with the hooks (an optimizer collected removes its hooks, and so empties this).
 _resolved: dict[int, list[Row]] = {}
 
 

@@ -20,6 +20,20 @@ from hvdlite.torch import _accumulate
 _CAP_MB = 2 * 1088 / 2**20
 
 
+def _twins(hvd: Any, eager: nn.Module, net: nn.Module, tag: str, momentum: float = 0.0,
+           **extra: Any) -> list[Any]:
+    """A DistributedOptimizer (SGD, the N-rank path even at one rank) for the eager model and
+    one for its twin, their allreduces named apart under ``tag``; ``extra``: its keywords."""
+    opts = []
+    for model, which in ((eager, "e"), (net, "c")):
+        with n_rank_path():
+            opts.append(hvd.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum),
+                named_parameters=[(f"{tag}.{which}.{n}", p)
+                                  for n, p in model.named_parameters()], **extra))
+    return opts
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo() -> None:
     """Each test compiles its own models: past torch's recompile limit for Net's code (8),
@@ -284,14 +298,8 @@ def test_a_parameter_in_two_compiled_frames_is_left_to_autograd(hvd: Any) -> Non
         torch.manual_seed(4)
         eager, net = _TiedAcrossBreak(), _TiedAcrossBreak()
         net.load_state_dict(eager.state_dict())
-        opts = []
-        for model, which in ((eager, "e"), (net, "c")):
-            with n_rank_path():
-                opts.append(hvd.DistributedOptimizer(
-                    torch.optim.SGD(model.parameters(), lr=0.1),
-                    named_parameters=[(f"tied{passes}.{which}.{n}", p)
-                                      for n, p in model.named_parameters()],
-                    bucket_cap_mb=300 / 2**20, backward_passes_per_step=passes))
+        opts = _twins(hvd, eager, net, f"tied{passes}", bucket_cap_mb=300 / 2**20,
+                      backward_passes_per_step=passes)
         compiled = hvd.compile_overlap(net, bucket_cap_mb=300 / 2**20, backend="aot_eager")
         for step in range(4):
             for model, opt in zip((eager, compiled), opts, strict=True):
@@ -318,14 +326,7 @@ def test_overlap_compile_trains_as_eager_in_other_layouts(hvd: Any, layout: str)
     net.load_state_dict(eager.state_dict())
     extra: dict[str, Any] = {"gradient_as_bucket_view": False} if layout == "staged" else \
         {"groups": 3} if layout == "groups" else {}
-    opts = []
-    for model, which in ((eager, "e"), (net, "c")):
-        with n_rank_path():
-            opts.append(hvd.DistributedOptimizer(
-                torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5),
-                named_parameters=[(f"layout.{layout}.{which}.{n}", p)
-                                  for n, p in model.named_parameters()],
-                bucket_cap_mb=_CAP_MB, **extra))
+    opts = _twins(hvd, eager, net, f"layout.{layout}", 0.5, bucket_cap_mb=_CAP_MB, **extra)
     compiled = hvd.compile_overlap(net, bucket_cap_mb=_CAP_MB, backend="aot_eager")
     rows = [4, 6, 4, 8, 5, 4] if layout == "dynamic shapes" else [4] * 6
     for step, n in enumerate(rows):
@@ -348,11 +349,7 @@ def test_overlap_compile_with_adasum_trains_as_eager(hvd: Any) -> None:
     torch.manual_seed(6)
     eager, net = Net(depth=3), Net(depth=3)
     net.load_state_dict(eager.state_dict())
-    opts = [hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
-                                     named_parameters=[(f"adasum.{w}.{n}", p)
-                                                       for n, p in m.named_parameters()],
-                                     op=hvd.Adasum)
-            for m, w in ((eager, "e"), (net, "c"))]
+    opts = _twins(hvd, eager, net, "adasum", op=hvd.Adasum)
     compiled = hvd.compile_overlap(net, backend="aot_eager")
     for step in range(4):
         for model, opt in zip((eager, compiled), opts, strict=True):
@@ -367,21 +364,13 @@ def test_overlap_compile_with_adasum_trains_as_eager(hvd: Any) -> None:
 def test_autograd_grad_of_the_input_leaves_the_parameters_alone(hvd: Any) -> None:
     """``torch.autograd.grad`` of the input through a compile_overlap model (a saliency map
     taken each step before the step's own forward and ``backward()``) runs the compiled
-    backward, calls included: they
-    accumulate nothing and start no bucket, since that backward accumulates into no
-    parameter. 4 steps equal the eager model's with the same optimizer, input gradients
-    too."""
+    backward, calls included: they accumulate nothing and start no bucket, since that
+    backward accumulates into no parameter. 4 steps equal the eager model's with the same
+    optimizer, input gradients too."""
     torch.manual_seed(7)
     eager, net = Net(depth=3), Net(depth=3)
     net.load_state_dict(eager.state_dict())
-    opts = []
-    for model, which in ((eager, "e"), (net, "c")):
-        with n_rank_path():
-            opts.append(hvd.DistributedOptimizer(
-                torch.optim.SGD(model.parameters(), lr=0.1),
-                named_parameters=[(f"saliency.{which}.{n}", p)
-                                  for n, p in model.named_parameters()],
-                bucket_cap_mb=_CAP_MB))
+    opts = _twins(hvd, eager, net, "saliency", bucket_cap_mb=_CAP_MB)
     compiled = hvd.compile_overlap(net, bucket_cap_mb=_CAP_MB, backend="aot_eager")
     for step in range(4):
         maps = []
