@@ -86,12 +86,26 @@ def _schedules(opts: list[Any]) -> list[Any]:
     return schedules
 
 
-def _capture(graph: torch.cuda.CUDAGraph, pool: Any, schedules: list[Any],
-             step_fn: Callable[..., Any], inputs: list[torch.Tensor]) -> Any:
-    """``step_fn(*inputs)`` captured into ``graph``; its outputs."""
+_SIDE: dict[int, torch.cuda.Stream] = {}
+
+
+def _side_stream() -> torch.cuda.Stream:
+    """The current device's stream for warm-up steps and captures: one per device, so that
+    graphs sharing a memory pool are captured on one stream, as torch asks."""
+    device = torch.cuda.current_device()
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(device)
+    return _SIDE[device]
+
+
+def _capture(graph: torch.cuda.CUDAGraph, pool: Any, stream: torch.cuda.Stream,
+             schedules: list[Any], step_fn: Callable[..., Any],
+             inputs: list[torch.Tensor]) -> Any:
+    """``step_fn(*inputs)`` captured into ``graph`` on ``stream``; its outputs."""
     try:
         with runtime.capture(schedules, graph), \
-                torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                torch.cuda.graph(graph, pool=pool, stream=stream,
+                                 capture_error_mode="thread_local"):
             return step_fn(*inputs)
     except Exception as exc:
         if not _compiling_failed(exc):
@@ -220,9 +234,9 @@ def make_graphed_step(step_fn: Callable[..., Any], *static_inputs: torch.Tensor,
     Collective over the members of each ``optimizer``'s process set (every rank captures
     together). Runs ``warmup_steps`` eager steps first on a side stream (at least 2: the first
     agrees the buckets, after it the optimizer launches them on its agreed schedule, which is
-    what gets captured), then captures one step (as with torch, capturing runs nothing: the
-    first replay is the step after the warm-up ones), then checks that every rank captured the
-    same launches. During the last warm-up step and the capture,
+    what gets captured), then captures one step on the same stream (as with torch, capturing
+    runs nothing: the first replay is the step after the warm-up ones), then checks that
+    every rank captured the same launches. During the last warm-up step and the capture,
     ``torch.cuda.is_current_stream_capturing()`` answers True on this thread, so code that
     branches on it around a compiled region (Hugging Face's causal mask) compiles the
     capture's variant before the capture, not inside it. ``optimizer``: the
@@ -264,7 +278,7 @@ def make_graphed_step(step_fn: Callable[..., Any], *static_inputs: torch.Tensor,
     opts = _optimizers(optimizer)
     inputs = _check_inputs(static_inputs)
     world = runtime.running()
-    side = torch.cuda.Stream()
+    side = _side_stream()
     side.wait_stream(torch.cuda.current_stream())
     # The last warm-up step and the capture are rehearsed (see _rehearsal.py): compiled code
     # sees the same answer and the same function in both, so the capture compiles nothing.
@@ -280,7 +294,10 @@ def make_graphed_step(step_fn: Callable[..., Any], *static_inputs: torch.Tensor,
         schedules = _schedules(opts)
         before = [s.launches for s in schedules]
         graph, kept = (torch.cuda.CUDAGraph(), False) if debug_dump is None else _kept_graph()
-        outputs = _capture(graph, pool, schedules, step_fn, inputs)
+        # Captured on the warm-up steps' stream: autograd nodes kept from them (a compiled
+        # backward's accumulators, hvdlite/torch/_accumulate.py) carry that stream, and the
+        # backward's end joins it, which a capture allows only from the capturing stream.
+        outputs = _capture(graph, pool, side, schedules, step_fn, inputs)
     if debug_dump is not None:
         _dump(graph, kept, os.fspath(debug_dump))
     # Every rank shows what it captured (per optimizer: its buckets and how many launches the
