@@ -64,16 +64,15 @@ _KEYS = itertools.count()
 # hook or claim: resolved once per change, not per call (this runs on the autograd thread of
 # every step). A row's accumulator node holds its parameter, as the hooks do; the rows go
 # with the hooks (an optimizer collected removes its hooks, and so empties this).
-_resolved: dict[int, list[Row]] = {}
+_resolved: dict[int, tuple[int, list[Row] | None]] = {}
 # An autograd node keeps the stream that was current when it was made, and at the end of each
 # backward the engine joins the caller's stream to the stream of every leaf node it ran. Kept
 # here across steps, a node would tie every later backward to the stream of the step that
 # made it: an extra wait eagerly, and under CUDA graph capture an illegal dependency on work
-# outside the capture (the same trap as DDP's kept accumulators). So the kept nodes are all of
-# one stream per device (``_streams``): the first call of a backward on another stream keeps
-# none for the rest of that backward (``_task[1]``), so the next forward makes new ones.
-_streams: dict[int, int] = {}
-_task = [-1, -1]  # the backward of the latest call; a backward whose nodes are not kept
+# outside the capture (the same trap as DDP's kept accumulators). So each group's kept rows
+# are of the stream they were made on (its ``_resolved`` entry); a backward on another stream
+# keeps none (None), so its nodes go with its graph and the next forward makes new ones.
+_task: list[Any] = [-1, None, 0]  # the latest call's backward, device and stream
 
 
 class Handle:
@@ -182,12 +181,20 @@ def new_group(params: Sequence[torch.Tensor]) -> int:
     return key
 
 
-def _members(key: int, keep: bool) -> list[Row]:
+def _members(key: int) -> list[Row]:
     """Group ``key``'s (parameter, its hooks, its home, its accumulator node) as of the hooks'
-    latest change; kept for the next calls if ``keep``."""
-    seen = _resolved.get(key) if keep else None
-    if seen is not None:
-        return seen
+    latest change, kept while its backward runs on one stream (see ``_resolved``).
+    ``HvdliteError`` if a capture runs it on another stream than its last backward (the
+    capture would fail at the backward's end)."""
+    stream = _stream_of_backward(key)
+    seen = _resolved.get(key)
+    if seen is not None and seen[0] == stream and seen[1] is not None:
+        return seen[1]
+    if seen is not None and seen[0] != stream and torch.cuda.is_current_stream_capturing():
+        raise HvdliteError(
+            "compile_overlap: a step is being captured on another CUDA stream than its "
+            "warm-up steps ran on; run at least two warm-up steps on the capture stream "
+            "(torch.cuda.graph(g, stream=s)), or capture with hvd.make_graphed_step")
     refs = _GROUPS.get(key)
     if refs is None:
         raise RuntimeError(f"hvdlite: a compiled backward passed gradient group {key}, which "
@@ -205,36 +212,22 @@ def _members(key: int, keep: bool) -> list[Row]:
         # unclaimed (shared): autograd runs the hooks
         rows.append((param, tuple(owned.fns.values()) if owned.claimed else (), owned.home,
                      node))
-    if keep:
-        _resolved[key] = rows
+    # After a change of stream this graph's nodes may be the old stream's: not kept.
+    _resolved[key] = (stream, rows if seen is None or seen[0] == stream else None)
     return rows
 
 
-def _keeping(grads: Sequence[torch.Tensor]) -> bool:
-    """Whether this call's backward may keep its accumulator nodes (see ``_streams``): checked
-    at its first call. ``HvdliteError`` if it is being captured on a stream other than the one
-    the kept nodes were made on (the capture would fail at the backward's end)."""
-    task = torch._C._current_graph_task_id()
-    if task == _task[0]:
-        return task != _task[1]
-    _task[0] = task
-    device = next((g.device for g in grads if g.is_cuda), None)
-    if device is None:
-        return True
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = torch.cuda.current_stream(index).cuda_stream
-    kept = _streams.setdefault(index, stream)
-    if kept == stream:
-        return True
-    if torch.cuda.is_current_stream_capturing():
-        raise HvdliteError(
-            "compile_overlap: a step is being captured on another CUDA stream than its "
-            "warm-up steps ran on; run at least two warm-up steps on the capture stream "
-            "(torch.cuda.graph(g, stream=s)), or capture with hvd.make_graphed_step")
-    _resolved.clear()
-    _streams[index] = stream
-    _task[1] = task
-    return False
+def _stream_of_backward(key: int) -> int:
+    """The current CUDA stream of this call's backward on the device of group ``key`` (asked
+    once per backward and device); 0 for a group on the CPU."""
+    refs = _GROUPS.get(key, ())
+    param = refs[0]() if refs else None
+    if param is None or not param.is_cuda:
+        return 0
+    task, device = torch._C._current_graph_task_id(), param.device
+    if task != _task[0] or device != _task[1]:
+        _task[:] = [task, device, torch.cuda.current_stream(device).cuda_stream]
+    return int(_task[2])
 
 
 def _accumulating(node: Any) -> bool:
@@ -256,7 +249,7 @@ def accumulate(key: int, grads: Sequence[torch.Tensor]) -> None:
     copy and one batched add for the group; then each parameter's hooks, in the group's
     order. A parameter this backward does not accumulate into (``torch.autograd.grad`` of
     the inputs) is left alone, its hooks not run."""
-    rows = _members(key, _keeping(grads))
+    rows = _members(key)
     fresh: list[torch.Tensor] = []
     fresh_from: list[torch.Tensor] = []
     into: list[torch.Tensor] = []

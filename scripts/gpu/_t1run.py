@@ -239,7 +239,7 @@ class Runner:
             self.graph()
             return
         dump = self._dump_path()
-        if self.kind in (HVD_G, HVD_GR, HVD_G_PRIO, HVD_G_IPC, HVD_GR_IPC):  # as a user writes it
+        if self.kind in HVDS:  # every captured hvdlite step: as a user writes it
             # Its first warm-up step opens the schedule, under the variant's knobs.
             first, self.first = self.first, {}
             with self.env.knobs(**first):
