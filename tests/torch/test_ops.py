@@ -47,6 +47,17 @@ def test_allreduce_every_dtype_and_op(hvd: Any, dtype: torch.dtype) -> None:
         assert torch.equal(ins[me], make(10 + i, me, (3, 5), dtype))  # input untouched
 
 
+def _agree(got: torch.Tensor, want: torch.Tensor, n: int) -> None:
+    """``got`` is ``want``: exactly where the sum's order cannot matter (integers; floats of
+    up to two ranks, as a + b == b + a), else to the rounding of another order of the scaled
+    terms (MPI may add four ranks' terms as a tree, the reference one after another)."""
+    if not got.is_floating_point() or n <= 2:
+        assert torch.equal(got, want), (got, want)
+        return
+    bound = 2 * n * torch.finfo(got.dtype).eps * max(1.0, float(want.abs().max()))
+    assert float((got.float() - want.float()).abs().max()) <= bound, (got, want)
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.float16, torch.bfloat16, torch.float32],
                          ids=str)
 def test_allreduce_scale_factors(hvd: Any, dtype: torch.dtype) -> None:
@@ -55,16 +66,16 @@ def test_allreduce_scale_factors(hvd: Any, dtype: torch.dtype) -> None:
     for op in ("Sum", "Average"):
         got = hvd.allreduce(ins[me], op=getattr(hvd, op), prescale_factor=1 / 3,
                             postscale_factor=0.7)
-        assert torch.equal(got, reduce_ref(ins, op, 1 / 3, 0.7)), (op, got)
+        _agree(got, reduce_ref(ins, op, 1 / 3, 0.7), n)
     # in place, async, grouped with mixed dtypes: the same rule everywhere
     t = ins[me].clone()
     h = hvd.allreduce_async_(t, op=hvd.Average, prescale_factor=3.0, postscale_factor=0.1)
     assert hvd.synchronize(h) is t
-    assert torch.equal(t, reduce_ref(ins, "Average", 3.0, 0.1))
+    _agree(t, reduce_ref(ins, "Average", 3.0, 0.1), n)
     other = _all(21, n, (4,), torch.float32)
     outs = hvd.grouped_allreduce([ins[me], other[me]], op=hvd.Sum, postscale_factor=0.25)
-    assert torch.equal(outs[0], reduce_ref(ins, "Sum", 1.0, 0.25))
-    assert torch.equal(outs[1], reduce_ref(other, "Sum", 1.0, 0.25))
+    _agree(outs[0], reduce_ref(ins, "Sum", 1.0, 0.25), n)
+    _agree(outs[1], reduce_ref(other, "Sum", 1.0, 0.25), n)
 
 
 def test_integer_average_truncates_toward_zero(hvd: Any) -> None:
@@ -233,14 +244,16 @@ def test_join_average_divides_by_every_rank(hvd: Any) -> None:
 
 
 def test_object_helpers_meet_after_a_collective_failed_on_some_ranks(hvd: Any) -> None:
-    """An allgather refused while a rank has joined fails on the other ranks only, so their
-    unnamed-collective counters run ahead; allgather_object and broadcast_object without a
-    name must still meet (Horovod names them, which is what its test suite relies on)."""
+    """An allgather refused while a rank has joined fails on the rank that called it only,
+    so its unnamed-collective counter runs ahead of the others'; allgather_object and
+    broadcast_object without a name must still meet (Horovod names them, which is what its
+    test suite relies on). One rank calls it each round: were several to, at more than two
+    ranks the ones behind would name theirs as the others' previous one and stall."""
     n, me = hvd.size(), hvd.rank()
     if n < 2:
         pytest.skip("needs 2 ranks")
     for first in range(n):  # every rank once: the counters are even again at the end
-        if me != first:
+        if me == (first + 1) % n:
             with pytest.raises(hvd.HorovodInternalError):
                 hvd.allgather(torch.ones(2, 3))
         last = hvd.join()
@@ -359,12 +372,13 @@ def test_dynamic_timeline_and_process_sets(hvd: Any, tmp_path: Any, monkeypatch:
         hvd.init()
         with pytest.raises(ValueError, match="duplicate"):  # the global set's ranks
             hvd.add_process_set(list(range(hvd.size())))
-        ps = hvd.add_process_set([0])
-        assert ps.process_set_id == 1 and ps.size() == 1
-        if hvd.rank() == 0:
-            assert torch.equal(hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=ps),
-                               torch.ones(1))
-        assert hvd.remove_process_set(ps) and not hvd.remove_process_set(ps)
+        if hvd.size() > 1:  # at one rank, [0] is the global set's ranks (the duplicate above)
+            ps = hvd.add_process_set([0])
+            assert ps.process_set_id == 1 and ps.size() == 1
+            if hvd.rank() == 0:
+                assert torch.equal(hvd.allreduce(torch.ones(1), op=hvd.Sum, process_set=ps),
+                                   torch.ones(1))
+            assert hvd.remove_process_set(ps) and not hvd.remove_process_set(ps)
         with pytest.raises(ValueError):
             hvd.start_timeline("")
         hvd.start_timeline(path)
@@ -377,6 +391,8 @@ def test_dynamic_timeline_and_process_sets(hvd: Any, tmp_path: Any, monkeypatch:
         # init(comm=<list of ranks>, process_sets=[...]): sets registered in order from id 1
         monkeypatch.delenv("HOROVOD_DYNAMIC_PROCESS_SETS")
         hvd.shutdown()
+        if MPI.COMM_WORLD.Get_size() == 1:  # [0] would be the global set's ranks again
+            return
         first = hvd.ProcessSet([0])
         hvd.init(comm=list(range(MPI.COMM_WORLD.Get_size())), process_sets=[first])
         assert first.process_set_id == 1 and first.size() == 1

@@ -238,14 +238,15 @@ def test_compiled_autograd_runs_the_hooks_eagerly_and_trains_as_eager(hvd: Any) 
     optimizer's hooks are opaque to dynamo, so each runs eagerly where backward reaches it
     (tracing into the runtime used to fail deep inside dynamo); 4 steps of the whole model
     compiled, backward compiled too, give the parameters of 4 steps with backward eager,
-    exactly. (Their layouts differ after the first step: the model compiled whole hands
-    autograd every gradient at once, in forward order, while the traced backward reaches the
-    parameters in backward order.)"""
+    exactly. A model of two blocks: each hook is a graph break of the traced backward, so
+    its compile time grows with the parameters. (Their layouts differ after the first step:
+    the model compiled whole hands autograd every gradient at once, in forward order, while
+    the traced backward reaches the parameters in backward order.)"""
     from torch._dynamo import compiled_autograd
 
     def train(traced: bool, tag: str) -> tuple[torch.Tensor, Any]:
         torch.manual_seed(0)
-        net = Net()
+        net = Net(depth=2)
         with n_rank_path():
             opt = hvd.DistributedOptimizer(
                 torch.optim.SGD(net.parameters(), lr=0.1),
