@@ -1,5 +1,5 @@
 """Run ``tests/torch/`` (``hvdlite.torch``) as a real ``mpiexec -n 2`` job on CPU torch, the
-way ``tests/test_mpi_jobs.py`` runs ``tests/mpi``, and its process-set module alone at 4 ranks;
+way ``tests/test_mpi_jobs.py`` runs ``tests/mpi``, and some modules alone at 1 and 4 ranks;
 skipped when torch is not installed. Also runs ``scripts/gpu/bench_t1.py``'s correctness check
 on 4 CPU ranks, and
 checks that hvdlite works without torch and that ``hvdlite.torch`` says how to get it."""
@@ -48,6 +48,19 @@ def test_torch_optimizer_step_on_one_and_four_ranks(tmp_path: Path, np_: int) ->
     ranks; the 2-rank job above runs it with the rest."""
     run_pytest_job(np_, TORCH_TESTS / "test_optimizer_step.py", tmp_path, SETS_TIMEOUT_S,
                    CPU_SKIPS, OMP_NUM_THREADS="1")
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(SETS_TIMEOUT_S + 60)
+@needs_torch
+@pytest.mark.parametrize("np_", [1, 4])
+def test_torch_collectives_on_one_and_four_ranks(tmp_path: Path, np_: int) -> None:
+    """``tests/torch/test_ops.py`` (every collective of ``hvdlite.torch`` against its
+    reference from every rank's inputs) alone at 1 and 4 ranks; the 2-rank job above runs it
+    with the rest."""
+    skips = {**CPU_SKIPS, r"^needs 2 ranks$": "a refused allgather needs a peer (1 rank)"}
+    run_pytest_job(np_, TORCH_TESTS / "test_ops.py", tmp_path, SETS_TIMEOUT_S, skips,
+                   OMP_NUM_THREADS="1")
 
 
 @pytest.mark.mpi
