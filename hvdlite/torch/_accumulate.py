@@ -190,7 +190,8 @@ def _members(key: int) -> list[Row]:
     seen = _resolved.get(key)
     if seen is not None and seen[0] == stream and seen[1] is not None:
         return seen[1]
-    if seen is not None and seen[0] != stream and torch.cuda.is_current_stream_capturing():
+    if seen is not None and stream and seen[0] != stream \
+            and torch.cuda.is_current_stream_capturing():
         raise HvdliteError(
             "compile_overlap: a step is being captured on another CUDA stream than its "
             "warm-up steps ran on; run at least two warm-up steps on the capture stream "
@@ -219,7 +220,8 @@ def _members(key: int) -> list[Row]:
 
 def _stream_of_backward(key: int) -> int:
     """The current CUDA stream of this call's backward on the device of group ``key`` (asked
-    once per backward and device); 0 for a group on the CPU."""
+    once per backward and device); 0 for a group on the CPU, as for CUDA's default stream
+    (neither is ever being captured)."""
     refs = _GROUPS.get(key, ())
     param = refs[0]() if refs else None
     if param is None or not param.is_cuda:

@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch_util import n_rank_path
 
+import hvdlite
 from hvdlite.torch import _accumulate
 
 # One block of Net(width=16): 16 x 16 + 16 float32 = 1088 bytes; a cap of two blocks.
@@ -196,6 +197,32 @@ def test_accumulate_routes_hooks_and_gradients() -> None:
     assert calls == ["a", "b", "a", "b"]
     with pytest.raises(RuntimeError, match="no longer exists"):
         _accumulate.accumulate(key + 10**6, [])
+
+
+def test_accumulator_nodes_are_kept_per_stream(monkeypatch: Any) -> None:
+    """The bookkeeping of the nodes a group keeps (``_accumulate._resolved``), with the
+    backward's stream given (on CUDA it is the current stream: tests/torch/test_gpu_graphs.py
+    runs steps on other streams and captures them): kept on one stream; the first backward on
+    another keeps none (its graph's nodes may be the old stream's); the next keeps new ones;
+    and a capture on another stream than the last backward's is refused, naming the fix."""
+    params = [nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3))]
+    for p in params:
+        _accumulate.hook(p, lambda _p: None)
+    key = _accumulate.new_group(params)
+    stream, capturing = [7], [False]
+    monkeypatch.setattr(_accumulate, "_stream_of_backward", lambda _key: stream[0])
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    kept = _accumulate._members(key)
+    assert _accumulate._members(key) is kept and _accumulate._resolved[key] == (7, kept)
+    stream[0] = 9
+    moved = _accumulate._members(key)
+    assert moved is not kept and _accumulate._resolved[key] == (9, None)
+    again = _accumulate._members(key)
+    assert _accumulate._members(key) is again and _accumulate._resolved[key] == (9, again)
+    stream[0], capturing[0] = 11, True
+    with pytest.raises(hvdlite.HvdliteError, match=r"captured on another CUDA stream.*"
+                                                   r"torch\.cuda\.graph\(g, stream=s\)"):
+        _accumulate._members(key)
 
 
 def test_overlap_compile_rejects_bad_arguments(hvd: Any) -> None:
