@@ -168,7 +168,9 @@ class CoordinatorTable:
                 self._ready.extend(n for n, e in self._pending.items()
                                    if n not in self._ready and n != req.name
                                    and self._complete(e))
-            if self._complete(entry):
+            # With ranks joined, the entry may be ready already (they stood in for a rank
+            # that now submits too: a join whose wait was abandoned): once is enough.
+            if self._complete(entry) and not (self._joined and req.name in self._ready):
                 self._ready.append(req.name)
 
     def _complete(self, entry: _Pending) -> bool:

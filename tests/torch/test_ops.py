@@ -120,7 +120,10 @@ def test_allreduce_forms(hvd: Any) -> None:
 
 def test_argument_errors(hvd: Any) -> None:
     t = torch.ones(3)
-    with pytest.raises(TypeError, match="Adasum"):
+    n = hvd.size()
+    # Adasum: integers are refused, and so is a set whose size is not a power of two (that
+    # check comes first: it is the set's, whatever the tensor)
+    with pytest.raises(TypeError if n & (n - 1) == 0 else ValueError, match="Adasum"):
         hvd.allreduce(torch.ones(3, dtype=torch.int32), op=hvd.Adasum)
     with pytest.raises(ValueError, match="gradient_predivide_factor"):
         hvd.DistributedOptimizer(torch.optim.SGD([torch.nn.Parameter(t)], lr=0.1),
@@ -237,7 +240,8 @@ def test_join_average_divides_by_every_rank(hvd: Any) -> None:
     if me == 0:
         f = hvd.allreduce(torch.tensor([3.0, -5.0]), op=hvd.Average, name="join.f")
         i = hvd.allreduce(torch.tensor([3, -5]), op=hvd.Average, name="join.i")
-        assert torch.equal(f, torch.tensor([3.0, -5.0]) / n)
+        # Horovod's Average is a Sum scaled by 1 / n: at 3 ranks one rounding from x / n
+        assert torch.allclose(f, torch.tensor([3.0, -5.0]) / n, rtol=2**-23, atol=0), f
         assert torch.equal(i, torch.trunc(torch.tensor([3.0, -5.0]) / n).long())
     last = hvd.join()
     assert 0 <= last < n
@@ -280,7 +284,8 @@ def test_barrier_objects_and_sparse(hvd: Any) -> None:
         assert callable(handle)
         got = handle().to_dense()
         expect = sum(dense)
-        assert torch.equal(got, expect / n if op == "Average" else expect)
+        want = expect / n if op == "Average" else expect  # / n: to one rounding (1 / n)
+        assert torch.allclose(got, want, rtol=2**-23, atol=0), (got, want)
 
 
 def test_compression(hvd: Any) -> None:

@@ -259,6 +259,21 @@ def test_joined_rank_makes_other_ranks_tensors_ready() -> None:
     assert (resp.name, resp.joined) == ("b", (1,))
 
 
+def test_a_joined_rank_that_submits_again_does_not_make_a_tensor_ready_twice() -> None:
+    """A rank whose join() wait was abandoned (an alarm, a test's timeout) stays joined and
+    may submit again: a tensor the joined ranks already made ready must come out once, not
+    once more for the joined rank's own request (the background thread raised a KeyError on
+    the second, at 3 ranks)."""
+    table = CoordinatorTable(3)
+    table.add(1, [join()], now=0.0)
+    table.add(2, [join()], now=0.0)
+    table.add(0, [allreduce("x")], now=1.0)  # ranks 1 and 2 stand in: ready at once
+    table.add(1, [allreduce("x")], now=1.0)  # rank 1, still joined, submits it too
+    (resp,) = table.pop_ready()
+    assert (resp.name, resp.error) == ("x", "")
+    assert table.pop_ready() == []
+
+
 def test_join_response_when_all_joined_then_joined_set_resets() -> None:
     table = CoordinatorTable(3)
     table.add(2, [join()], now=0.0)
