@@ -348,6 +348,8 @@ def test_a_dropped_optimizer_is_collected(hvd: Any, op: str) -> None:
     import gc
     import weakref
 
+    if op == "adasum" and hvd.size() & (hvd.size() - 1):
+        pytest.skip("Adasum needs a power-of-two number of ranks")
     model = Model()
     kw = {"op": hvd.Adasum} if op == "adasum" else {"bucket_cap_mb": 100 / 2**20}
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),

@@ -378,6 +378,8 @@ def test_overlap_compile_with_adasum_trains_as_eager(hvd: Any) -> None:
     """The Adasum optimizer's hooks go through hvdlite's accumulation hooks too: compiled by
     compile_overlap its deltas start inside the backward (every hook before the compiled
     backward ends), and 4 steps equal the eager model's with the same optimizer."""
+    if hvd.size() & (hvd.size() - 1):
+        pytest.skip("Adasum needs a power-of-two number of ranks")
     torch.manual_seed(6)
     eager, net = Net(depth=3), Net(depth=3)
     net.load_state_dict(eager.state_dict())
