@@ -53,11 +53,12 @@ def test_torch_optimizer_step_on_one_and_four_ranks(tmp_path: Path, np_: int) ->
 @pytest.mark.mpi
 @pytest.mark.timeout(SETS_TIMEOUT_S + 60)
 @needs_torch
-@pytest.mark.parametrize("np_", [1, 4])
-def test_torch_collectives_on_one_and_four_ranks(tmp_path: Path, np_: int) -> None:
+@pytest.mark.parametrize("np_", [1, 3, 4])
+def test_torch_collectives_on_one_three_and_four_ranks(tmp_path: Path, np_: int) -> None:
     """``tests/torch/test_ops.py`` (every collective of ``hvdlite.torch`` against its
-    reference from every rank's inputs) alone at 1 and 4 ranks; the 2-rank job above runs it
-    with the rest."""
+    reference from every rank's inputs) alone at 1, 3 and 4 ranks (3: a size that is not a
+    power of two, where Average's 1 / n rounds and Adasum is refused); the 2-rank job above
+    runs it with the rest."""
     skips = {**CPU_SKIPS, r"^needs 2 ranks$": "a refused allgather needs a peer (1 rank)"}
     run_pytest_job(np_, TORCH_TESTS / "test_ops.py", tmp_path, SETS_TIMEOUT_S, skips,
                    OMP_NUM_THREADS="1")
