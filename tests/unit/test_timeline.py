@@ -431,8 +431,9 @@ def _hook_child(tmp_path: Path, mode: str, sig: signal.Signals) -> tuple[int, st
     script.write_text(textwrap.dedent(_HOOK_CHILD))
     # One thread in the child besides the writer (which blocks these signals, as every quiet
     # hvdlite thread does: hvdlite/_threads.py). NumPy, which the timeline imports, starts an
-    # OpenBLAS thread that does not; a SIGTERM the kernel handed to it left the main thread in
-    # its 60 s sleep past the 30 s wait below (twice in full runs of the suite, 2026-11-29).
+    # OpenBLAS thread that does not. A SIGTERM the kernel hands to it leaves the main thread
+    # in its 60 s sleep, past the 30 s wait below: the likely cause of two failures in full
+    # runs of the suite (2026-11-29; not reproduced alone, so not proven).
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, str(script), str(path), mode, sig.name],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
