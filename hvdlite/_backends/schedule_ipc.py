@@ -33,7 +33,9 @@ changes from one to the next (fixed addresses, epochs on the device), each slot'
 captured once, at its first eager launch, into a CUDA graph of its own, and later eager
 launches are one graph launch between the READY and DONE events. A launch that is itself being
 captured (``make_graphed_step``) enqueues the work directly, as does every launch if a slot's
-capture fails (logged once; the direct launch is the same work).
+capture fails (logged once; the direct launch is the same work). At one rank a launch is its
+two events alone: the buffer is already the result, and a one-rank job (which
+``make_graphed_step`` moves to this transport) must not pay a pass over every bucket.
 """
 
 from __future__ import annotations
@@ -263,6 +265,9 @@ class IpcScheduleTransport(DeviceSlots):
             raise HvdliteError("the agreed schedule's CUDA IPC transport was aborted (the job "
                                "is ending with an error raised on every rank)")
         self.fork(i, stream)
+        if self.size == 1:  # one rank's buffer is already its sum, average, min, max, product
+            self.join(i)
+            return
         graph = None
         if self._graphing and not _capturing(stream):
             graph = self._graphs[i]

@@ -282,6 +282,37 @@ def test_debug_dump_writes_the_graph_with_its_buckets_nccl_kernels(hvd: Any,
         f"{text[:600]!r}")
 
 
+def test_captured_ipc_schedule_kernels(hvd: Any, tmp_path: Path) -> None:
+    """Under ``schedule_transport=auto`` the captured step's schedule moves to CUDA IPC: past
+    one rank each bucket launch is three signal-and-wait kernels and a reduce in the graph; at
+    one rank, where the buffer is already the result, the graph has none of them (a one-rank
+    job paid a pass over every bucket and three kernels a bucket before)."""
+    if not _lane_expected(hvd):
+        pytest.skip("ranks sharing a GPU cannot capture (see the first test)")
+    dev = _device(hvd)
+    model = _model(dev)
+    opt = _optimizer(hvd, model, "ipcdump")
+    sx, sy = _batch(0, hvd.rank(), dev)
+    path = tmp_path / f"ipc_step_{hvd.rank()}.dot"
+    with knobs(schedule_transport="auto"):
+        hvd.make_graphed_step(_mse_step(model, opt), sx, sy, optimizer=opt, debug_dump=path)
+    assert opt.agreed_schedule is not None and opt.agreed_schedule.via == "ipc", \
+        opt.agreed_schedule
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "gpu"))
+    import graph_overlap
+
+    graph = graph_overlap.parse(path.read_text(encoding="utf-8", errors="replace"))
+    kernels = [lab for lab in graph.labels.values() if graph_overlap.is_kernel(lab)]
+    waits = [lab for lab in kernels if "hvd_sched_step" in lab]
+    reduces = [lab for lab in kernels if "hvd_ipc_" in lab]
+    if hvd.size() == 1:
+        assert kernels and not waits and not reduces, (len(kernels), waits[:1], reduces[:1])
+        return
+    buckets = len(opt.bucket_names)
+    assert len(waits) == 3 * buckets and len(reduces) == buckets, (
+        f"{len(waits)} wait kernels and {len(reduces)} reduce kernels for {buckets} buckets")
+
+
 class _MaskedBlock(torch.nn.Module):
     """A block compiled on its own, whose input depends on whether the stream is capturing
     (as a Hugging Face causal mask does: None outside a capture, a tensor inside)."""
