@@ -22,6 +22,7 @@ compile, register and claim.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 import weakref
@@ -274,10 +275,76 @@ def accumulate(key: int, grads: Sequence[torch.Tensor]) -> None:
             into_from.append(grad)
         else:
             old.add_(grad)
-    if fresh:
-        torch._foreach_copy_(fresh, fresh_from)
-    if into:
-        torch._foreach_add_(into, into_from)
-    for param, fns in done:
-        for fn in fns:
-            fn(param)
+    # Captured, the copies run beside the rest of the backward, one copy per gradient (the
+    # graph's copy nodes interleave with the backward's kernels; run 156: 0.967x the captured
+    # limit against 0.955x for one batched copy on the backward's stream, ViT-B/16 at one
+    # rank). Eager, one batched copy on the backward's stream: a copy stream's events and a
+    # call per gradient would cost a host-bound step more than they save.
+    side = _beside(done[0][0], fresh_from + into_from) \
+        if done and done[0][0].is_cuda and torch.cuda.is_current_stream_capturing() else None
+    with contextlib.nullcontext() if side is None else torch.cuda.stream(side):
+        if fresh:
+            if side is None:
+                torch._foreach_copy_(fresh, fresh_from)
+            else:
+                for dst, src in zip(fresh, fresh_from, strict=True):
+                    dst.copy_(src)
+        if into:
+            torch._foreach_add_(into, into_from)
+        for param, fns in done:
+            for fn in fns:
+                fn(param)
+    if side is not None and not _queued(side):
+        _join()
+
+
+# A captured group's copies run on a stream of their own, which the rest of the backward does
+# not wait for; the group's hooks (and so its bucket's launch) run there too, after them. At
+# the backward's end the caller's stream waits for that stream, and only then are the
+# gradients the copies read let go: the compiled backward keeps them as its outputs until it
+# returns (its own reuse of buffers cannot touch them), then hands autograd None for them.
+_SIDE: dict[int, tuple[Any, Any]] = {}  # device index -> (copy stream, an event to fork it)
+_held: list[torch.Tensor] = []  # the gradients the copy streams read in this backward
+_pending: list[Any] = []  # the copy streams to join at this backward's end
+_pending_task = [-1]  # that backward
+
+
+def _beside(param: Any, grads: list[torch.Tensor]) -> Any:
+    """The copy stream of ``param``'s device, forked from this backward's stream, with
+    ``grads`` held until the backward's end."""
+    task = torch._C._current_graph_task_id()
+    if task != _pending_task[0]:
+        if _pending:  # a backward that failed before its end: join what it left now
+            _join()
+        _pending_task[0] = task
+    device = param.device.index
+    entry = _SIDE.get(device)
+    if entry is None:
+        entry = _SIDE[device] = (torch.cuda.Stream(device), torch.cuda.Event())
+    side, fork = entry
+    fork.record(torch.cuda.current_stream(device))
+    side.wait_event(fork)
+    _held.extend(grads)
+    return side
+
+
+def _queued(side: Any) -> bool:
+    """Whether the join of ``side`` is queued for this backward's end (queued now if not);
+    False outside a backward (a direct call), where the caller joins at once."""
+    if side in _pending:
+        return True
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(_join)
+    except RuntimeError:  # not in a backward
+        return False
+    _pending.append(side)
+    return True
+
+
+def _join() -> None:
+    """The caller's stream waits for every copy stream used; the gradients they read go.
+    (At a backward's end autograd runs this under the caller's streams.)"""
+    for side in _pending or list(s for s, _ in _SIDE.values()):
+        torch.cuda.current_stream(side.device).wait_stream(side)
+    _pending.clear()
+    _held.clear()

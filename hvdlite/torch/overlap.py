@@ -206,7 +206,22 @@ def _compile_backward(bw: fx.GraphModule, params: Sequence[Any], caps: tuple[int
         return compile_fn(bw)
     for members in calls.buckets:
         _accumulate.claim(members, frame)
-    return compiled
+    return _handing_none(compiled, calls.claimed)
+
+
+def _handing_none(compiled: Any, claimed: Sequence[int]) -> Any:
+    """The compiled backward ``compiled`` (called with its list of arguments) handing autograd
+    None for the gradients at ``claimed``: they stay the graph's outputs, so that its own reuse
+    of buffers leaves them whole while a copy stream may still read them
+    (``hvdlite/torch/_accumulate.py``), and autograd accumulates nothing more."""
+    def backward(args: list[Any]) -> Any:
+        out = list(compiled(args))
+        for i in claimed:
+            out[i] = None
+        return out
+
+    backward._boxed_call = True  # type: ignore[attr-defined]  # (AOT autograd's convention)
+    return backward
 
 
 class _Calls:
@@ -214,14 +229,11 @@ class _Calls:
     to take the calls out again."""
 
     def __init__(self, bw: fx.GraphModule, buckets: list[list[torch.Tensor]],
-                 nodes: list[fx.Node], out: fx.Node, args: Any, visible: Any) -> None:
-        self.bw, self.buckets, self.nodes = bw, buckets, nodes
-        self.out, self.args, self.visible = out, args, visible
+                 claimed: list[int]) -> None:
+        self.bw, self.buckets, self.claimed = bw, buckets, claimed
+        self.nodes: list[fx.Node] = []
 
     def undo(self) -> None:
-        self.out.args = self.args
-        if self.visible is not None:
-            self.out.meta["user_visible_output_idxs"] = self.visible
         for node in reversed(self.nodes):
             self.bw.graph.erase_node(node)
         self.bw.graph.lint()
@@ -256,7 +268,7 @@ def _insert_calls(bw: fx.GraphModule, fw_inputs: Sequence[Any], caps: tuple[int,
     params = [f[2] for f in found]
     where = {id(f[2]): f for f in found}
     buckets = ordered_buckets(params, list(range(len(params))), *caps)
-    calls = _Calls(bw, buckets, [], out, out.args, out.meta.get("user_visible_output_idxs"))
+    calls = _Calls(bw, buckets, sorted(f[1] for f in found))
     op = _op()
     for members in buckets:
         rows = [where[id(p)] for p in members]
@@ -264,12 +276,6 @@ def _insert_calls(bw: fx.GraphModule, fw_inputs: Sequence[Any], caps: tuple[int,
         key = _accumulate.new_group(members)
         with graph.inserting_after(last):
             calls.nodes.append(graph.call_function(op, (key, [r[3] for r in rows])))
-        for r in rows:
-            grads[r[1]] = None
-    out.args = (type(out.args[0])(grads),)
-    if calls.visible is not None:  # inductor keeps the strides of these outputs: none now
-        out.meta["user_visible_output_idxs"] = [i for i in calls.visible
-                                                if grads[i] is not None]
     graph.lint()
     bw.recompile()
     return calls

@@ -527,3 +527,58 @@ def test_compile_overlap_steps_on_other_streams(hvd: Any) -> None:
         assert torch.equal(got, want), (got - want).abs().max()
     else:
         assert float((got - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max()))
+
+
+
+def test_captured_compile_overlap_waits_for_a_slow_copy_stream(hvd: Any,
+                                                               monkeypatch: Any) -> None:
+    """Captured, compile_overlap copies each bucket's new gradients into it on a copy stream
+    beside the rest of the backward (``hvdlite/torch/_accumulate.py``). That stream held back
+    by a sleep kernel before each group's copies (in the graph), while an eager layer's
+    backward after the compiled part allocates and writes buffers: after 2 eager steps, 3
+    warm-up steps and 4 replays the parameters equal the eager model's after the same steps,
+    bit for bit with aot_eager at up to two ranks (the optimizer waited for the copies, and
+    the gradients they read were not reused before)."""
+    if not _lane_expected(hvd):
+        pytest.skip("the captured step needs a GPU per rank (NCCL)")
+    from hvdlite.torch import _accumulate
+
+    dev = _device(hvd)
+    real = _accumulate._beside
+
+    def slow(param: Any, grads: list[torch.Tensor]) -> Any:
+        side = real(param, grads)
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(20_000_000)
+        return side
+
+    monkeypatch.setattr(_accumulate, "_beside", slow)
+
+    def build() -> torch.nn.Sequential:
+        torch.manual_seed(3)
+        pre = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh()).to(dev)
+        return torch.nn.Sequential(pre, _model(dev))
+
+    eager, twin = build(), build()
+    opt_e, opt_c = _optimizer(hvd, eager, "slow.e"), _optimizer(hvd, twin, "slow.c")
+    torch._dynamo.reset()
+    compiled = torch.nn.Sequential(twin[0], hvd.compile_overlap(
+        twin[1], bucket_cap_mb=4000 * 4 / 2**20, backend="aot_eager"))
+    batches = [_batch(s, hvd.rank(), dev) for s in range(7)]
+    eager_step, compiled_step = _mse_step(eager, opt_e), _mse_step(compiled, opt_c)
+    for x, y in batches[:2]:
+        eager_step(x, y)
+        compiled_step(x, y)
+    for x, y in [batches[2]] * 3 + batches[3:]:  # the capture's 3 warm-up steps, the replays
+        eager_step(x, y)
+    sx, sy = batches[2][0].clone(), batches[2][1].clone()
+    graphed = hvd.make_graphed_step(compiled_step, sx, sy, optimizer=opt_c, warmup_steps=3)
+    assert dev.index in _accumulate._SIDE and not _accumulate._held
+    for x, y in batches[3:]:
+        graphed(x, y)
+    torch.cuda.synchronize(dev)
+    got, want = _flat(twin), _flat(eager)
+    if hvd.size() <= 2:
+        assert torch.equal(got, want), (got - want).abs().max()
+    else:
+        assert float((got - want).abs().max()) <= 1e-5 * max(1.0, float(want.abs().max()))
