@@ -117,6 +117,49 @@ def test_overlap_compile_runs_hooks_during_backward(hvd: Any) -> None:
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7, msg=name)
 
 
+def test_claimed_gradients_stay_the_backward_graphs_outputs(hvd: Any, monkeypatch: Any) -> None:
+    """The backward graph keeps every claimed gradient as its output, so the compiler's reuse
+    of buffers leaves it whole until the graph returns (a captured step's copy stream may still
+    be reading it: ``_accumulate.py``); the compiled backward hands autograd None for it, and
+    the gradients accumulate once."""
+    from torch import fx
+
+    from hvdlite.torch import overlap
+
+    seen: list[tuple[list[int], list[Any]]] = []
+    real = overlap._insert_calls
+
+    def spy(bw: fx.GraphModule, *args: Any) -> Any:
+        calls = real(bw, *args)
+        if calls is not None:
+            out = next(n for n in reversed(bw.graph.nodes) if n.op == "output")
+            seen.append((calls.claimed, list(out.args[0])))
+        return calls
+
+    monkeypatch.setattr(overlap, "_insert_calls", spy)
+    net = Net(depth=4)
+    eager = Net(depth=4)
+    eager.load_state_dict(net.state_dict())
+    handles = [_accumulate.hook(p, lambda _p: None) for p in net.parameters()]
+    compiled = hvd.compile_overlap(net, bucket_cap_mb=_CAP_MB, backend="aot_eager")
+    for _ in range(2):
+        for p in net.parameters():
+            p.grad = None
+        compiled(_batch(2, 0)).square().mean().backward()
+    for h in handles:
+        h.remove()
+    assert len(seen) == 1, seen
+    claimed, outputs = seen[0]
+    assert len(claimed) == len(list(net.parameters())), claimed
+    assert all(isinstance(outputs[i], fx.Node) for i in claimed), outputs
+    eager(_batch(2, 0)).square().mean().backward()
+    for (name, a), b in zip(eager.named_parameters(), net.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7, msg=name)
+    boxed = overlap._handing_none(lambda args: (args.pop(), "kept", 3), [0, 2])
+    assert boxed._boxed_call and boxed(["grad"]) == [None, "kept", None]
+
+
 def test_overlap_keeps_other_hooks_where_autograd_runs_them(hvd: Any) -> None:
     """A parameter with a gradient hook of its own (``register_hook``: it must see the
     gradient before it accumulates) is left to autograd; a post-accumulate hook of someone
