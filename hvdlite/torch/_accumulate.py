@@ -227,7 +227,7 @@ def _stream_of_backward(key: int) -> int:
     param = refs[0]() if refs else None
     if param is None or not param.is_cuda:
         return 0
-    task, device = torch._C._current_graph_task_id(), param.device
+    task, device = torch._C._current_graph_task_id(), param.get_device()
     if task != _task[0] or device != _task[1]:
         _task[:] = [task, device, torch.cuda.current_stream(device).cuda_stream]
     return int(_task[2])
@@ -317,7 +317,7 @@ def _beside(param: Any, grads: list[torch.Tensor]) -> Any:
         if _pending:  # a backward that failed before its end: join what it left now
             _join()
         _pending_task[0] = task
-    device = param.device.index
+    device = param.get_device()
     entry = _SIDE.get(device)
     if entry is None:
         entry = _SIDE[device] = (torch.cuda.Stream(device), torch.cuda.Event())

@@ -246,24 +246,32 @@ def _optimizer_of(hvd: Any, params: list[torch.nn.Parameter], tag: str) -> Any:
             bucket_cap_mb=800 / 2**20)
 
 
+def _captured_dump(hvd: Any, tmp_path: Path, transport: str) -> tuple[Any, Path, Any]:
+    """(the optimizer, the DOT file, scripts/gpu/graph_overlap.py) of ``_model``'s step
+    captured by ``make_graphed_step(debug_dump=...)`` under ``schedule_transport``; skips where
+    ranks share a GPU (they cannot capture)."""
+    if not _lane_expected(hvd):
+        pytest.skip("ranks sharing a GPU cannot capture (see the first test)")
+    dev = _device(hvd)
+    model = _model(dev)
+    opt = _optimizer(hvd, model, f"dump.{transport}")
+    sx, sy = _batch(0, hvd.rank(), dev)
+    path = tmp_path / f"step_{transport}_{hvd.rank()}.dot"
+    with knobs(schedule_transport=transport):
+        hvd.make_graphed_step(_mse_step(model, opt), sx, sy, optimizer=opt, debug_dump=path)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "gpu"))
+    import graph_overlap
+
+    return opt, path, graph_overlap
+
+
 def test_debug_dump_writes_the_graph_with_its_buckets_nccl_kernels(hvd: Any,
                                                                     tmp_path: Path) -> None:
     """``make_graphed_step(debug_dump=...)`` writes the captured graph as DOT, the buckets'
     NCCL kernels among its nodes (at least one per bucket launch past one rank; the schedule
     kept on NCCL, which ``schedule_transport=auto`` would move to CUDA IPC); the table of what
     each may overlap (scripts/gpu/graph_overlap.py) is printed for the record."""
-    if not _lane_expected(hvd):
-        pytest.skip("ranks sharing a GPU cannot capture (see the first test)")
-    dev = _device(hvd)
-    model = _model(dev)
-    opt = _optimizer(hvd, model, "dump")
-    sx, sy = _batch(0, hvd.rank(), dev)
-    path = tmp_path / f"step_{hvd.rank()}.dot"
-    with knobs(schedule_transport="nccl"):
-        hvd.make_graphed_step(_mse_step(model, opt), sx, sy, optimizer=opt, debug_dump=path)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "gpu"))
-    import graph_overlap
-
+    opt, path, graph_overlap = _captured_dump(hvd, tmp_path, "nccl")
     text = path.read_text(encoding="utf-8", errors="replace")
     keep = os.environ.get("HVDLITE_TEST_REPORT_DIR")
     if keep:  # the GPU script brings its report folder back: the DOT goes with it
@@ -287,20 +295,9 @@ def test_captured_ipc_schedule_kernels(hvd: Any, tmp_path: Path) -> None:
     one rank each bucket launch is three signal-and-wait kernels and a reduce in the graph; at
     one rank, where the buffer is already the result, the graph has none of them (a one-rank
     job paid a pass over every bucket and three kernels a bucket before)."""
-    if not _lane_expected(hvd):
-        pytest.skip("ranks sharing a GPU cannot capture (see the first test)")
-    dev = _device(hvd)
-    model = _model(dev)
-    opt = _optimizer(hvd, model, "ipcdump")
-    sx, sy = _batch(0, hvd.rank(), dev)
-    path = tmp_path / f"ipc_step_{hvd.rank()}.dot"
-    with knobs(schedule_transport="auto"):
-        hvd.make_graphed_step(_mse_step(model, opt), sx, sy, optimizer=opt, debug_dump=path)
+    opt, path, graph_overlap = _captured_dump(hvd, tmp_path, "auto")
     assert opt.agreed_schedule is not None and opt.agreed_schedule.via == "ipc", \
         opt.agreed_schedule
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "gpu"))
-    import graph_overlap
-
     graph = graph_overlap.parse(path.read_text(encoding="utf-8", errors="replace"))
     kernels = [lab for lab in graph.labels.values() if graph_overlap.is_kernel(lab)]
     waits = [lab for lab in kernels if "hvd_sched_step" in lab]
