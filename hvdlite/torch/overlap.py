@@ -243,9 +243,9 @@ class _Calls:
 def _insert_calls(bw: fx.GraphModule, fw_inputs: Sequence[Any], caps: tuple[int, int],
                   frame: object) -> _Calls | None:
     """Put a call to the operator after each bucket's last gradient in the backward graph
-    ``bw`` (its outputs: the gradients of the forward's inputs ``fw_inputs``, in order), and
-    hand autograd None for those parameters. None (``bw`` untouched) if its outputs do not
-    line up with the inputs or no parameter is claimable."""
+    ``bw`` (its outputs: the gradients of the forward's inputs ``fw_inputs``, in order; they
+    stay its outputs, and :func:`_handing_none` hands autograd None for them). None (``bw``
+    untouched) if its outputs do not line up with the inputs or no parameter is claimable."""
     graph = bw.graph
     out = next(n for n in reversed(graph.nodes) if n.op == "output")
     grads = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else None
