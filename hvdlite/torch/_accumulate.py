@@ -76,7 +76,7 @@ _resolved: dict[int, tuple[int, list[Row] | None]] = {}
 _task: list[Any] = [-1, None, 0]  # the latest call's backward, device and stream
 
 
-class Handle:
+class HookHandle:
     """Removes one hook registered by :func:`hook` (idempotent), wherever it runs."""
 
     __slots__ = ("_param", "_key")
@@ -100,7 +100,7 @@ class Handle:
 
 
 def hook(param: torch.Tensor, fn: Hook,
-         home: Callable[[], torch.Tensor | None] | None = None) -> Handle:
+         home: Callable[[], torch.Tensor | None] | None = None) -> HookHandle:
     """Run ``fn(param)`` each time ``param``'s gradient has accumulated: as a post-accumulate
     -grad hook, or, once ``param`` is claimed, from the compiled backward that accumulates it.
     ``home``: where a claimed parameter's new gradient is to live (a tensor of its shape, such
@@ -115,7 +115,7 @@ def hook(param: torch.Tensor, fn: Hook,
     owned.fns[key] = fn
     if not owned.claimed:
         owned.handles[key] = param.register_post_accumulate_grad_hook(fn)
-    return Handle(param, key)
+    return HookHandle(param, key)
 
 
 def claimable(param: object, frame: object) -> bool:
