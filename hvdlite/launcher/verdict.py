@@ -2,7 +2,7 @@
 
 A rank that ends with a failure reports it (``exited``, code != 0). A rank whose connection
 closes without an exit report, or that goes silent, is ``lost``; losses are gathered for
-``gather_s`` (a host's ranks go together, a cut-off host's within one heartbeat), then named by
+``gather_s`` (a host's ranks go together, a cut-off host's within a heartbeat or so), then named by
 host: ``host n2 (ranks 2, 3)`` when every rank of the host was lost, else ``rank 3 on host
 n2``; a host whose connections closed is ``lost``, one that went silent ``stopped answering``
 (and for how long). What follows a loss is the MPI launcher's teardown, not a cause: a failure
@@ -112,7 +112,11 @@ class Verdict:
             return None  # a rank reported its failure first: the losses are the teardown
         if now - first < self.gather_s:
             return None
-        causes = [e for e in down if e.time - first <= WINDOW_S
+        # A cut-off host's ranks go silent together, but each is found silent a timeout after
+        # its own last heartbeat, up to a beat apart (more on a loaded launcher host): a
+        # silent loss on a host already silent in the window is part of the same cause.
+        cut = {e.host for e in down if e.time - first <= WINDOW_S and e.silent_s}
+        causes = [e for e in down if (e.time - first <= WINDOW_S or (e.silent_s and e.host in cut))
                   and e.host != self.local_host and e.host not in alive]
         if not causes:
             # Only hosts that still answer: their wrappers were killed (by the MPI launcher

@@ -319,6 +319,30 @@ def test_verdict_names_the_host_that_went_alone(monitor: Monitor) -> None:
         a.close()
 
 
+def test_verdict_names_a_cut_off_host_whose_ranks_fell_silent_apart(monitor: Monitor) -> None:
+    # A cut-off host's ranks are each found silent a timeout after their own last heartbeat:
+    # here 0.7 s apart, more than the window of one event (0.5 s), within the gathering. The
+    # verdict names the host with both ranks, not its first rank alone (a suite run on a
+    # loaded VM named "rank 2 on host n2" for a cut-off host of ranks 2 and 3).
+    from hvdlite.launcher.verdict import Verdict
+
+    agents = [_agent(monitor, r, h) for r, h in enumerate(["ha", "hd", "hd"])]
+    for a in agents:
+        a.start()
+    _wait_until(lambda: len(monitor.ranks()) == 3)
+    verdict = Verdict(monitor, "head", gather_s=1.5)
+    agents[1]._stop.set()
+    time.sleep(0.7)
+    agents[2]._stop.set()
+    _wait_until(lambda: (verdict.poll(), verdict.loss(time.monotonic()))[1] is not None)
+    assert re.fullmatch(r"host hd \(ranks 1, 2\) stopped answering: no heartbeat for \d\.\d s "
+                        r"\(network cut, host down or hung\)", verdict.lost_host or ""), \
+        verdict.lost_host
+    assert verdict.lost_ranks == [1, 2]
+    for a in agents:
+        a.close()
+
+
 def _wait_until(ok: object, timeout: float = 10.0) -> None:
     end = time.monotonic() + timeout
     while not ok():  # type: ignore[operator]
