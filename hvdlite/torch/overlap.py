@@ -329,7 +329,9 @@ def _insert_calls(bw: fx.GraphModule, fw_inputs: Sequence[Any], caps: tuple[int,
     for node in dead:
         graph.erase_node(node)
     graph.lint()
-    return fx.GraphModule(bw, graph), groups, extra
+    work = fx.GraphModule(bw, graph)
+    work.meta.update(bw.meta)  # what the compiler keeps on the module (its compile's ids)
+    return work, groups, extra
 
 
 def _product(grad: fx.Node) -> tuple[Any, Any, list[fx.Node]] | None:
