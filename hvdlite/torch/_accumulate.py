@@ -8,8 +8,10 @@ a post-accumulate-grad hook, run by autograd once the gradient has accumulated i
 A compiled model's backward is one autograd operation, so those hooks all run at its end. A
 parameter **claimed** by a compiled graph (:func:`claim`, ``hvdlite/torch/overlap.py``) is
 accumulated by that graph's backward instead, at the point its gradient is made: the graph
-calls :func:`accumulate`, which adds the gradient into ``.grad`` as autograd would and runs the
-parameter's hooks there, while the rest of the backward still runs. The graph hands autograd no
+writes the gradient where :func:`targets` says (the parameter's home, such as its bucket's
+view, or a new tensor), then calls :func:`accumulate`, which makes it ``.grad`` (or adds it
+into the ``.grad`` there is) as autograd would and runs the parameter's hooks there, while the
+rest of the backward still runs. The graph hands autograd no
 gradient for it, so autograd accumulates nothing more, and hvdlite's hooks are no longer
 registered with autograd. Hooks that others put on the parameter still run where autograd
 runs them, at the end, and see the accumulated gradient.
@@ -22,7 +24,6 @@ compile, register and claim.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import random
 import weakref
@@ -34,7 +35,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from hvdlite.errors import HvdliteError
 
-__all__ = ["accumulate", "claim", "claimable", "hook", "new_group"]
+__all__ = ["accumulate", "claim", "claimable", "hook", "new_group", "targets"]
 
 Hook = Callable[[torch.Tensor], Any]
 # A group member as a call resolves it: (parameter, its hooks, its home, the autograd node
@@ -245,107 +246,54 @@ def _accumulating(node: Any) -> bool:
         return True
 
 
-def accumulate(key: int, grads: Sequence[torch.Tensor]) -> None:
-    """The compiled backward's accumulation of group ``key``: each gradient added into its
-    parameter's ``.grad``, or, where there is none, copied into its home (or a new tensor in
-    the parameter's layout: the graph reuses its own buffers once this returns), one batched
-    copy and one batched add for the group; then each parameter's hooks, in the group's
-    order. A parameter this backward does not accumulate into (``torch.autograd.grad`` of
-    the inputs) is left alone, its hooks not run."""
-    rows = _members(key)
-    fresh: list[torch.Tensor] = []
-    fresh_from: list[torch.Tensor] = []
-    into: list[torch.Tensor] = []
-    into_from: list[torch.Tensor] = []
+def targets(key: int) -> list[torch.Tensor]:
+    """Where a compiled backward about to run is to write the gradients of group ``key``'s
+    members (its ``hvdlite_grad_*`` inputs, in order): a member's home (its bucket's view) if
+    it has no gradient yet and starts on a 16-byte boundary, else a new tensor
+    (:func:`accumulate` then makes it ``.grad``, or adds it)."""
+    out = []
+    for param, _fns, home, _node in _members(key):
+        if param is None:
+            raise RuntimeError(f"hvdlite: a compiled backward runs gradient group {key}, "
+                               "whose parameters were freed")
+        into = home() if home is not None and param.grad is None else None
+        # Inductor compiles for aligned inputs and runs a misaligned one on a copy, written
+        # back only when the graph returns: after this group's bucket was launched from it.
+        if into is None or into.data_ptr() % _ALIGN:
+            into = torch.empty_like(param)
+        out.append(into)
+    return out
+
+
+_ALIGN = 16  # bytes (inductor's alignment of inputs)
+
+
+def accumulate(key: int, into: Sequence[torch.Tensor]) -> None:
+    """The compiled backward's accumulation of group ``key``, whose gradients it has written
+    into ``into`` (:func:`targets`): where a member has no ``.grad``, its written tensor
+    becomes it (its bucket's view, or a new tensor: no copy); where it has one, the written
+    one is added to it (one batched add); then each member's hooks, in the group's order. A
+    parameter this backward does not accumulate into (``torch.autograd.grad`` of the inputs)
+    is left alone, its hooks not run."""
+    adds: list[torch.Tensor] = []
+    adds_from: list[torch.Tensor] = []
     done: list[tuple[torch.Tensor, tuple[Hook, ...]]] = []
-    for (param, fns, home, node), grad in zip(rows, grads, strict=True):
+    for (param, fns, _home, node), written in zip(_members(key), into, strict=True):
         if param is None or not _accumulating(node):
             continue
         done.append((param, fns))
         old = param.grad
         if old is None:
-            new = home() if home is not None else None
-            if new is None:
-                new = torch.empty_like(param)
-            param.grad = new
-            fresh.append(new)
-            fresh_from.append(grad)
-        elif old.dtype == grad.dtype and old.device == grad.device and not old.is_sparse:
-            into.append(old)
-            into_from.append(grad)
-        else:
-            old.add_(grad)
-    # Captured, the copies run beside the rest of the backward, one copy per gradient (the
-    # graph's copy nodes interleave with the backward's kernels; run 156: 0.967x the captured
-    # limit against 0.955x for one batched copy on the backward's stream, ViT-B/16 at one
-    # rank). Eager, one batched copy on the backward's stream: a copy stream's events and a
-    # call per gradient cost a host-bound step more than they save (run 156: median 26.8
-    # against 25.4 ms, a noisy host-bound step; no gain shown).
-    side = _beside(done[0][0], fresh_from + into_from) \
-        if done and done[0][0].is_cuda and torch.cuda.is_current_stream_capturing() else None
-    with contextlib.nullcontext() if side is None else torch.cuda.stream(side):
-        if fresh:
-            if side is None:
-                torch._foreach_copy_(fresh, fresh_from)
+            param.grad = written
+        elif old is not written:
+            if old.dtype == written.dtype and old.device == written.device \
+                    and not old.is_sparse:
+                adds.append(old)
+                adds_from.append(written)
             else:
-                for dst, src in zip(fresh, fresh_from, strict=True):
-                    dst.copy_(src)
-        if into:
-            torch._foreach_add_(into, into_from)
-        for param, fns in done:
-            for fn in fns:
-                fn(param)
-    if side is not None and not _queued(side):
-        _join()
-
-
-# A captured group's copies run on a stream of their own, which the rest of the backward does
-# not wait for; the group's hooks (and so its bucket's launch) run there too, after them. At
-# the backward's end the caller's stream waits for that stream, and only then are the
-# gradients the copies read let go: the compiled backward keeps them as its outputs until it
-# returns (its own reuse of buffers cannot touch them), then hands autograd None for them.
-_SIDE: dict[int, tuple[Any, Any]] = {}  # device index -> (copy stream, an event to fork it)
-_held: list[torch.Tensor] = []  # the gradients the copy streams read in this backward
-_pending: list[Any] = []  # the copy streams to join at this backward's end
-_pending_task = [-1]  # that backward
-
-
-def _beside(param: Any, grads: list[torch.Tensor]) -> Any:
-    """The copy stream of ``param``'s device, forked from this backward's stream, with
-    ``grads`` held until the backward's end."""
-    task = torch._C._current_graph_task_id()
-    if task != _pending_task[0]:
-        if _pending:  # a backward that failed before its end: join what it left now
-            _join()
-        _pending_task[0] = task
-    device = param.get_device()
-    entry = _SIDE.get(device)
-    if entry is None:
-        entry = _SIDE[device] = (torch.cuda.Stream(device), torch.cuda.Event())
-    side, fork = entry
-    fork.record(torch.cuda.current_stream(device))
-    side.wait_event(fork)
-    _held.extend(grads)
-    return side
-
-
-def _queued(side: Any) -> bool:
-    """Whether the join of ``side`` is queued for this backward's end (queued now if not);
-    False outside a backward (a direct call), where the caller joins at once."""
-    if side in _pending:
-        return True
-    try:
-        torch.autograd.Variable._execution_engine.queue_callback(_join)
-    except RuntimeError:  # not in a backward
-        return False
-    _pending.append(side)
-    return True
-
-
-def _join() -> None:
-    """The caller's stream waits for every copy stream used; the gradients they read go.
-    (At a backward's end autograd runs this under the caller's streams.)"""
-    for side in _pending or list(s for s, _ in _SIDE.values()):
-        torch.cuda.current_stream(side.device).wait_stream(side)
-    _pending.clear()
-    _held.clear()
+                old.add_(written)
+    if adds:
+        torch._foreach_add_(adds, adds_from)
+    for param, fns in done:
+        for fn in fns:
+            fn(param)

@@ -5,10 +5,18 @@ gradient hook fires at its end and a ``DistributedOptimizer``'s buckets overlap 
 :func:`compile_overlap` keeps the model one graph and puts the buckets' starts inside it: in
 the backward graph, where the last gradient of a bucket has been computed, the graph calls
 hvdlite (a custom operator, ``hvdlite::accumulate_grads``) with that bucket's gradients. There
-they are accumulated into ``.grad`` as autograd would, and the parameters' hvdlite hooks run, so
-the optimizer starts the bucket's allreduce while the rest of the backward is still being
-launched (``hvdlite/torch/_accumulate.py``). Autograd is handed no gradient for those
-parameters, and accumulates nothing more. ::
+they become (or are added into) ``.grad`` as autograd would, and the parameters' hvdlite hooks
+run, so the optimizer starts the bucket's allreduce while the rest of the backward is still
+being launched (``hvdlite/torch/_accumulate.py``). Autograd is handed no gradient for those
+parameters, and accumulates nothing more.
+
+Each of those gradients is written where it is to live: the graph takes, as inputs of its
+own, a tensor per gradient (its bucket's view where the parameter has no ``.grad`` yet, as
+after ``zero_grad()``; else a new one, added to the ``.grad`` there is), and writes the
+gradient into it. A gradient that is a matrix product (a weight's) is computed into it by
+``hvdlite::mm_into`` (cuBLAS writes its result there); any other is copied by ``copy_``, which
+the compiler folds into the kernel that computes the gradient. So the buckets cost no copy and
+the gradients no memory of the graph's own. ::
 
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     model = hvd.compile_overlap(model)            # as torch.compile(model) takes
@@ -47,28 +55,39 @@ __all__ = ["compile_overlap", "overlap_backend"]
 
 _BACKENDS = ("inductor", "aot_eager")
 _OP: Any = None
+_MM: Any = None
 _LIBRARY: Any = None
 
 
-def _op() -> Any:
-    """The operator a compiled backward calls (defined at the first compile: importing
-    hvdlite leaves torch's operator registry alone). Declared as writing ``grads`` (it only
-    reads them) so that the graph keeps the call, which has no result, in its place among
-    the gradients' producers; defined on torch's ``Library`` rather than as a
-    ``custom_op`` (4 against 17 us a call on the CPU box: it runs once per bucket and step)."""
-    global _OP, _LIBRARY
+def _ops() -> tuple[Any, Any]:
+    """The operators a compiled backward calls (defined at the first compile: importing
+    hvdlite leaves torch's operator registry alone): ``accumulate_grads``, declared as writing
+    ``into`` (it only reads them) so that the graph keeps the call, which has no result, after
+    the writes to them; and ``mm_into``, a matrix product written into ``out`` (inductor takes
+    no ``out=`` operator), for a gradient that is a product. Defined on torch's ``Library``
+    rather than as ``custom_op`` (4 against 17 us a call on the CPU box: one per bucket and
+    step)."""
+    global _OP, _MM, _LIBRARY
     if _OP is None:
         lib = torch.library.Library("hvdlite", "FRAGMENT")
-        lib.define("accumulate_grads(int key, Tensor(a!)[] grads) -> ()")
+        lib.define("accumulate_grads(int key, Tensor(a!)[] into) -> ()")
+        lib.define("mm_into(Tensor a, Tensor b, Tensor(a!) out) -> ()")
         for device in ("CPU", "CUDA"):
             lib.impl("accumulate_grads", _accumulate.accumulate, device)
-        lib.impl("accumulate_grads", _no_accumulation, "Meta")
-        _LIBRARY, _OP = lib, torch.ops.hvdlite.accumulate_grads.default
-    return _OP
+            lib.impl("mm_into", _mm_into, device)
+        lib.impl("accumulate_grads", _nothing, "Meta")
+        lib.impl("mm_into", _nothing, "Meta")
+        _LIBRARY = lib
+        _OP, _MM = torch.ops.hvdlite.accumulate_grads.default, torch.ops.hvdlite.mm_into.default
+    return _OP, _MM
 
 
-def _no_accumulation(key: int, grads: list[torch.Tensor]) -> None:
-    """The operator on tensors without data (a compiler's trace)."""
+def _mm_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    torch.mm(a, b, out=out)
+
+
+def _nothing(*_args: Any) -> None:
+    """An operator on tensors without data (a compiler's trace)."""
     return None
 
 
@@ -168,7 +187,8 @@ def _inductor(gm: fx.GraphModule, example_inputs: Sequence[Any], patches: dict[s
         if not kwargs.get("is_backward"):
             return compile_fx_inner(graph, inputs, **kwargs)
         return _compile_backward(graph, params, caps, frame,
-                                 lambda g: compile_fx_inner(g, inputs, **kwargs))
+                                 lambda g, extra: compile_fx_inner(g, [*inputs, *extra],
+                                                                   **kwargs))
 
     return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=patches)
 
@@ -183,78 +203,70 @@ def _aot_eager(gm: fx.GraphModule, example_inputs: Sequence[Any], params: Sequen
 
     def backward_compiler(graph: fx.GraphModule, _inputs: Sequence[Any]) -> Any:
         return _compile_backward(graph, params, caps, frame,
-                                 lambda g: make_boxed_func(g.forward))
+                                 lambda g, _extra: make_boxed_func(g.forward))
 
     return aot_autograd(fw_compiler=forward_compiler, bw_compiler=backward_compiler)(
         gm, example_inputs)
 
 
 def _compile_backward(bw: fx.GraphModule, params: Sequence[Any], caps: tuple[int, int],
-                      frame: object, compile_fn: Callable[[fx.GraphModule], Any]) -> Any:
-    """``compile_fn(bw)`` with hvdlite's calls in ``bw``, its parameters claimed once that
-    compiled; if it does not compile with them, a warning and the graph as it was."""
-    calls = _insert_calls(bw, params, caps, frame)
-    if calls is None:
-        return compile_fn(bw)
+                      frame: object, compile_fn: Callable[[fx.GraphModule, list[Any]], Any]
+                      ) -> Any:
+    """``compile_fn(graph, extra example inputs)`` of a copy of ``bw`` that writes the
+    claimable gradients where they are to live and calls hvdlite per bucket (its parameters
+    claimed once that compiled; :func:`_writing`); of ``bw`` as it is if none is claimable, or
+    with a warning if the compiler refuses the copy."""
+    work = _insert_calls(bw, params, caps, frame)
+    if work is None:
+        return compile_fn(bw, [])
+    graph, groups, extra = work
     try:
-        compiled = compile_fn(bw)
+        compiled = compile_fn(graph, extra)
     except Exception as exc:  # noqa: BLE001 - the compiler's own failure, said and bypassed
-        calls.undo()
         warnings.warn(f"compile_overlap: the backward graph did not compile with hvdlite's "
                       f"calls ({type(exc).__name__}: {str(exc)[:300]}); compiled without "
                       "them, so its gradient buckets start after the backward", stacklevel=2)
-        return compile_fn(bw)
-    for members in calls.buckets:
+        return compile_fn(bw, [])
+    for _key, members in groups:
         _accumulate.claim(members, frame)
-    return _handing_none(compiled, calls.claimed)
+    return _writing(compiled, [key for key, _ in groups])
 
 
-def _handing_none(compiled: Any, claimed: Sequence[int]) -> Any:
-    """The compiled backward ``compiled`` (called with its list of arguments) handing autograd
-    None for the gradients at ``claimed``: they stay the graph's outputs, so that its own reuse
-    of buffers leaves them whole while a copy stream may still read them
-    (``hvdlite/torch/_accumulate.py``), and autograd accumulates nothing more."""
+def _writing(compiled: Any, keys: Sequence[int]) -> Any:
+    """The compiled backward ``compiled`` (called with its list of arguments, which it
+    empties), given, after its own arguments, where each claimed gradient is to be written:
+    ``_accumulate.targets`` of each group ``keys`` names, in order."""
+    targets = _accumulate.targets
+
     def backward(args: list[Any]) -> Any:
-        out = list(compiled(args))
-        for i in claimed:
-            out[i] = None
-        return out
+        for key in keys:
+            args.extend(targets(key))
+        return compiled(args)
 
     backward._boxed_call = True  # type: ignore[attr-defined]  # (AOT autograd's convention)
     return backward
 
 
-class _Calls:
-    """The calls :func:`_insert_calls` put in a backward graph: the buckets to claim, and how
-    to take the calls out again."""
-
-    def __init__(self, bw: fx.GraphModule, buckets: list[list[torch.Tensor]],
-                 claimed: list[int]) -> None:
-        self.bw, self.buckets, self.claimed = bw, buckets, claimed
-        self.nodes: list[fx.Node] = []
-
-    def undo(self) -> None:
-        for node in reversed(self.nodes):
-            self.bw.graph.erase_node(node)
-        self.bw.graph.lint()
-        self.bw.recompile()
-
-
 def _insert_calls(bw: fx.GraphModule, fw_inputs: Sequence[Any], caps: tuple[int, int],
-                  frame: object) -> _Calls | None:
-    """Put a call to the operator after each bucket's last gradient in the backward graph
-    ``bw`` (its outputs: the gradients of the forward's inputs ``fw_inputs``, in order; they
-    stay its outputs, and :func:`_handing_none` hands autograd None for them). None (``bw``
-    untouched) if its outputs do not line up with the inputs or no parameter is claimable."""
-    graph = bw.graph
-    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+                  frame: object) -> tuple[fx.GraphModule, list[tuple[int, list[Any]]],
+                                          list[Any]] | None:
+    """A copy of the backward graph ``bw`` (its outputs: the gradients of the forward's
+    inputs ``fw_inputs``, in order) where each claimable parameter's gradient is written into
+    a new input of the graph, the tensor it is to live in (a gradient that is a matrix product
+    by ``mm_into``, any other by ``copy_``, which the compiler fuses into the kernel that
+    computes it: no copy where that is a kernel of its own), is no longer an output (None),
+    and a call of ``accumulate_grads`` follows each bucket's last write. Returns (the copy,
+    each bucket's group key and parameters, the new inputs' example values), or None if the
+    outputs do not line up with the inputs or no parameter is claimable."""
+    out = next(n for n in reversed(bw.graph.nodes) if n.op == "output")
     grads = list(out.args[0]) if isinstance(out.args[0], (tuple, list)) else None
     if grads is None or len(grads) != len(fw_inputs):
         return None
-    position = {node: k for k, node in enumerate(graph.nodes)}
+    position = {node: k for k, node in enumerate(bw.graph.nodes)}
     found: list[tuple[int, int, torch.Tensor, fx.Node]] = []
     for i, (param, grad) in enumerate(zip(fw_inputs, grads, strict=True)):
-        if not isinstance(grad, fx.Node) or not _accumulate.claimable(param, frame):
+        if not isinstance(grad, fx.Node) or not _accumulate.claimable(param, frame) \
+                or not param.is_contiguous():
             continue
         val = grad.meta.get("val")
         if not isinstance(val, torch.Tensor) or val.shape != param.shape \
@@ -265,20 +277,89 @@ def _insert_calls(bw: fx.GraphModule, fw_inputs: Sequence[Any], caps: tuple[int,
         _warn_unclaimed(fw_inputs)
         return None
     found.sort(key=lambda f: f[0])
-    params = [f[2] for f in found]
     where = {id(f[2]): f for f in found}
-    buckets = ordered_buckets(params, list(range(len(params))), *caps)
-    calls = _Calls(bw, buckets, sorted(f[1] for f in found))
-    op = _op()
+    buckets = ordered_buckets([f[2] for f in found], list(range(len(found))), *caps)
+    # The copy: nodes map one to one (``env``), metadata shared.
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    copied: Any = graph.graph_copy(bw.graph, env)  # the output's value: the gradients
+    outputs = list(copied)
+    new_out = graph.output(None)
+    new_out.meta = dict(out.meta)
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    fake = found[0][3].meta["val"].fake_mode
+    accumulate, mm_into = _ops()
+    groups: list[tuple[int, list[Any]]] = []
+    extra: list[Any] = []
+    dead: list[fx.Node] = []
     for members in buckets:
-        rows = [where[id(p)] for p in members]
-        last = max((r[3] for r in rows), key=position.__getitem__)
+        writes: list[tuple[int, fx.Node]] = []
+        into: list[fx.Node] = []
+        for param in members:
+            at, i, _, old = where[id(param)]
+            with graph.inserting_after(last):
+                last = graph.placeholder(f"hvdlite_grad_{len(extra)}")
+            with fake:
+                example = torch.empty_strided(param.shape, param.stride(), dtype=param.dtype,
+                                              device=param.device)
+            last.meta["val"] = example
+            extra.append(example)
+            into.append(last)
+            grad = env[old]
+            product = _product(grad)
+            with graph.inserting_after(grad):
+                if product is None:
+                    writes.append((at, graph.call_function(torch.ops.aten.copy_.default,
+                                                           (last, grad))))
+                else:
+                    a, b, chain = product
+                    writes.append((at, graph.call_function(mm_into, (a, b, last))))
+                    dead += chain
+            outputs[i] = None
+        after = max(writes, key=lambda w: w[0])[1]  # each write follows its gradient
         key = _accumulate.new_group(members)
-        with graph.inserting_after(last):
-            calls.nodes.append(graph.call_function(op, (key, [r[3] for r in rows])))
+        with graph.inserting_after(after):
+            graph.call_function(accumulate, (key, into))
+        groups.append((key, members))
+    new_out.args = (type(out.args[0])(outputs),)
+    visible = new_out.meta.get("user_visible_output_idxs")
+    if visible is not None:  # inductor keeps the strides of these outputs: not of None
+        new_out.meta["user_visible_output_idxs"] = [i for i in visible
+                                                    if outputs[i] is not None]
+    for node in dead:
+        graph.erase_node(node)
     graph.lint()
-    bw.recompile()
-    return calls
+    work = fx.GraphModule(bw, graph)
+    work.meta.update(bw.meta)  # what the compiler keeps on the module (its compile's ids)
+    return work, groups, extra
+
+
+def _product(grad: fx.Node) -> tuple[Any, Any, list[fx.Node]] | None:
+    """(a, b, the nodes that go) where ``grad`` is the product ``a @ b`` as a contiguous
+    matrix: a matrix product, maybe transposed any number of times (an odd number: the product
+    of the transposed factors swapped, one new transpose each), used by nothing else; else
+    None (its gradient is then copied)."""
+    aten = torch.ops.aten
+    chain: list[fx.Node] = []
+    node = grad
+    while node.target is aten.t.default or (node.target is aten.permute.default
+                                            and node.args[1] in ([1, 0], (1, 0))):
+        if len(node.users) != (1 if chain else 0):
+            return None
+        chain.append(node)
+        node = node.args[0]  # type: ignore[assignment]
+    if node.target is not aten.mm.default or len(node.users) != (1 if chain else 0):
+        return None
+    chain.append(node)
+    a, b = node.args[0], node.args[1]
+    if len(chain) % 2 == 0:  # an odd number of transposes: (a @ b).T = b.T @ a.T
+        graph = grad.graph
+        with graph.inserting_before(grad):
+            ta, tb = (graph.call_function(aten.t.default, (x,)) for x in (b, a))
+        for new, x in ((ta, b), (tb, a)):
+            new.meta["val"] = x.meta["val"].t()  # type: ignore[union-attr]
+        a, b = ta, tb
+    return a, b, chain
 
 
 def _warn_unclaimed(fw_inputs: Sequence[Any]) -> None:

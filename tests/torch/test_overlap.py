@@ -117,47 +117,65 @@ def test_overlap_compile_runs_hooks_during_backward(hvd: Any) -> None:
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7, msg=name)
 
 
-def test_claimed_gradients_stay_the_backward_graphs_outputs(hvd: Any, monkeypatch: Any) -> None:
-    """The backward graph keeps every claimed gradient as its output, so the compiler's reuse
-    of buffers leaves it whole until the graph returns (a captured step's copy stream may still
-    be reading it: ``_accumulate.py``); the compiled backward hands autograd None for it, and
-    the gradients accumulate once."""
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_gradients_are_written_where_they_live(hvd: Any, monkeypatch: Any,
+                                               backend: str) -> None:
+    """The backward graph writes each claimed gradient where it is to live (here the
+    parameters' homes, views of one flat buffer, as a bucket's are): a matrix product by
+    ``mm_into``, every other gradient by a ``copy_`` the compiler folds into the kernel that
+    computes it; none is an output of the graph. After a backward each ``.grad`` *is* its
+    home (no copy), equal to eager's gradient; a second backward adds into it."""
     from torch import fx
 
     from hvdlite.torch import overlap
 
-    seen: list[tuple[list[int], list[Any]]] = []
+    seen: list[fx.GraphModule] = []
     real = overlap._insert_calls
 
     def spy(bw: fx.GraphModule, *args: Any) -> Any:
-        calls = real(bw, *args)
-        if calls is not None:
-            out = next(n for n in reversed(bw.graph.nodes) if n.op == "output")
-            seen.append((calls.claimed, list(out.args[0])))
-        return calls
+        work = real(bw, *args)
+        if work is not None:
+            seen.append(work[0])
+        return work
 
     monkeypatch.setattr(overlap, "_insert_calls", spy)
-    net = Net(depth=4)
-    eager = Net(depth=4)
+    torch.manual_seed(5)
+    net, eager = Net(depth=4), Net(depth=4)
     eager.load_state_dict(net.state_dict())
-    handles = [_accumulate.hook(p, lambda _p: None) for p in net.parameters()]
-    compiled = hvd.compile_overlap(net, bucket_cap_mb=_CAP_MB, backend="aot_eager")
-    for _ in range(2):
-        for p in net.parameters():
-            p.grad = None
-        compiled(_batch(2, 0)).square().mean().backward()
-    for h in handles:
-        h.remove()
+    params = list(net.parameters())
+    flat = torch.zeros(sum(p.numel() for p in params))
+    homes, at = [], 0
+    for p in params:
+        homes.append(flat[at:at + p.numel()].view_as(p))
+        at += p.numel()
+    handles = [_accumulate.hook(p, lambda _p: None, home=lambda h=h: h)
+               for p, h in zip(params, homes, strict=True)]
+    compiled = hvd.compile_overlap(net, bucket_cap_mb=_CAP_MB, backend=backend)
+    x = _batch(2, 0)
+    try:
+        compiled(x).square().mean().backward()
+        assert all(p.grad is h for p, h in zip(params, homes, strict=True))
+        eager(x).square().mean().backward()
+        for (name, a), b in zip(eager.named_parameters(), params, strict=True):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+        compiled(x).square().mean().backward()  # into the .grad there is
+        assert all(p.grad is h for p, h in zip(params, homes, strict=True))
+        for (name, a), b in zip(eager.named_parameters(), params, strict=True):
+            torch.testing.assert_close(b.grad, 2 * a.grad, rtol=1e-5, atol=1e-6, msg=name)
+    finally:
+        for h in handles:
+            h.remove()
     assert len(seen) == 1, seen
-    claimed, outputs = seen[0]
-    assert len(claimed) == len(list(net.parameters())), claimed
-    assert all(isinstance(outputs[i], fx.Node) for i in claimed), outputs
-    eager(_batch(2, 0)).square().mean().backward()
-    for (name, a), b in zip(eager.named_parameters(), net.parameters(), strict=True):
-        assert a.grad is not None and b.grad is not None
-        torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7, msg=name)
-    boxed = overlap._handing_none(lambda args: (args.pop(), "kept", 3), [0, 2])
-    assert boxed._boxed_call and boxed(["grad"]) == [None, "kept", None]
+    graph = seen[0].graph
+    out = next(n for n in reversed(graph.nodes) if n.op == "output")
+    targets = [n.target for n in graph.nodes]
+    mm_into = overlap._ops()[1]
+    weights = sum(1 for p in params if p.dim() == 2)
+    assert targets.count(mm_into) == weights, targets
+    assert not any(isinstance(o, fx.Node) and o.name.startswith("hvdlite_grad")
+                   for o in out.args[0])
+    outputs = [o for o in out.args[0] if o is not None]
+    assert len(outputs) <= 1, outputs  # at most the input's gradient
 
 
 def test_overlap_keeps_other_hooks_where_autograd_runs_them(hvd: Any) -> None:
@@ -212,8 +230,10 @@ def test_overlap_compile_trains_as_eager(hvd: Any, setting: str) -> None:
 
 def test_accumulate_routes_hooks_and_gradients() -> None:
     """Without a compiler: a claimed parameter's hooks leave autograd and run from
-    ``accumulate`` (removed ones not at all), which adds into ``.grad`` or copies into the
-    parameter's home; an unclaimed one's run where autograd runs them."""
+    ``accumulate`` (removed ones not at all); ``targets`` names where a backward is to write
+    each gradient (the home, where there is one and no ``.grad`` yet; else a new tensor), and
+    ``accumulate`` makes the written tensor the ``.grad`` (no copy) or adds it into the
+    ``.grad`` there is; an unclaimed parameter's hooks run where autograd runs them."""
     a, b = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))
     home = torch.full((3,), -1.0)
     calls: list[str] = []
@@ -231,15 +251,29 @@ def test_accumulate_routes_hooks_and_gradients() -> None:
     assert a.grad is not None and torch.equal(a.grad, torch.ones(3))
     a.grad = b.grad = None
     key = _accumulate.new_group([a, b])
-    _accumulate.accumulate(key, [torch.full((3,), 2.0), torch.full((2,), 3.0)])
-    assert a.grad is home and torch.equal(home, torch.full((3,), 2.0))
-    assert b.grad is not None and torch.equal(b.grad, torch.full((2,), 3.0))
-    _accumulate.accumulate(key, [torch.full((3,), 1.0), torch.full((2,), 1.0)])
-    assert torch.equal(home, torch.full((3,), 3.0))
-    assert b.grad is not None and torch.equal(b.grad, torch.full((2,), 4.0))
+    into = _accumulate.targets(key)
+    assert into[0] is home and into[1] is not home and into[1].shape == (2,)
+    into[0].fill_(2.0)
+    into[1].fill_(3.0)
+    _accumulate.accumulate(key, into)
+    assert a.grad is home and b.grad is into[1]  # no copy
+    assert torch.equal(home, torch.full((3,), 2.0)) and torch.equal(b.grad, torch.full((2,), 3.0))
+    again = _accumulate.targets(key)  # both have a .grad now: new tensors, added
+    assert again[0] is not home and again[1] is not into[1]
+    again[0].fill_(1.0)
+    again[1].fill_(1.0)
+    _accumulate.accumulate(key, again)
+    assert a.grad is home and torch.equal(home, torch.full((3,), 3.0))
+    assert torch.equal(b.grad, torch.full((2,), 4.0))
     assert calls == ["a", "b", "a", "b"]
     with pytest.raises(RuntimeError, match="no longer exists"):
         _accumulate.accumulate(key + 10**6, [])
+    flat = torch.zeros(4)
+    c = nn.Parameter(torch.ones(3))
+    _accumulate.hook(c, lambda _p: None, home=lambda: flat[1:])  # 4 bytes past a boundary
+    _accumulate.claim([c], "frame")
+    (written,) = _accumulate.targets(_accumulate.new_group([c]))
+    assert written.data_ptr() != flat[1:].data_ptr() and written.data_ptr() % 16 == 0
 
 
 def test_accumulator_nodes_are_kept_per_stream(monkeypatch: Any) -> None:
@@ -313,8 +347,8 @@ def test_a_backward_that_fails_to_compile_with_the_calls_compiles_without(hvd: A
 
     from hvdlite.torch import overlap
 
-    def refusing(graph: torch.fx.GraphModule) -> Any:
-        if any(n.target is overlap._op() for n in graph.graph.nodes):
+    def refusing(graph: torch.fx.GraphModule, _extra: Any) -> Any:
+        if any(n.target in overlap._ops() for n in graph.graph.nodes):
             raise RuntimeError("this compiler takes no hvdlite calls")
         return make_boxed_func(graph.forward)
 
