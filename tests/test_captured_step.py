@@ -1,7 +1,8 @@
 """The captured step's tests that start jobs of their own (``hvd.make_graphed_step``;
 ``tests/torch/test_gpu_graphs.py`` holds those that run inside an MPI job): the example's
 eager fallback on CPU tensors, and a peer gone during replays at two GPUs (the schedule over
-NCCL and over CUDA IPC).
+NCCL and over CUDA IPC) and with both ranks on one GPU (over CUDA IPC, waiting by stream memory
+operations).
 
 A rank that dies or raises while its peer replays a captured training step: the survivor,
 blocked on NCCL kernels inside the graph that wait for the gone rank, ends within 15 s, hvdlite
@@ -39,6 +40,7 @@ def _two_gpus() -> bool:
 
 _JOB = """
 import os, signal, sys, time
+{pre}
 import torch
 import hvdlite.torch as hvd
 hvd.init(schedule_transport={transport!r})
@@ -79,8 +81,33 @@ def test_a_rank_gone_during_replays_ends_the_job(tmp_path: Path, how: str,
     (``schedule_transport="ipc"``) it sets the abort word the graph's spinning waits poll."""
     if transport == "ipc" and importlib.util.find_spec("cuda.bindings") is None:
         pytest.skip("the IPC schedule needs NVIDIA's cuda-python")
-    rank_one_goes(tmp_path, _JOB.format(how=GONE[how], transport=transport), how,
+    rank_one_goes(tmp_path, _JOB.format(how=GONE[how], transport=transport, pre=""), how,
                   f"captured step over {transport}")
+
+
+def _a_gpu() -> bool:
+    if not HAS_TORCH:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@needs_torch
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not _a_gpu(), reason="needs a GPU")
+@pytest.mark.parametrize("how", list(GONE))
+def test_a_rank_gone_during_replays_on_a_shared_gpu_ends_the_job(tmp_path: Path,
+                                                                 how: str) -> None:
+    """Both ranks on one GPU: ``make_graphed_step`` puts their buckets on a schedule over CUDA
+    IPC whose waits are stream memory operations; the engine's failure sets every flag of the
+    survivor's inbox, so the waits its graph parks on pass and the job ends, naming rank 1."""
+    if importlib.util.find_spec("cuda.bindings") is None:
+        pytest.skip("the IPC schedule needs NVIDIA's cuda-python")
+    rank_one_goes(tmp_path, _JOB.format(how=GONE[how], transport="auto",
+                                        pre='os.environ["CUDA_VISIBLE_DEVICES"] = "0"'),
+                  how, "captured step of ranks sharing a GPU")
 
 
 @pytest.mark.mpi

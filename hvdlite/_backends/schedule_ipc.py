@@ -21,13 +21,19 @@ the producer's READY event, with each rank owning an equal share of the buffer:
 No share a peer reads is written while it reads it: a rank writes only its own share before
 REDUCED and only the shares the peers finished with after. Launches run in order on the
 schedule's one stream, so one scratch buffer, (ranks - 1) times the largest share, serves
-every slot. The flags' epochs live on the device (``_gpu/kernels.py``'s schedule kernels), so
-a step captured by ``make_graphed_step`` replays the launches with the right epochs, and the
-waits are single-warp kernels that spin, which is why the ranks need a GPU each (contexts
-sharing a GPU take turns: a spinning wait would hold its peer off). :meth:`abort` sets a word
-in mapped host memory that every wait polls, so a stream parked on a dead peer drains.
+every slot. A step captured by ``make_graphed_step`` replays its launches as captured, so a
+wait cannot name an epoch the host counts. With a GPU per rank the flags' epochs live on the
+device (``_gpu/kernels.py``'s schedule kernels: single-warp kernels that count, signal and
+spin), and :meth:`abort` sets a word in mapped host memory that every wait polls, so a stream
+parked on a dead peer drains. Ranks that share a GPU cannot spin (their contexts take turns on
+it: a spinning wait would hold its peer off): their waits are stream memory operations
+(``cuStreamWaitValue32``, in the GPU's front end, no SM), on flags that carry no epoch. A
+signal writes 1 into the peer's flag, a wait waits for 1 in its own, then sets it back to 0;
+a peer's next 1 for that flag comes only after a later signal of this rank, which follows the
+reset on its stream (a slot's three kinds take turns, and its launches follow each other). There
+:meth:`abort` sets every flag of the rank's inbox to 1, again, until its stream has drained.
 
-A launch is three signal-and-wait kernels, the copies and the reduce: about ten driver calls
+A launch is three signals and waits, the copies and the reduce: about ten driver calls
 from Python, which an eager (host-bound) step pays per bucket. Since nothing in a launch
 changes from one to the next (fixed addresses, epochs on the device), each slot's launch is
 captured once, at its first eager launch, into a CUDA graph of its own, and later eager
@@ -44,6 +50,7 @@ import contextlib
 import ctypes
 import logging
 import socket
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,13 +60,13 @@ import numpy as np
 from hvdlite._backends.schedule_device import DeviceSlots
 from hvdlite._gpu import kernels
 from hvdlite._gpu.mapping import PeerMappings
-from hvdlite._gpu.semaphores import checked, driver
+from hvdlite._gpu.semaphores import checked, choose_protocol, driver, memops_support
 from hvdlite._ops import DTYPES, ReduceOp
 from hvdlite._vocab.agreed import Slot
 from hvdlite.errors import HvdliteError
 
-__all__ = ["IpcScheduleSide", "IpcScheduleTransport", "LaunchPlan", "launch_plan", "placement_why",
-           "shares", "why_not"]
+__all__ = ["IpcScheduleSide", "IpcScheduleTransport", "LaunchPlan", "launch_plan", "meeting",
+           "placement_why", "shared", "shares", "why_not"]
 
 log = logging.getLogger("hvdlite")
 
@@ -101,13 +108,32 @@ def placement_why(records: Sequence[dict[str, Any]]) -> str:
     if len(hosts) > 1:
         return f"its ranks are on {len(hosts)} hosts ({', '.join(sorted(hosts))}); CUDA IPC " \
                "reaches the GPUs of one host"
-    seen: dict[str, int] = {}
-    for rank, r in enumerate(records):
-        if r["gpu"] in seen:
-            return f"ranks {seen[r['gpu']]} and {rank} share GPU {r['gpu']}: the schedule's " \
-                   "spinning waits need a GPU per rank"
-        seen[r["gpu"]] = rank
+    if shared(records):
+        protocol, why = choose_protocol([r.get("memops", -1) for r in records])
+        if protocol != "flags":
+            return f"its ranks share a GPU, where the schedule's waits are stream memory " \
+                   f"operations; {why.partition(': ')[2]}"
     return ""
+
+
+def meeting(kind: int, slot: int, slots: int, me: int, size: int) -> list[tuple[str, int, int]]:
+    """One signal-and-wait of ranks that share a GPU (see the module docstring), as the stream
+    operations rank ``me`` enqueues, in order: ``("signal", r, f)`` writes 1 into flag ``f`` of
+    rank ``r``'s inbox (the flag that says ``me`` reached ``kind`` of ``slot``); ``("wait", me,
+    f)`` waits until this rank's flag ``f`` is 1; ``("reset", me, f)`` sets ``size`` flags of
+    this rank's inbox, from ``f`` on (every peer's for ``kind`` of ``slot``), back to 0. Flags
+    sit as the schedule kernels lay them out: ``[kind][slot][peer]``."""
+    base = (kind * slots + slot) * size
+    ops = [("signal", r, base + me) for r in range(size) if r != me]
+    ops += [("wait", me, base + r) for r in range(size) if r != me]
+    ops.append(("reset", me, base))
+    return ops
+
+
+def shared(records: Sequence[dict[str, Any]]) -> bool:
+    """Whether two ranks of the agreement (``records``) share a GPU: the schedule then waits by
+    stream memory operations, not by spinning kernels (see the module docstring)."""
+    return len({r["gpu"] for r in records}) < len(records)
 
 
 def _capturing(stream: Any) -> bool:
@@ -187,11 +213,12 @@ class IpcScheduleSide:
             ctypes.c_uint32.from_address(self.abort_host).value = 0
             self.abort_device = int(checked(drv.cuMemHostGetDevicePointer(self.abort_host, 0),
                                            "cuMemHostGetDevicePointer"))
+        self.memops = memops_support(cupy, device_id)  # shown: ranks sharing a GPU need them
 
     def record(self) -> dict[str, Any]:
         """What every peer needs of this rank (JSON-able)."""
         return {"host": socket.gethostname(), "gpu": self.gpu, "inbox": self.inbox_handle,
-                "handles": self.handles, "places": self.places}
+                "handles": self.handles, "places": self.places, "memops": self.memops}
 
     def free(self) -> None:
         """Free this rank's inbox, counters and abort word (idempotent)."""
@@ -228,6 +255,15 @@ class IpcScheduleTransport(DeviceSlots):
                        self._maps.get(r, bytes.fromhex(rec["inbox"]), pinned=True)
                        for r, rec in enumerate(records)]
             self._inboxes = cupy.asarray(np.array(inboxes, dtype=np.uint64))
+            self._inbox_ptrs = inboxes
+            # Ranks that share a GPU wait by stream memory operations (see the docstring).
+            self._flags = shared(records)
+            if self._flags:
+                drv = self._drv = driver()
+                self._geq = int(drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+                # Made now, not at the failure: making a stream then could wait on the device.
+                self._release_stream = checked(drv.cuStreamCreate(
+                    int(drv.CUstream_flags.CU_STREAM_NON_BLOCKING)), "cuStreamCreate")
 
             def address(r: int, i: int) -> int:
                 if r == rank:
@@ -309,24 +345,45 @@ class IpcScheduleTransport(DeviceSlots):
         plan, op, wire = self._plans[i]
         memcpy, sptr = self.cupy.cuda.runtime.memcpyAsync, self.sptr
         counters, inboxes, abort_word = side.counters, self._inboxes, side.abort_device
+        def meet(kind: int) -> None:  # signal every peer, wait for every peer's signal
+            if self._flags:
+                self._meet_flags(kind, i)
+            else:
+                kernels.sched_step(counters, inboxes, abort_word, kind, i, n, me, size,
+                                   kind == WRITTEN)
+
         with self.stream:
-            kernels.sched_step(counters, inboxes, abort_word, WRITTEN, i, n, me, size, True)
+            meet(WRITTEN)
             try:
                 for dst, src, nbytes in plan.pulls:
                     memcpy(dst, src, nbytes, _D2D, sptr)
                 if plan.count:
                     kernels.ipc_reduce(op, wire, plan.inputs, plan.out, plan.count,
                                        _REDUCE_BLOCKS)
-                kernels.sched_step(counters, inboxes, abort_word, REDUCED, i, n, me, size,
-                                   False)
+                meet(REDUCED)
                 for dst, src, nbytes in plan.gathers:
                     memcpy(dst, src, nbytes, _D2D, sptr)
-                kernels.sched_step(counters, inboxes, abort_word, GATHERED, i, n, me, size,
-                                   False)
+                meet(GATHERED)
             except BaseException:
                 if live:
                     self._broken(i, (REDUCED, GATHERED))
                 raise
+
+    def _meet_flags(self, kind: int, i: int, signals_only: bool = False) -> None:
+        """Ranks sharing a GPU: :func:`meeting`'s operations for ``kind`` of slot ``i`` on
+        :attr:`stream` (``signals_only``: its signals alone, for a broken launch)."""
+        drv, sptr, inboxes = self._drv, self.sptr, self._inbox_ptrs
+        for what, rank, flag in meeting(kind, i, self.n, self.rank, self.size):
+            address = inboxes[rank] + 4 * flag
+            if what == "signal":
+                checked(drv.cuStreamWriteValue32(sptr, address, 1, 0), "cuStreamWriteValue32")
+            elif signals_only:
+                continue
+            elif what == "wait":
+                checked(drv.cuStreamWaitValue32(sptr, address, 1, self._geq),
+                        "cuStreamWaitValue32")
+            else:
+                checked(drv.cuMemsetD32Async(address, 0, self.size, sptr), "cuMemsetD32Async")
 
     def _broken(self, i: int, kinds: tuple[int, ...]) -> None:
         """A launch of slot ``i`` that failed before signalling ``kinds``: signal them (the
@@ -334,13 +391,33 @@ class IpcScheduleTransport(DeviceSlots):
         self._aborted = True
         with contextlib.suppress(Exception), self.stream:
             for kind in kinds:
-                kernels.sched_signal(self.side.counters, self._inboxes, kind, i, self.n,
-                                     self.rank, self.size, kind == WRITTEN)
+                if self._flags:
+                    self._meet_flags(kind, i, signals_only=True)
+                else:
+                    kernels.sched_signal(self.side.counters, self._inboxes, kind, i, self.n,
+                                         self.rank, self.size, kind == WRITTEN)
 
     def abort(self) -> None:
         self._aborted = True
-        if self.side.abort_host:
+        if self._flags:
+            self._release()
+        elif self.side.abort_host:
             ctypes.c_uint32.from_address(self.side.abort_host).value = 1
+
+    def _release(self, bound_s: float = 2.0) -> None:
+        """Ranks sharing a GPU: let this rank's waits pass (a peer is gone): set every flag of
+        its inbox to 1 from a stream of its own, again until :attr:`stream` is idle (a launch
+        past the waits it passed sets its flags back to 0 and waits anew) or ``bound_s``."""
+        deadline = time.monotonic() + bound_s
+        count = _KINDS * self.n * self.size
+        with self.cupy.cuda.Device(self.device_id):
+            while True:
+                with contextlib.suppress(Exception):
+                    checked(self._drv.cuMemsetD32Async(self.side.inbox, 1, count,
+                                                      self._release_stream), "cuMemsetD32Async")
+                if self.stream.done or time.monotonic() > deadline:
+                    return
+                time.sleep(0.02)
 
     def close(self) -> None:
         # Local, as the NCCL transport's: once the stream is idle, or after a bounded wait and
@@ -355,4 +432,7 @@ class IpcScheduleTransport(DeviceSlots):
         with self.cupy.cuda.Device(self.device_id):
             self._maps.close_all()
             self.cupy.cuda.runtime.free(self._scratch)
+            if self._flags:
+                self._drv.cuStreamSynchronize(self._release_stream)
+                self._drv.cuStreamDestroy(self._release_stream)
         self.side.free()

@@ -91,12 +91,20 @@ def open_scheduled(buckets: Sequence[Bucket], agreed: Sequence[Slot], set_id: in
     return ScheduledBuckets(schedule, buckets), ""
 
 
-def move_scheduled(scheduled: ScheduledBuckets, agreed: Sequence[Slot], set_id: int,
-                   name: str, via: str) -> tuple[ScheduledBuckets, str]:
-    """``scheduled``'s buckets on a schedule over ``via`` ("nccl" or "ipc"): (the new one,
-    '') once every member opened it (the old one closed), else (``scheduled``, why not: the
-    same on every member). Between steps only (no bucket launched and not waited for);
-    collective over the set, like the opening."""
+def move_scheduled(scheduled: ScheduledBuckets | None, buckets: Sequence[Bucket],
+                   agreed: Sequence[Slot], set_id: int, name: str,
+                   via: str) -> tuple[ScheduledBuckets | None, str]:
+    """``buckets`` on a schedule over ``via`` ("nccl" or "ipc"): (the new one, '') once every
+    member opened it (the old one, ``scheduled``, closed), else (``scheduled``, why not: the
+    same on every member). Buckets on no schedule (None) open one over "ipc": where ranks share
+    a GPU, NCCL refuses them and their steps negotiate, but their schedule's waits can be
+    stream memory operations (``_backends/schedule_ipc.py``), which a captured step needs.
+    Between steps only (no bucket launched and not waited for); collective over the set, like
+    the opening."""
+    if scheduled is None:
+        if via != "ipc":
+            return None, f"its buckets are on no schedule to move to {via}"
+        return open_scheduled(buckets, agreed, set_id, f"{name}.{via}", via)
     old = scheduled.schedule
     if old.via == via:
         return scheduled, ""

@@ -59,16 +59,17 @@ def _optimizers(optimizer: Any) -> list[Any]:
 def _move_schedules(opts: list[Any], side: torch.cuda.Stream) -> None:
     """Under ``schedule_transport=auto``, before the last warm-up step (so one eager step runs
     on what gets captured): each optimizer's schedule moves to CUDA IPC where every rank can,
-    which takes no SMs from the captured backward (collective, like the optimizers' steps)."""
+    which takes no SMs from the captured backward, and buckets on no schedule (ranks that
+    share a GPU: NCCL refuses them) get one there (collective, like the optimizers' steps)."""
     if runtime.config().schedule_transport != "auto":
         return
     side.synchronize()  # the previous step's launches complete before their schedule closes
     for opt in opts:
-        if opt.agreed_schedule is not None:
-            why = opt.move_schedule("ipc")
-            if why:
-                log.info("make_graphed_step: the captured schedule stays on %s: %s",
-                         opt.agreed_schedule.via, why)
+        why = opt.move_schedule("ipc")
+        if why:
+            where = opt.agreed_schedule.via if opt.agreed_schedule is not None else \
+                "the negotiated route"
+            log.info("make_graphed_step: the captured buckets stay on %s: %s", where, why)
 
 
 def _schedules(opts: list[Any]) -> list[Any]:
@@ -80,7 +81,7 @@ def _schedules(opts: list[Any]) -> list[Any]:
             raise HvdliteError(f"make_graphed_step: {type(opt).__name__}'s buckets are not on "
                                f"an agreed schedule: {opt.unscheduled_reason}; "
                                "run this step eagerly (a captured step needs CUDA buckets "
-                               "over NCCL, a GPU per rank)")
+                               "on an agreed schedule: over NCCL, or CUDA IPC on one host)")
         if schedule is not None:
             schedules.append(schedule)
     return schedules
@@ -243,8 +244,10 @@ def make_graphed_step(step_fn: Callable[..., Any], *static_inputs: torch.Tensor,
     ``DistributedOptimizer`` (or a list of them) the step uses; each must run its buckets on
     the agreed schedule (CUDA buckets, a GPU per rank: over NCCL, or CUDA IPC under
     ``schedule_transport`` ipc, and under auto for the captured step where every rank can,
-    moved there before the last warm-up step): ranks that share a GPU or buckets on the CPU
-    raise ``HvdliteError`` naming why, and the step can run eagerly instead. Other hvdlite
+    moved there before the last warm-up step; ranks that share a GPU, which NCCL refuses, get
+    a schedule there too, its waits stream memory operations): buckets on the CPU, or a
+    transport the ranks cannot take, raise ``HvdliteError`` naming why, and the step can run
+    eagerly instead. Other hvdlite
     collectives cannot be captured (they are negotiated on the host at run time): called
     inside ``step_fn`` during the capture they raise ``HvdliteError``.
     ``pool``: a graph memory pool handle to share (``torch.cuda.graph_pool_handle()``).

@@ -378,10 +378,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if via not in VIAS:
             raise ValueError(f"move_schedule: via must be one of {', '.join(VIAS)}, got "
                              f"{via!r}")
-        if self._scheduled is None:
+        if self._scheduled is None and not self._schedule_tried:  # (no step ended yet)
             return self._unscheduled
-        self._scheduled, why = move_scheduled(self._scheduled, self._slots or [],
-                                              self.process_set_id, self._what(), via)
+        moved, why = move_scheduled(self._scheduled, self._buckets, self._slots or [],
+                                    self.process_set_id, self._what(), via)
+        if moved is not None:
+            self._scheduled, self._unscheduled = moved, ""
         return why
 
     def _check_buckets(self) -> None:

@@ -20,7 +20,7 @@
 #   gpu-sync gpu-async        tests/gpu at NP ranks, HVDLITE_ENABLE_ASYNC_COMPLETION=0 / 1  } nccl
 #   torch-sync torch-async    `-m gpu tests/torch` at NP ranks (the captured step too)      }
 #   shared-sync shared-async  tests/gpu at NP ranks, CUDA_VISIBLE_DEVICES=0: IPC           } rest
-#   shared-torch-sync, -async `-m gpu tests/torch` likewise (a captured step refused clearly) }
+#   shared-torch-sync, -async `-m gpu tests/torch` likewise (a captured step over IPC flags) }
 #   np1-sync np1-async        tests/gpu at 1 rank                                          }
 #   jobs                      tests/gpu/test_gpu_ipc_death.py tests/test_captured_step.py,  }
 #                             outside mpirun (they start their own jobs, of NP ranks)      }

@@ -396,3 +396,32 @@ def test_move_schedule_of_host_buckets_stays_on_mpi_and_still_equals_ddp(hvd: An
         opt.synchronize()
         opt.zero_grad()
     _equal(model, _ddp_train(hvd))
+
+
+def test_move_schedule_of_buckets_on_no_schedule_says_why(hvd: Any, ddp: None) -> None:
+    """Buckets on no schedule (host buckets with ``optimizer_host_schedule`` off; ranks that
+    share a GPU are the case that opens one): ``move_schedule("ipc")`` tries to open one there
+    (one exchange on every rank) and answers why it cannot, the same on every rank; "nccl" has
+    nothing to move. The optimizer keeps negotiating, and its steps still equal DDP's bit for
+    bit."""
+    _exact(hvd)
+    model = Model()
+    with knobs(optimizer_host_schedule=False, optimizer_size1_shortcut=False):
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                       named_parameters=model.named_parameters(),
+                                       bucket_cap_mb=100 / 2**20)
+        asked: list[str] = []
+
+        def between(model: Model) -> None:
+            if not asked and opt.unscheduled_reason != "the first step has not run yet":
+                asked.append(opt.move_schedule("ipc"))
+                asked.append(opt.move_schedule("nccl"))
+                assert opt.agreed_schedule is None
+
+        _train(hvd, opt, model, before=between)
+    assert asked and "in host memory" in asked[0] and "optimizer_host_schedule" in asked[0], \
+        asked
+    assert asked[1] == "its buckets are on no schedule to move to nccl", asked
+    everyone = hvd.allgather_object(asked)
+    assert all(a == everyone[0] for a in everyone)
+    _equal(model, _ddp_train(hvd))

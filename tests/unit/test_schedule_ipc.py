@@ -1,13 +1,25 @@
 """The CUDA IPC schedule transport's pure parts (``hvdlite/_backends/schedule_ipc.py``): what it
-takes, how a buffer is shared out, where its ranks may sit. Its launches need a GPU per rank:
-tests/torch/test_gpu_ipc_schedule.py."""
+takes, how a buffer is shared out, where its ranks may sit, and the flags protocol of ranks
+that share a GPU, played out on every interleaving of the ranks' streams a random walk finds.
+Its launches need a GPU: tests/torch/test_gpu_ipc_schedule.py."""
 
 from __future__ import annotations
+
+import random
 
 import numpy as np
 import pytest
 
-from hvdlite._backends.schedule_ipc import launch_plan, placement_why, shares, why_not
+from hvdlite._backends.schedule_ipc import (
+    REDUCED,
+    WRITTEN,
+    launch_plan,
+    meeting,
+    placement_why,
+    shares,
+    why_not,
+)
+from hvdlite._gpu.semaphores import NO_BINDINGS, SUPPORTED
 from hvdlite._ops import ReduceOp
 from hvdlite._vocab.agreed import Slot
 
@@ -41,13 +53,17 @@ def test_shares_cover_the_buffer_once_on_16_byte_boundaries(count: int, itemsize
     assert starts == sorted(starts)  # rank order
 
 
-def test_placement_wants_one_host_and_a_gpu_per_rank() -> None:
+def test_placement_wants_one_host_and_memops_where_ranks_share_a_gpu() -> None:
     one = [{"host": "a", "gpu": "0000:01:00.0"}, {"host": "a", "gpu": "0000:02:00.0"}]
     assert placement_why(one) == ""
     two_hosts = [{"host": "a", "gpu": "0000:01:00.0"}, {"host": "b", "gpu": "0000:01:00.0"}]
     assert "on 2 hosts (a, b)" in placement_why(two_hosts)
-    shared = [{"host": "a", "gpu": "0000:01:00.0"}, {"host": "a", "gpu": "0000:01:00.0"}]
-    assert "ranks 0 and 1 share GPU 0000:01:00.0" in placement_why(shared)
+    shared = [{"host": "a", "gpu": "0000:01:00.0", "memops": SUPPORTED},
+              {"host": "a", "gpu": "0000:01:00.0", "memops": SUPPORTED}]
+    assert placement_why(shared) == ""  # their waits: stream memory operations
+    shared[1]["memops"] = NO_BINDINGS
+    why = placement_why(shared)
+    assert "share a GPU" in why and "rank 1" in why and "cuda-python" in why, why
 
 
 def _ranges(copies: list[tuple[int, int, int]], side: int) -> list[tuple[int, int]]:
@@ -102,3 +118,61 @@ def test_launch_plans_sum_every_buffer_and_never_write_what_a_peer_reads(size: i
     want = np.sum(np.stack(data).astype(np.float64), axis=0).astype(np.float32)
     for r in range(size):
         assert np.array_equal(floats(bases[r], count), want), r
+
+
+def _play(size: int, slots: int, steps: int, seed: int) -> None:
+    """Every rank's stream as the transport enqueues it where ranks share a GPU: per step, per
+    slot in order, the three meetings (``meeting``), each rank's work between them standing in
+    as a no-op. A random walk runs one stream's next operation at a time (a wait only once its
+    flag is 1). Each flag remembers which launch of its writer set it: a wait must consume the
+    signal of its own launch, a reset must clear only signals of its own launch (never a
+    peer's next one), and every stream must finish (no deadlock)."""
+    rng = random.Random(seed)
+    programs = []
+    for me in range(size):
+        ops = []
+        for launch in range(steps * slots):
+            slot = launch % slots
+            for kind in range(3):
+                ops += [(launch, *op) for op in meeting(kind, slot, slots, me, size)]
+        programs.append(ops)
+    flags = [[(0, -1)] * (3 * slots * size) for _ in range(size)]  # (value, writer's launch)
+    at = [0] * size
+    while any(a < len(p) for a, p in zip(at, programs, strict=True)):
+        ready = []
+        for me in range(size):
+            if at[me] == len(programs[me]):
+                continue
+            _, what, rank, flag = programs[me][at[me]]
+            if what != "wait" or flags[rank][flag][0] == 1:
+                ready.append(me)
+        assert ready, f"deadlock at {at} (size {size}, slots {slots}, seed {seed})"
+        me = rng.choice(ready)
+        launch, what, rank, flag = programs[me][at[me]]
+        at[me] += 1
+        if what == "signal":
+            assert flags[rank][flag][0] == 0, ("a signal over an unconsumed one", me, flag)
+            flags[rank][flag] = (1, launch)
+        elif what == "wait":
+            assert flags[rank][flag][1] == launch, ("consumed another launch's signal", me)
+        else:
+            for f in range(flag, flag + size):
+                value, writer = flags[me][f]
+                assert value == 0 or writer == launch, ("reset a later signal", me, f, writer)
+                flags[me][f] = (0, -1)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("slots", [1, 3])
+def test_flags_of_ranks_sharing_a_gpu_never_lose_or_reuse_a_signal(size: int,
+                                                                   slots: int) -> None:
+    for seed in range(40):
+        _play(size, slots, steps=3, seed=seed)
+
+
+def test_a_meeting_signals_every_peer_then_waits_for_each_then_resets() -> None:
+    ops = meeting(REDUCED, 2, 4, 1, 3)
+    base = (REDUCED * 4 + 2) * 3
+    assert ops == [("signal", 0, base + 1), ("signal", 2, base + 1), ("wait", 1, base),
+                   ("wait", 1, base + 2), ("reset", 1, base)]
+    assert meeting(WRITTEN, 0, 1, 0, 1) == [("reset", 0, 0)]  # one rank: nothing to meet
