@@ -66,14 +66,16 @@ _KEYS = itertools.count()
 # hook or claim: resolved once per change, not per call (this runs on the autograd thread of
 # every step). A row's accumulator node holds its parameter, as the hooks do; the rows go
 # with the hooks (an optimizer collected removes its hooks, and so empties this).
-_resolved: dict[int, tuple[int, list[Row] | None]] = {}
+_resolved: dict[int, tuple[int, list[Row] | None, int]] = {}
 # An autograd node keeps the stream that was current when it was made, and at the end of each
 # backward the engine joins the caller's stream to the stream of every leaf node it ran. Kept
 # here across steps, a node would tie every later backward to the stream of the step that
 # made it: an extra wait eagerly, and under CUDA graph capture an illegal dependency on work
 # outside the capture (the same trap as DDP's kept accumulators). So each group's kept rows
-# are of the stream they were made on (its ``_resolved`` entry); a backward on another stream
-# keeps none (None), so its nodes go with its graph and the next forward makes new ones.
+# are of the stream they were made on (its ``_resolved`` entry: stream, rows); the backward
+# that finds another stream keeps none (None, and that backward's id: every call of it, as
+# ``targets`` and ``accumulate`` of one group, resolves anew), so its nodes go with its graph,
+# the next forward makes new ones, and the next backward keeps those.
 _task: list[Any] = [-1, None, 0]  # the latest call's backward, device and stream
 
 
@@ -190,10 +192,13 @@ def _members(key: int) -> list[Row]:
     capture would fail at the backward's end)."""
     stream = _stream_of_backward(key)
     seen = _resolved.get(key)
-    if seen is not None and seen[0] == stream and seen[1] is not None:
-        return seen[1]
-    if seen is not None and stream and seen[0] != stream \
-            and torch.cuda.is_current_stream_capturing():
+    keep = seen is None
+    if seen is not None and seen[0] == stream:
+        if seen[1] is not None:
+            return seen[1]
+        # A later backward on this stream than the one that found it: its nodes are of it.
+        keep = torch._C._current_graph_task_id() != seen[2]
+    elif seen is not None and stream and torch.cuda.is_current_stream_capturing():
         raise HvdliteError(
             "compile_overlap: a step is being captured on another CUDA stream than its "
             "warm-up steps ran on; run at least two warm-up steps on the capture stream "
@@ -215,8 +220,9 @@ def _members(key: int) -> list[Row]:
         # unclaimed (shared): autograd runs the hooks
         rows.append((param, tuple(owned.fns.values()) if owned.claimed else (), owned.home,
                      node))
-    # After a change of stream this graph's nodes may be the old stream's: not kept.
-    _resolved[key] = (stream, rows if seen is None or seen[0] == stream else None)
+    # After a change of stream this backward's nodes may be the old stream's: not kept.
+    _resolved[key] = (stream, rows, -1) if keep \
+        else (stream, None, torch._C._current_graph_task_id())
     return rows
 
 

@@ -117,7 +117,8 @@ def test_overlap_compile_runs_hooks_during_backward(hvd: Any) -> None:
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7, msg=name)
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager",
+                                     pytest.param("inductor", marks=pytest.mark.timeout(180))])
 def test_gradients_are_written_where_they_live(hvd: Any, monkeypatch: Any,
                                                backend: str) -> None:
     """The backward graph writes each claimed gradient where it is to live (here the
@@ -279,23 +280,28 @@ def test_accumulate_routes_hooks_and_gradients() -> None:
 def test_accumulator_nodes_are_kept_per_stream(monkeypatch: Any) -> None:
     """The bookkeeping of the nodes a group keeps (``_accumulate._resolved``), with the
     backward's stream given (on CUDA it is the current stream: tests/torch/test_gpu_graphs.py
-    runs steps on other streams and captures them): kept on one stream; the first backward on
-    another keeps none (its graph's nodes may be the old stream's); the next keeps new ones;
-    and a capture on another stream than the last backward's is refused, naming the fix."""
+    runs steps on other streams and captures them): kept on one stream; the backward that
+    finds another keeps none, however often it asks (``targets`` and ``accumulate`` both do:
+    its graph's nodes may be the old stream's); the next backward keeps new ones; and a
+    capture on another stream than the last backward's is refused, naming the fix."""
     params = [nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(3))]
     for p in params:
         _accumulate.hook(p, lambda _p: None)
     key = _accumulate.new_group(params)
-    stream, capturing = [7], [False]
+    stream, capturing, task = [7], [False], [1]
     monkeypatch.setattr(_accumulate, "_stream_of_backward", lambda _key: stream[0])
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(torch._C, "_current_graph_task_id", lambda: task[0])
     kept = _accumulate._members(key)
-    assert _accumulate._members(key) is kept and _accumulate._resolved[key] == (7, kept)
-    stream[0] = 9
+    assert _accumulate._members(key) is kept and _accumulate._resolved[key] == (7, kept, -1)
+    stream[0], task[0] = 9, 2
     moved = _accumulate._members(key)
-    assert moved is not kept and _accumulate._resolved[key] == (9, None)
+    assert moved is not kept and _accumulate._resolved[key] == (9, None, 2)
+    also = _accumulate._members(key)  # the same backward asks again
+    assert also is not moved and _accumulate._resolved[key] == (9, None, 2)
+    task[0] = 3
     again = _accumulate._members(key)
-    assert _accumulate._members(key) is again and _accumulate._resolved[key] == (9, again)
+    assert _accumulate._members(key) is again and _accumulate._resolved[key] == (9, again, -1)
     stream[0], capturing[0] = 11, True
     with pytest.raises(hvdlite.HvdliteError, match=r"captured on another CUDA stream.*"
                                                    r"torch\.cuda\.graph\(g, stream=s\)"):
