@@ -31,7 +31,9 @@ it: a spinning wait would hold its peer off): their waits are stream memory oper
 signal writes 1 into the peer's flag, a wait waits for 1 in its own, then sets it back to 0;
 a peer's next 1 for that flag comes only after a later signal of this rank, which follows the
 reset on its stream (a slot's three kinds take turns, and its launches follow each other). There
-:meth:`abort` sets every flag of the rank's inbox to 1, again, until its stream has drained.
+:meth:`abort` sets every flag of the rank's inbox to 1 every millisecond from a thread of
+its own, until :meth:`close`: the launches still queued (a captured step's replays queue on
+the caller's stream, which the transport cannot watch drain) pass one round of waits per write.
 
 A launch is three signals and waits, the copies and the reduce: about ten driver calls
 from Python, which an eager (host-bound) step pays per bucket. Since nothing in a launch
@@ -50,7 +52,7 @@ import contextlib
 import ctypes
 import logging
 import socket
-import time
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +64,7 @@ from hvdlite._gpu import kernels
 from hvdlite._gpu.mapping import PeerMappings
 from hvdlite._gpu.semaphores import checked, choose_protocol, driver, memops_support
 from hvdlite._ops import DTYPES, ReduceOp
+from hvdlite._threads import start_quietly
 from hvdlite._vocab.agreed import Slot
 from hvdlite.errors import HvdliteError
 
@@ -250,6 +253,8 @@ class IpcScheduleTransport(DeviceSlots):
             lambda h: int(rt.ipcOpenMemHandle(h, _LAZY_PEER_ACCESS)), rt.ipcCloseMemHandle,
             1)  # (every mapping pinned: open for the schedule's life)
         self._aborted = False
+        # The release thread and what stops it (:meth:`_release`), once aborted.
+        self._releasing: tuple[threading.Event, threading.Thread] | None = None
         with cupy.cuda.Device(device_id):
             inboxes = [side.inbox if r == rank else
                        self._maps.get(r, bytes.fromhex(rec["inbox"]), pinned=True)
@@ -400,24 +405,27 @@ class IpcScheduleTransport(DeviceSlots):
     def abort(self) -> None:
         self._aborted = True
         if self._flags:
-            self._release()
+            if self._releasing is None:
+                stop = threading.Event()
+                thread = start_quietly(threading.Thread(
+                    target=self._release, args=(stop,), name="hvdlite-ipc-release",
+                    daemon=True))
+                self._releasing = (stop, thread)
         elif self.side.abort_host:
             ctypes.c_uint32.from_address(self.side.abort_host).value = 1
 
-    def _release(self, bound_s: float = 2.0) -> None:
-        """Ranks sharing a GPU: let this rank's waits pass (a peer is gone): set every flag of
-        its inbox to 1 from a stream of its own, again until :attr:`stream` is idle (a launch
-        past the waits it passed sets its flags back to 0 and waits anew) or ``bound_s``."""
-        deadline = time.monotonic() + bound_s
+    def _release(self, stop: threading.Event) -> None:
+        """Ranks sharing a GPU, a peer gone: let this rank's waits pass, from a thread of its
+        own until :meth:`close` (``stop``). Each wait resets its flags to 0 once passed, so
+        one write of 1s lets one round of waits through; the launches still queued, on
+        :attr:`stream` or in the replays of a captured step on a stream of the caller's
+        (which this transport cannot see drain), pass only if the 1s keep coming. So every
+        flag of the inbox is set to 1 from a stream of its own, every millisecond."""
         count = _KINDS * self.n * self.size
-        with self.cupy.cuda.Device(self.device_id):
-            while True:
-                with contextlib.suppress(Exception):
-                    checked(self._drv.cuMemsetD32Async(self.side.inbox, 1, count,
-                                                      self._release_stream), "cuMemsetD32Async")
-                if self.stream.done or time.monotonic() > deadline:
-                    return
-                time.sleep(0.02)
+        with contextlib.suppress(Exception), self.cupy.cuda.Device(self.device_id):
+            while not stop.wait(0.001):
+                checked(self._drv.cuMemsetD32Async(self.side.inbox, 1, count,
+                                                  self._release_stream), "cuMemsetD32Async")
 
     def close(self) -> None:
         # Local, as the NCCL transport's: once the stream is idle, or after a bounded wait and
@@ -428,6 +436,10 @@ class IpcScheduleTransport(DeviceSlots):
         if not self.idle():
             self.abort()
             self.stream.synchronize()
+        if self._releasing is not None:  # the inbox it writes is freed below
+            stop, thread = self._releasing
+            stop.set()
+            thread.join()
         self._graphs = [None] * self.n  # before the mappings their copies name go
         with self.cupy.cuda.Device(self.device_id):
             self._maps.close_all()
