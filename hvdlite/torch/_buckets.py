@@ -52,7 +52,8 @@ class Bucket:
     ``wire`` (compression) is the buffer's compressed twin the allreduce runs on."""
 
     __slots__ = ("params", "name", "ready", "left", "full", "device", "buffer", "views",
-                 "wire", "staging", "staged", "viewed", "arrived", "expect", "last")
+                 "wire", "staging", "staged", "viewed", "arrived", "expect", "last",
+                 "offsets", "total")
 
     def __init__(self, params: Sequence[torch.Tensor], name: str, passes: int) -> None:
         self.params = tuple(params)
@@ -65,6 +66,8 @@ class Bucket:
         self.last = len(self.params) - 1
         first = self.params[0]
         self.device = first.get_device() if first.is_cuda else -1
+        # Where each member lives in a flat buffer of the bucket, and the buffer's length.
+        self.offsets, self.total = _layout(self.params)
         self.buffer: torch.Tensor | None = None
         self.views: list[torch.Tensor] = []
         self.wire: torch.Tensor | None = None
@@ -101,15 +104,11 @@ class Bucket:
         the values of the gradients there are (one batched copy; zeros where there is none).
         ``wire``: also allocate the compressed twin of that type."""
         first = self.params[0]
-        total = sum(p.numel() for p in self.params)
-        self.buffer = torch.zeros(total, dtype=first.dtype, device=first.device)
-        self.views, offset = [], 0
-        for p in self.params:
-            n = p.numel()
-            self.views.append(self.buffer[offset:offset + n].view(p.shape))
-            offset += n
-        if wire is not None:
-            self.wire = torch.empty(total, dtype=wire, device=first.device)
+        self.buffer = torch.zeros(self.total, dtype=first.dtype, device=first.device)
+        self.views = [self.buffer[at:at + p.numel()].view(p.shape)
+                      for p, at in zip(self.params, self.offsets, strict=True)]
+        if wire is not None:  # zeros: the padding travels too
+            self.wire = torch.zeros(self.total, dtype=wire, device=first.device)
         self.viewed = True
         self.realias()
 
@@ -130,13 +129,9 @@ class Bucket:
         by one batched copy."""
         self.viewed = False
         first = self.params[0]
-        total = sum(p.numel() for p in self.params)
-        self.staging = torch.zeros(total, dtype=wire or first.dtype, device=first.device)
-        self.staged, offset = [], 0
-        for p in self.params:
-            n = p.numel()
-            self.staged.append(self.staging[offset:offset + n].view(p.shape))
-            offset += n
+        self.staging = torch.zeros(self.total, dtype=wire or first.dtype, device=first.device)
+        self.staged = [self.staging[at:at + p.numel()].view(p.shape)
+                       for p, at in zip(self.params, self.offsets, strict=True)]
 
     def hand_back(self, grads: list[torch.Tensor]) -> None:
         """Copy the reduced staging buffer back into ``grads`` (the gradients it was staged
@@ -195,6 +190,23 @@ class Bucket:
 
 _GRAD = operator.attrgetter("grad")
 _SPARSE = operator.attrgetter("is_sparse")
+
+_ALIGN_BYTES = 16
+
+
+def _layout(params: Sequence[torch.Tensor]) -> tuple[list[int], int]:
+    """(each member's offset in a flat buffer of ``params``, in elements of the first's
+    type; the buffer's length): consecutive, each member starting on an ``_ALIGN_BYTES``
+    boundary. A compiled backward writes a gradient in place only into an aligned view
+    (inductor runs a misaligned input on an aligned copy: hvdlite/torch/_accumulate.py), and
+    one odd-sized member (a 10-class head's bias) would leave every later view misaligned. The
+    padding is zeros, reduced with the rest (any reduction of zeros is zero)."""
+    step = max(1, _ALIGN_BYTES // params[0].element_size())
+    offsets, at = [], 0
+    for p in params:
+        offsets.append(at)
+        at += -(-p.numel() // step) * step
+    return offsets, offsets[-1] + params[-1].numel()
 
 
 def mib_bytes(name: str, mib: object, optional: bool = False) -> int:

@@ -67,7 +67,7 @@ def slots(buckets: Sequence[Bucket], wires: Sequence[torch.dtype], op: Any, pre:
           post: float) -> list[Slot]:
     """What every rank must agree on for each bucket: name, size, the type it travels as
     (``wires``), op, factors."""
-    return [Slot(b.name, sum(p.numel() for p in b.params), wire_name(w) or str(w),
+    return [Slot(b.name, b.total, wire_name(w) or str(w),
                  int(ReduceOp(op)), pre, post) for b, w in zip(buckets, wires, strict=True)]
 
 

@@ -83,9 +83,9 @@ def test_bucket_views_alias_their_buffer_and_reduce_exactly(hvd: Any, cap_mb: fl
     for bucket in opt._buckets:
         assert bucket.buffer is not None
         ptr, item = bucket.buffer.data_ptr(), bucket.buffer.element_size()
-        for p in bucket.params:  # consecutive views of the bucket, in order
+        for p in bucket.params:  # views of the bucket in order, each on a 16-byte boundary
             assert p.grad.data_ptr() == ptr
-            ptr += p.numel() * item
+            ptr += -(-p.numel() * item // 16) * 16
 
 
 def test_bucket_views_take_back_a_replaced_or_missing_grad(hvd: Any) -> None:
@@ -386,3 +386,32 @@ def test_realias_takes_back_every_kind_of_gradient_into_its_view() -> None:
     assert not bucket.realias()
     assert all(torch.equal(v, b) for v, b in zip(bucket.views, before, strict=True))
     assert params[4].grad.is_sparse and torch.equal(params[0].grad, torch.ones(SHAPES[0]))
+
+
+@pytest.mark.parametrize(("dtype", "sizes", "offsets", "total"), [
+    (torch.float32, [10, 12, 1, 3], [0, 12, 24, 28], 31),  # a 10-class head's bias first
+    (torch.bfloat16, [3, 8, 9], [0, 8, 16], 25),
+    (torch.float64, [1, 1, 2], [0, 2, 4], 6),
+    (torch.complex128, [1, 3, 1], [0, 1, 4], 5),  # 16 bytes an element: no padding
+])
+def test_bucket_members_start_on_16_byte_boundaries(dtype: torch.dtype, sizes: list[int],
+                                                    offsets: list[int], total: int) -> None:
+    """Every member's view starts on a 16-byte boundary of the bucket's buffer (a compiled
+    backward writes a gradient in place only into an aligned view); the padding between is
+    zeros, the agreed size is the padded buffer's, and the views cover every member."""
+    from hvdlite.torch import _buckets, _scheduled
+
+    params = [torch.nn.Parameter(torch.ones(n, dtype=dtype)) for n in sizes]
+    bucket = _buckets.Bucket(params, "aligned", 1)
+    assert (bucket.offsets, bucket.total) == (offsets, total)
+    bucket.make_views()
+    assert bucket.buffer is not None and bucket.buffer.numel() == total
+    for p, view, at in zip(params, bucket.views, offsets, strict=True):
+        assert view.data_ptr() == bucket.buffer.data_ptr() + at * p.element_size()
+        assert view.data_ptr() % 16 == 0 and p.grad is view and view.shape == p.shape
+    covered = torch.zeros(total, dtype=torch.bool)
+    for p, at in zip(params, offsets, strict=True):
+        covered[at:at + p.numel()] = True
+    assert not bucket.buffer[~covered].any()  # the padding is zeros
+    (slot,) = _scheduled.slots([bucket], [dtype], 0, 1.0, 1.0)
+    assert slot.count == total

@@ -79,9 +79,9 @@ def test_cuda_bucket_views_are_reduced_in_place(hvd: Any) -> None:
             want = 2 * _rank_sum(hvd, lambda r: r + step + k)  # noqa: B023
             assert torch.equal(p.grad, torch.full(s, want, device=dev)), (step, k)
     ptr = bucket.buffer.data_ptr()  # type: ignore[union-attr]
-    for p in params:
+    for p in params:  # in order, each on a 16-byte boundary
         assert p.grad.data_ptr() == ptr
-        ptr += p.numel() * p.element_size()
+        ptr += -(-p.numel() * p.element_size() // 16) * 16
 
 
 def test_cuda_optimizer_with_bucket_views_matches_every_rank(hvd: Any) -> None:
