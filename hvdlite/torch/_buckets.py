@@ -9,7 +9,8 @@ formed again in the order the first backward made the gradients ready (rank 0's,
 rebuilds its buckets), since registration order can differ (a class token or an embedding
 registered first whose gradient is not the last). With
 ``gradient_as_bucket_view`` (the default) each bucket owns one flat buffer and every member's
-``.grad`` is a view of it, consecutive and in order: autograd accumulates straight into the
+``.grad`` is a view of it, in order, each starting on a 16-byte boundary (zeros between, see
+:func:`_layout`): autograd accumulates straight into the
 buffer and the core reduces the buffer in place as one array, with no copy in or out.
 """
 
