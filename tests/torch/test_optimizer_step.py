@@ -361,6 +361,13 @@ def test_a_dropped_optimizer_is_collected(hvd: Any, op: str) -> None:
     assert (gone(), params()) == (None, None)
 
 
+def _small_buckets(hvd: Any, model: Model) -> Any:
+    """SGD on ``model`` with buckets of at most 100 bytes (several)."""
+    return hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
+                                    named_parameters=model.named_parameters(),
+                                    bucket_cap_mb=100 / 2**20)
+
+
 def test_move_schedule_of_host_buckets_stays_on_mpi_and_still_equals_ddp(hvd: Any,
                                                                        ddp: None) -> None:
     """``move_schedule`` (what ``make_graphed_step`` asks under ``schedule_transport=auto``):
@@ -370,9 +377,7 @@ def test_move_schedule_of_host_buckets_stays_on_mpi_and_still_equals_ddp(hvd: An
     _exact(hvd)
     model = Model()
     with knobs(optimizer_host_schedule=True, optimizer_size1_shortcut=False):
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
-                                       named_parameters=model.named_parameters(),
-                                       bucket_cap_mb=100 / 2**20)
+        opt = _small_buckets(hvd, model)
         assert opt.move_schedule("ipc") == "the first step has not run yet"
         with pytest.raises(ValueError, match="via must be one of nccl, ipc, got 'mpi'"):
             opt.move_schedule("mpi")
@@ -407,9 +412,7 @@ def test_move_schedule_of_buckets_on_no_schedule_says_why(hvd: Any, ddp: None) -
     _exact(hvd)
     model = Model()
     with knobs(optimizer_host_schedule=False, optimizer_size1_shortcut=False):
-        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5),
-                                       named_parameters=model.named_parameters(),
-                                       bucket_cap_mb=100 / 2**20)
+        opt = _small_buckets(hvd, model)
         asked: list[str] = []
 
         def between(model: Model) -> None:
