@@ -72,12 +72,14 @@ def ended_within(proc: Any, bound: float) -> tuple[int | None, str, float]:
     return proc.returncode, err, time.monotonic() - start
 
 
-def survivors_traces(out: Path, ranks: list[int]) -> None:
-    """The timelines of ``ranks`` under ``out`` hold their allreduces and a closing event."""
+def survivors_traces(out: Path, ranks: list[int], err: str = "") -> None:
+    """The timelines of ``ranks`` under ``out`` hold their allreduces and a closing event;
+    ``err``, hvdliterun's output, goes into the failure (how the ranks ended)."""
     for r in ranks:
         trace = load(str(out / f"trace.{r}.json"))
         names = {e.get("name") for e in trace.events}
-        assert "MPI_ALLREDUCE" in names and "trace_end" in names, (r, sorted(map(str, names)))
+        assert "MPI_ALLREDUCE" in names and "trace_end" in names, \
+            (r, sorted(map(str, names)), err[-4000:])
 
 
 def verdict_line(err: str) -> str:

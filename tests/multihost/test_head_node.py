@@ -46,4 +46,4 @@ def test_host_killed_is_named_alone_from_a_head_node(three_hosts: Cluster) -> No
                               "was ended"), err[-3000:]
     assert n1 not in verdict, verdict  # host 1's wrappers were the MPI launcher's teardown
     assert seconds < KILLED_BOUND_S, (seconds, err[-3000:])
-    survivors_traces(out, [0, 1])
+    survivors_traces(out, [0, 1], err)

@@ -245,7 +245,7 @@ def test_host_killed_mid_job(cluster: Cluster) -> None:
                               "was ended"), err[-3000:]
     assert n1 not in verdict, verdict  # only the host that was killed
     assert seconds < KILLED_BOUND_S, (seconds, err[-3000:])
-    survivors_traces(out, [0, 1])
+    survivors_traces(out, [0, 1], err)
 
 
 def stopped_answering(verdict: str, host: str, ranks: str) -> float:
@@ -278,7 +278,7 @@ def test_host_cut_off_mid_job(cluster: Cluster) -> None:
                 break
             time.sleep(0.5)
         assert "mh_forever.py" not in ps, ps
-        survivors_traces(out, [2, 3])
+        survivors_traces(out, [2, 3], err)
     finally:
         cluster.reconnect(2)
         cluster.revive(2)
@@ -293,4 +293,4 @@ def test_host_cut_off_mid_job(cluster: Cluster) -> None:
     assert cluster.host(1).name not in verdict, verdict
     assert seconds < CUT_BOUND_S, (seconds, err[-3000:])
     assert "failed first" not in err, err[-3000:]  # the cut-off ranks' reports name no cause
-    survivors_traces(out, [0, 1])
+    survivors_traces(out, [0, 1], err)
