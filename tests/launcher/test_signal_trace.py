@@ -172,3 +172,13 @@ def test_guard_leaves_a_child_that_ended_alone(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "ran" in proc.stdout
     assert not list(report_dir.iterdir()), list(report_dir.iterdir())
+
+
+def test_ending_waits_for_the_timeline_within_the_wrappers_grace() -> None:
+    """A rank told to end (a host lost, the launcher gone) writes its timeline first, waiting
+    for the writer at most ``TIMELINE_CLOSE_S``; the wrapper SIGTERMs a rank still there
+    ``ABORT_GRACE_S`` after the order, so that wait must end first, or a slow writer's
+    ``trace_end`` would be cut off by the next step of the ending."""
+    from hvdlite._rankside import ending
+
+    assert 0 < ending.TIMELINE_CLOSE_S < _rankwrap.ABORT_GRACE_S
