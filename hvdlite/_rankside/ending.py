@@ -39,10 +39,11 @@ __all__ = [
     "tell_on_announce",
 ]
 
-# Longest wait for the timeline writer before the process ends. Below the rank wrapper's
-# ABORT_GRACE_S (4 s), after which it SIGTERMs a rank still there. 2 s was once too short for
-# a survivor's writer on a loaded 2-core machine (its trace lacked trace_end), the likely cause
-# of one multihost failure; a writer that finishes sooner ends the rank sooner.
+# Longest wait for the timeline writer before the process ends; below the rank wrapper's
+# ABORT_GRACE_S (4 s), after which it SIGTERMs a rank still there. A writer cut off by this
+# wait leaves a trace without trace_end, as one survivor's was in a full run on a loaded
+# 2-core machine (whether by this wait was not shown); a writer done sooner ends the rank
+# sooner.
 TIMELINE_CLOSE_S = 3.0
 
 _lock = threading.Lock()

@@ -35,7 +35,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from hvdlite.errors import HvdliteError
 
-__all__ = ["accumulate", "claim", "claimable", "hook", "new_group", "targets"]
+__all__ = ["ALIGN_BYTES", "accumulate", "claim", "claimable", "hook", "new_group", "targets"]
 
 Hook = Callable[[torch.Tensor], Any]
 # A group member as a call resolves it: (parameter, its hooks, its home, the autograd node
@@ -265,13 +265,16 @@ def targets(key: int) -> list[torch.Tensor]:
         into = home() if home is not None and param.grad is None else None
         # Inductor compiles for aligned inputs and runs a misaligned one on a copy, written
         # back only when the graph returns: after this group's bucket was launched from it.
-        if into is None or into.data_ptr() % _ALIGN:
+        if into is None or into.data_ptr() % ALIGN_BYTES:
             into = torch.empty_like(param)
         out.append(into)
     return out
 
 
-_ALIGN = 16  # bytes (inductor's alignment of inputs)
+#: Where a tensor a compiled graph writes in place must start (bytes): inductor compiles for
+#: inputs aligned so and runs a misaligned one on an aligned copy (``copy_misaligned_inputs``).
+#: Bucket buffers place their members' views on it (``_buckets._layout``).
+ALIGN_BYTES = 16
 
 
 def accumulate(key: int, into: Sequence[torch.Tensor]) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from hvdlite._torchref import numpy_dtype
+from hvdlite.torch._accumulate import ALIGN_BYTES
 from hvdlite.torch._accumulate import hook as accumulation_hook
 from hvdlite.torch.compression import Compression, _CastCompressor
 from hvdlite.torch.functions import broadcast_object
@@ -192,17 +193,14 @@ class Bucket:
 _GRAD = operator.attrgetter("grad")
 _SPARSE = operator.attrgetter("is_sparse")
 
-_ALIGN_BYTES = 16
-
-
 def _layout(params: Sequence[torch.Tensor]) -> tuple[list[int], int]:
     """(each member's offset in a flat buffer of ``params``, in elements of the first's
-    type; the buffer's length): consecutive, each member starting on an ``_ALIGN_BYTES``
+    type; the buffer's length): consecutive, each member starting on an ``ALIGN_BYTES``
     boundary. A compiled backward writes a gradient in place only into an aligned view
     (inductor runs a misaligned input on an aligned copy: hvdlite/torch/_accumulate.py), and
     one odd-sized member (a 10-class head's bias) would leave every later view misaligned. The
     padding is zeros, reduced with the rest (any reduction of zeros is zero)."""
-    step = max(1, _ALIGN_BYTES // params[0].element_size())
+    step = max(1, ALIGN_BYTES // params[0].element_size())
     offsets, at = [], 0
     for p in params:
         offsets.append(at)
