@@ -25,9 +25,12 @@ compile, register and claim.
 from __future__ import annotations
 
 import itertools
+import operator
 import random
 import weakref
+from collections import deque
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from typing import Any
 
 import torch
@@ -66,7 +69,7 @@ _KEYS = itertools.count()
 # hook or claim: resolved once per change, not per call (this runs on the autograd thread of
 # every step). A row's accumulator node holds its parameter, as the hooks do; the rows go
 # with the hooks (an optimizer collected removes its hooks, and so empties this).
-_resolved: dict[int, tuple[int, list[Row] | None, int]] = {}
+_resolved: dict[int, tuple[int, _Group | None, int]] = {}
 # An autograd node keeps the stream that was current when it was made, and at the end of each
 # backward the engine joins the caller's stream to the stream of every leaf node it ran. Kept
 # here across steps, a node would tie every later backward to the stream of the step that
@@ -77,6 +80,37 @@ _resolved: dict[int, tuple[int, list[Row] | None, int]] = {}
 # ``targets`` and ``accumulate`` of one group, resolves anew), so its nodes go with its graph,
 # the next forward makes new ones, and the next backward keeps those.
 _task: list[Any] = [-1, None, 0]  # the latest call's backward, device and stream
+
+
+class _Group:
+    """A group's rows (``rows``) as :func:`_members` resolved them, and what the common
+    step's calls need of them, each in one C-level pass (this runs per bucket and step on
+    the autograd thread): where every member is alive, its ``params``, their accumulator
+    ``nodes`` and homes, and every (hook, parameter) call in order; ``views``, once a
+    :func:`targets` call found every home an aligned tensor, those tensors."""
+
+    __slots__ = ("rows", "params", "nodes", "homes", "calls", "views")
+
+    def __init__(self, rows: list[Row]) -> None:
+        self.rows = rows
+        live = all(r[0] is not None and r[3] is not None for r in rows)
+        self.params: tuple[torch.Tensor, ...] | None = \
+            tuple(r[0] for r in rows) if live else None  # type: ignore[misc]
+        self.nodes = tuple(r[3] for r in rows)
+        self.homes = tuple(r[2] for r in rows) \
+            if live and all(r[2] is not None for r in rows) else None
+        self.calls: tuple[tuple[Hook, torch.Tensor], ...] = tuple(
+            (fn, param) for param, fns, _home, _node in rows if param is not None
+            for fn in fns)
+        self.views: list[torch.Tensor] | None = None
+
+    def fresh(self) -> bool:
+        """Whether every member is alive and has no ``.grad`` (after ``zero_grad()``)."""
+        return self.params is not None \
+            and all(map(operator.is_, map(_GRAD, self.params), repeat(None)))
+
+
+_GRAD = operator.attrgetter("grad")
 
 
 class HookHandle:
@@ -185,7 +219,7 @@ def new_group(params: Sequence[torch.Tensor]) -> int:
     return key
 
 
-def _members(key: int) -> list[Row]:
+def _members(key: int) -> _Group:
     """Group ``key``'s (parameter, its hooks, its home, its accumulator node) as of the hooks'
     latest change, kept while its backward runs on one stream (see ``_resolved``).
     ``HvdliteError`` if a capture runs it on another stream than its last backward (the
@@ -221,9 +255,10 @@ def _members(key: int) -> list[Row]:
         rows.append((param, tuple(owned.fns.values()) if owned.claimed else (), owned.home,
                      node))
     # After a change of stream this backward's nodes may be the old stream's: not kept.
-    _resolved[key] = (stream, rows, -1) if keep \
+    group = _Group(rows)
+    _resolved[key] = (stream, group, -1) if keep \
         else (stream, None, torch._C._current_graph_task_id())
-    return rows
+    return group
 
 
 def _stream_of_backward(key: int) -> int:
@@ -252,13 +287,29 @@ def _accumulating(node: Any) -> bool:
         return True
 
 
+def _all_accumulating(nodes: tuple[Any, ...]) -> bool:
+    """:func:`_accumulating` of every node, in one pass."""
+    try:
+        return all(map(torch._C._will_engine_execute_node, nodes))
+    except (RuntimeError, TypeError):  # not in a backward, or a node gone (None)
+        return all(map(_accumulating, nodes))
+
+
 def targets(key: int) -> list[torch.Tensor]:
     """Where a compiled backward about to run is to write the gradients of group ``key``'s
     members (its ``hvdlite_grad_*`` inputs, in order): a member's home (its bucket's view) if
     it has no gradient yet and starts on a 16-byte boundary, else a new tensor
     (:func:`accumulate` then makes it ``.grad``, or adds it)."""
+    group = _members(key)
+    views = group.views
+    # The common step (every .grad None): the homes found last time, unless their bucket's
+    # views were made anew (first and last compared: one group, at most two buckets).
+    if views is not None and group.fresh() and group.homes is not None \
+            and group.homes[0]() is views[0] and group.homes[-1]() is views[-1]:
+        return views
     out = []
-    for param, _fns, home, _node in _members(key):
+    homed = group.homes is not None
+    for param, _fns, home, _node in group.rows:
         if param is None:
             raise RuntimeError(f"hvdlite: a compiled backward runs gradient group {key}, "
                                "whose parameters were freed")
@@ -266,8 +317,9 @@ def targets(key: int) -> list[torch.Tensor]:
         # Inductor compiles for aligned inputs and runs a misaligned one on a copy, written
         # back only when the graph returns: after this group's bucket was launched from it.
         if into is None or into.data_ptr() % ALIGN_BYTES:
-            into = torch.empty_like(param)
+            into, homed = torch.empty_like(param), False
         out.append(into)
+    group.views = out if homed else None
     return out
 
 
@@ -284,10 +336,16 @@ def accumulate(key: int, into: Sequence[torch.Tensor]) -> None:
     one is added to it (one batched add); then each member's hooks, in the group's order. A
     parameter this backward does not accumulate into (``torch.autograd.grad`` of the inputs)
     is left alone, its hooks not run."""
+    group = _members(key)
+    if group.fresh() and _all_accumulating(group.nodes):  # the common step: no Python per member
+        deque(map(setattr, group.params, repeat("grad"), into), maxlen=0)  # type: ignore[arg-type]
+        for fn, member in group.calls:
+            fn(member)
+        return
     adds: list[torch.Tensor] = []
     adds_from: list[torch.Tensor] = []
     done: list[tuple[torch.Tensor, tuple[Hook, ...]]] = []
-    for (param, fns, _home, node), written in zip(_members(key), into, strict=True):
+    for (param, fns, _home, node), written in zip(group.rows, into, strict=True):
         if param is None or not _accumulating(node):
             continue
         done.append((param, fns))

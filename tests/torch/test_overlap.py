@@ -277,6 +277,44 @@ def test_accumulate_routes_hooks_and_gradients() -> None:
     assert written.data_ptr() != flat[1:].data_ptr() and written.data_ptr() % 16 == 0
 
 
+def test_targets_follow_homes_made_anew_and_gradients_kept() -> None:
+    """A group whose every member takes its home gets the same homes back each step with no
+    call per member (``_accumulate._Group.views``), until a bucket's views are made anew
+    (its homes then name new tensors) or a member has a ``.grad`` (``zero_grad`` to zeros:
+    new tensors, added); each step's result equals the general path's."""
+    def bucket() -> list[torch.Tensor]:  # a flat buffer's views, as Bucket.make_views
+        flat = torch.zeros(8)
+        return [flat[:4], flat[4:]]
+
+    views = [bucket()]
+    a, b = nn.Parameter(torch.ones(4)), nn.Parameter(torch.ones(4))
+    order: list[str] = []
+    _accumulate.hook(a, lambda _p: order.append("a"), home=lambda: views[0][0])
+    _accumulate.hook(b, lambda _p: order.append("b"), home=lambda: views[0][1])
+    _accumulate.claim([a, b], "frame")
+    key = _accumulate.new_group([a, b])
+
+    def step(fresh: bool) -> list[torch.Tensor]:
+        if fresh:
+            a.grad = b.grad = None
+        into = _accumulate.targets(key)
+        for t in into:
+            t.fill_(1.0)  # the graph writes each gradient
+        _accumulate.accumulate(key, into)
+        return into
+
+    first = step(True)
+    assert first == views[0] and a.grad is views[0][0] and b.grad is views[0][1]
+    assert step(True) is first  # the kept homes, no call per member
+    old, views[0] = views[0], bucket()  # the bucket's views made anew
+    moved = step(True)
+    assert moved is not first and moved == views[0] and a.grad is views[0][0]
+    added = step(False)  # every member has a .grad: new tensors, added into it
+    assert all(t is not v for t, v in zip(added, views[0], strict=True))
+    assert a.grad is views[0][0] and torch.equal(torch.cat(views[0]), torch.full((8,), 2.0))
+    assert torch.equal(torch.cat(old), torch.ones(8)) and order == ["a", "b"] * 4
+
+
 def test_accumulator_nodes_are_kept_per_stream(monkeypatch: Any) -> None:
     """The bookkeeping of the nodes a group keeps (``_accumulate._resolved``), with the
     backward's stream given (on CUDA it is the current stream: tests/torch/test_gpu_graphs.py
