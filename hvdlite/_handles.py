@@ -18,12 +18,18 @@ state no gate is ever made: ``wait`` lets the scheduler run the pending cycle on
 thread first (progress on wait, ``_control/scheduler.py``), which resolves the handle itself.
 Bookkeeping of every handle shares one module lock: completions run inside cycles, one at a
 time, so it is never contended there, and a lock per handle would cost an allocation per call.
+
+A frontend whose result is made from several core collectives (alltoall's pair, a sparse
+tensor rebuilt from two gathers, a bfloat16 result rounded back) returns the same type, made by
+:meth:`Handle.derived`: it resolves on the first thread that waits for it, or polls it
+complete, by applying the frontend's function to its parts' results.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -72,6 +78,7 @@ class Handle:
         "name",
         "_async",
         "_completions",
+        "_derive",
         "_device",
         "_done",
         "_driver",
@@ -101,6 +108,25 @@ class Handle:
         self._waiter: Callable[[Handle, Any], None] | None = None
         # The engine's progress function: runs pending cycles on a thread that would block.
         self._driver: Callable[[Handle], None] | None = None
+        # A derived handle's parts, its function of their results, and the lock that runs it
+        # once (see derived); None for a collective's own handle.
+        self._derive: tuple[list[Handle], Callable[[list[Any]], Any], threading.Lock] | None = None
+
+    @classmethod
+    def derived(cls, name: str, parts: Sequence[Handle],
+                finish: Callable[[list[Any]], Any]) -> Handle:
+        """A handle whose result is ``finish([part.wait() for part in parts])``.
+
+        For frontends whose result is made from core collectives' results (alltoall's
+        output and splits, a sparse tensor from its gathers, a dtype NumPy cannot hold). Never
+        blocks. ``finish`` runs once, on the first thread that waits for the handle or polls it
+        complete; the parts' waits run on the waiting thread (device parts order its current
+        stream, as their own ``wait`` does). A part's error, or one raised by ``finish``, is
+        the handle's error, raised by every later wait.
+        """
+        handle = cls(name)
+        handle._derive = (list(parts), finish, threading.Lock())
+        return handle
 
     # -- set up by the collective at submission ------------------------------------------
     def attach_device(self, waiter: Callable[[Handle, Any], None], async_completion: bool,
@@ -165,6 +191,12 @@ class Handle:
         the device (checked with a non-blocking event query)."""
         if self._done:
             return True
+        derive = self._derive
+        if derive is not None:
+            if all(p.poll() for p in derive[0]):
+                self._join(None)
+                return True
+            return False
         if self._resolved and all(e.done for e in self._events):
             self._finish()
             return True
@@ -198,6 +230,9 @@ class Handle:
     def _await_resolved(self, timeout: float | None) -> None:
         if self._resolved:
             return
+        if self._derive is not None:
+            self._join(timeout)
+            return
         driver = self._driver
         if driver is not None and timeout is None:
             driver(self)
@@ -213,6 +248,39 @@ class Handle:
         if not gate.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
             raise TimeoutError(f"collective {self.name!r} did not complete in {timeout} s")
         gate.release()  # let every other waiter through too
+
+    def _join(self, timeout: float | None) -> None:
+        """Resolve a derived handle: wait for its parts (on this thread, outside the lock, so
+        concurrent waiters each wait), then run its function once."""
+        derive = self._derive
+        if derive is None:  # another thread resolved it meanwhile
+            return
+        parts, finish, lock = derive
+        deadline = None if timeout is None else time.monotonic() + timeout
+        results: list[Any] = []
+        error: BaseException | None = None
+        for part in parts:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            try:
+                results.append(part.wait(left))
+            except TimeoutError:
+                raise TimeoutError(f"collective {self.name!r} did not complete in "
+                                   f"{timeout} s") from None
+            except BaseException as exc:  # noqa: BLE001 - the part's error is this handle's
+                error = exc
+                break
+        with lock:
+            if self._resolved:
+                return
+            try:
+                if error is not None:
+                    raise error
+                value = finish(results)
+            except BaseException as exc:  # noqa: BLE001 - delivered to every waiter
+                self.fail(exc)
+            else:
+                self.set_result(value)
+            self._derive = None
 
     def _finish(self) -> None:
         """Sync completion of device work, on this thread: wait for DONE (CuPy releases the
@@ -289,6 +357,10 @@ class Handle:
         if not self._done:
             self._finish()
         return self._exc
+
+    def __call__(self) -> Any:
+        """:meth:`wait` (Horovod's ``sparse_allreduce_async`` returns a callable)."""
+        return self.wait()
 
     def __repr__(self) -> str:
         state = "pending" if not self.poll() else ("failed" if self._exc else "done")

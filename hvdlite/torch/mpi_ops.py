@@ -23,7 +23,7 @@ global ranks, as in Horovod), and a rank outside the set gets
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -35,14 +35,13 @@ from hvdlite._torchref import entry_of as _entry_of
 from hvdlite._torchref import stream_of
 from hvdlite._vocab.messages import Kind
 from hvdlite.errors import NotInitializedError
-from hvdlite.torch._handles import Handle, SparseHandle
 from hvdlite.torch._rules import check_tensor, factors, horovod_name, invalid, scale
 from hvdlite.torch.basics import Average, InvalidArgumentError, Sum, resolve_op
 from hvdlite.torch.errors import NotInitializedValueError
 from hvdlite.torch.process_sets import Resolved, global_process_set, resolve
 
 __all__ = [
-    "Handle", "SparseHandle", "allreduce_async", "allreduce_async_", "allreduce_",
+    "Handle", "allreduce_async", "allreduce_async_", "allreduce_",
     "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_allreduce_",
     "allgather_async", "grouped_allgather_async", "broadcast_async", "broadcast_async_",
     "broadcast_", "alltoall_async", "reducescatter_async", "grouped_reducescatter_async",
@@ -129,7 +128,7 @@ _TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
 _F16, _BF16 = torch.float16, torch.bfloat16
 _GLOBAL = global_process_set
 _ALLREDUCE = Kind.ALLREDUCE
-_CORE_HANDLE = hvdlite.Handle
+Handle = hvdlite.Handle
 
 
 def _allreduce(tensors: Sequence[Any], name: str | None, op: ReduceOp, pre: Any, post: Any,
@@ -212,7 +211,13 @@ def _scaled(tensors: list[torch.Tensor], name: str | None,
             final.append(r)
         return final if group else final[0]
 
-    return Handle([part], finish)
+    return _derived([part], finish)
+
+
+def _derived(parts: list[Any], finish: Callable[[list[Any]], Any]) -> Handle:
+    """The caller's handle for a result made from core collectives' results (named after the
+    first, whose name the core chose or checked)."""
+    return Handle.derived(parts[0].name, parts, finish)
 
 
 def _send(t: torch.Tensor, pre: float, inplace: bool) -> torch.Tensor:
@@ -350,7 +355,7 @@ def _allgather(tensors: list[torch.Tensor], name: str | None, group: bool,
         outs = [_unraw(r, t.dtype) for r, t in zip(results, tensors, strict=True)]
         return outs if group else outs[0]
 
-    return Handle(parts, finish)
+    return _derived(parts, finish)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -381,8 +386,8 @@ def _broadcast(tensor: torch.Tensor, root_rank: int, name: str | None, inplace: 
     part = _core(fn, _raw(tensor), root_rank, horovod_name("broadcast", name),
                  process_set=ps.core)
     if inplace:
-        return Handle([part], lambda _results: tensor)
-    return Handle([part], lambda results: _unraw(results[0], tensor.dtype))
+        return _derived([part], lambda _results: tensor)
+    return _derived([part], lambda results: _unraw(results[0], tensor.dtype))
 
 
 def _split_list(splits: Any, what: str) -> list[int] | None:
@@ -432,7 +437,7 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     def finish(results: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         return _unraw(results[1], tensor.dtype), results[0].to(split_dtype)
 
-    return Handle([counts, data], finish)
+    return _derived([counts, data], finish)
 
 
 def _rs_one(t: torch.Tensor, name: str | None, core_op: ReduceOp, pre: float,
@@ -457,7 +462,7 @@ def _reducescatter(tensors: list[torch.Tensor], name: str | None, op: Any, pre: 
                 for r, t in zip(results, tensors, strict=True)]
         return outs if group else outs[0]
 
-    return Handle(parts, finish)
+    return _derived(parts, finish)
 
 
 def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any = Average,
@@ -483,10 +488,10 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
 
 
 def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: Any,
-                           process_set: Any = global_process_set) -> SparseHandle:
+                           process_set: Any = global_process_set) -> Handle:
     """Reduce a sparse COO tensor by gathering every rank's indices and values (Average
-    divides the values by the size of ``process_set``). Returns a callable handle:
-    ``handle()`` waits and returns the (uncoalesced) sparse result."""
+    divides the values by the size of ``process_set``). Returns a handle that is also
+    callable, as Horovod's: ``handle()`` waits and returns the (uncoalesced) sparse result."""
     what = "sparse_allreduce_async"
     if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
         raise TypeError(f"{what}: expected a sparse COO torch.Tensor")
@@ -510,7 +515,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None, op: Any,
             vals = vals / n
         return torch.sparse_coo_tensor(idx.t(), vals, tensor.size(), check_invariants=False)
 
-    return SparseHandle(Handle([ih, vh], finish))
+    return _derived([ih, vh], finish)
 
 
 def join(device: int = -1) -> int:
@@ -538,7 +543,7 @@ def poll(handle: Any) -> bool:
 def synchronize(handle: Any) -> Any:
     """Wait for ``handle`` and return its result (a tensor, a list of tensors for grouped
     calls, ``(output, received_splits)`` for alltoall)."""
-    if type(handle) is _CORE_HANDLE:  # an allreduce's: no bound method made
+    if type(handle) is Handle:  # an allreduce's: no bound method made
         return handle.wait()
     try:
         wait = handle.wait

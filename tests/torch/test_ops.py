@@ -11,6 +11,8 @@ import torch
 from mpi_util import timed_barrier
 from torch_util import ALL_DTYPES, make, reduce_ref
 
+import hvdlite
+
 OPS = ["Sum", "Average", "Min", "Max", "Product"]
 
 
@@ -193,7 +195,9 @@ def test_alltoall(hvd: Any) -> None:
         out, received = hvd.alltoall(ins[me], torch.tensor(splits[me], dtype=torch.int32))
         assert torch.equal(out, expect)
         assert received.tolist() == [splits[r][me] for r in range(n)]
-        out2, rec2 = hvd.synchronize(hvd.alltoall_async(ins[me], splits[me], name=f"a2a{i}"))
+        handle = hvd.alltoall_async(ins[me], splits[me], name=f"a2a{i}")
+        assert type(handle) is hvd.Handle is hvdlite.Handle  # one handle type for every call
+        out2, rec2 = hvd.synchronize(handle)
         assert torch.equal(out2, expect) and rec2.dtype == torch.int32
     eq = _all(75, n, (2 * n, 3), torch.float64)
     got = hvd.alltoall(eq[me])
@@ -281,7 +285,7 @@ def test_barrier_objects_and_sparse(hvd: Any) -> None:
         dense[r][4] = 2.0
     for op in ("Sum", "Average"):
         handle = hvd.sparse_allreduce_async(dense[me].to_sparse(), f"sp.{op}", getattr(hvd, op))
-        assert callable(handle)
+        assert callable(handle) and type(handle) is hvdlite.Handle
         got = handle().to_dense()
         expect = sum(dense)
         want = expect / n if op == "Average" else expect  # / n: to one rounding (1 / n)

@@ -231,3 +231,90 @@ def test_sync_device_wait_with_timeout_leaves_completion_to_others() -> None:
     t = later(lambda: h.set_result(7))
     assert h.wait(timeout=WAIT_S) == 7
     t.join(WAIT_S)
+
+
+# -- derived handles (a frontend's result made from several collectives) ------------------
+
+
+def test_derived_resolves_from_its_parts_once() -> None:
+    """Its function runs once, on the waiting thread, on every part's result, in order."""
+    a, b = Handle("a"), Handle("b")
+    calls: list[list[Any]] = []
+
+    def finish(results: list[Any]) -> Any:
+        calls.append(results)
+        return (results[1], results[0])
+
+    h = Handle.derived("pair", [a, b], finish)
+    assert type(h) is Handle and h.name == "pair"
+    assert not h.poll() and "pending" in repr(h)
+    thread = later(lambda: (a.set_result("x"), b.set_result("y")))
+    assert h.wait(WAIT_S) == ("y", "x")
+    thread.join()
+    assert h.poll() and h.wait() == ("y", "x") and h() == ("y", "x")
+    assert calls == [["x", "y"]]
+
+
+def test_derived_poll_completes_it() -> None:
+    a, b = Handle("a"), Handle("b")
+    h = Handle.derived("d", [a, b], lambda r: r[0] + r[1])
+    a.set_result(1)
+    assert not h.poll()  # b pending: nothing computed yet
+    b.set_result(2)
+    assert h.poll() and h.done()
+    assert repr(h) == "<hvdlite.Handle 'd' done>" and h.wait() == 3
+
+
+def test_derived_many_waiters_one_result() -> None:
+    parts = [Handle(f"p{i}") for i in range(3)]
+    calls: list[int] = []
+    h = Handle.derived("many", parts, lambda r: calls.append(1) or sum(r))
+    got: list[Any] = []
+    waiters = [threading.Thread(target=lambda: got.append(h.wait(WAIT_S))) for _ in range(6)]
+    for t in waiters:
+        t.start()
+    thread = later(lambda: [p.set_result(i + 1) for i, p in enumerate(parts)])
+    for t in [*waiters, thread]:
+        t.join(WAIT_S)
+    assert got == [6] * 6 and calls == [1]
+
+
+def test_derived_timeout_then_completion() -> None:
+    a = Handle("a")
+    h = Handle.derived("slow pair", [a], lambda r: r[0] * 2)
+    with pytest.raises(TimeoutError, match="'slow pair' did not complete in 0.05 s"):
+        h.wait(timeout=0.05)
+    a.set_result(21)
+    assert h.wait(WAIT_S) == 42
+
+
+def test_derived_carries_a_parts_failure_to_every_wait() -> None:
+    a, b = Handle("a"), Handle("b")
+    h = Handle.derived("d", [a, b], lambda r: pytest.fail("finish ran after a failure"))
+    a.set_result(1)
+    b.fail(MismatchError("b: shapes differ across ranks"))
+    for _ in range(2):
+        with pytest.raises(MismatchError, match="shapes differ"):
+            h.wait(WAIT_S)
+    assert h.poll() and isinstance(h.exception(), MismatchError)
+    assert "failed" in repr(h)
+
+
+def test_derived_function_error_is_the_handles_error() -> None:
+    a = Handle("a")
+    a.set_result(1)
+    h = Handle.derived("bad", [a], lambda r: {}["missing"])
+    with pytest.raises(KeyError):
+        h.wait(WAIT_S)
+    with pytest.raises(KeyError):
+        h()
+
+
+def test_derived_then_and_wait_stream() -> None:
+    a = Handle("a")
+    h = Handle.derived("d", [a], lambda r: r[0] + 1)
+    child = h.then(lambda v: v * 10)
+    thread = later(lambda: a.set_result(4))
+    h.wait_stream(None)  # host parts: waits
+    assert child.wait(WAIT_S) == 50
+    thread.join()
