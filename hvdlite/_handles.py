@@ -263,10 +263,10 @@ class Handle:
             left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             try:
                 results.append(part.wait(left))
-            except TimeoutError:
-                raise TimeoutError(f"collective {self.name!r} did not complete in "
-                                   f"{timeout} s") from None
             except BaseException as exc:  # noqa: BLE001 - the part's error is this handle's
+                if isinstance(exc, TimeoutError) and left is not None:
+                    raise TimeoutError(f"collective {self.name!r} did not complete in "
+                                       f"{timeout} s") from None
                 error = exc
                 break
         with lock:
