@@ -122,7 +122,8 @@ class Handle:
         blocks. ``finish`` runs once, on the first thread that waits for the handle or polls it
         complete; the parts' waits run on the waiting thread (device parts order its current
         stream, as their own ``wait`` does). A part's error, or one raised by ``finish``, is
-        the handle's error, raised by every later wait.
+        the handle's error, raised by every later wait; an interrupt of the waiting thread
+        (``KeyboardInterrupt``, a signal handler's exception) abandons only that wait.
         """
         handle = cls(name)
         handle._derive = (list(parts), finish, threading.Lock())
@@ -263,7 +264,8 @@ class Handle:
             left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             try:
                 results.append(part.wait(left))
-            except BaseException as exc:  # noqa: BLE001 - the part's error is this handle's
+            except Exception as exc:  # the part's error is this handle's; an interrupt
+                # (KeyboardInterrupt, a signal handler's exception) only abandons this wait
                 if isinstance(exc, TimeoutError) and left is not None:
                     raise TimeoutError(f"collective {self.name!r} did not complete in "
                                        f"{timeout} s") from None
@@ -276,7 +278,7 @@ class Handle:
                 if error is not None:
                     raise error
                 value = finish(results)
-            except BaseException as exc:  # noqa: BLE001 - delivered to every waiter
+            except Exception as exc:  # delivered to every waiter
                 self.fail(exc)
             else:
                 self.set_result(value)

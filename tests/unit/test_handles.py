@@ -318,3 +318,30 @@ def test_derived_then_and_wait_stream() -> None:
     h.wait_stream(None)  # host parts: waits
     assert child.wait(WAIT_S) == 50
     thread.join()
+
+
+class _Alarm(BaseException):
+    """What a signal handler raises in the waiting thread (as pytest-timeout's does)."""
+
+
+def test_an_interrupt_abandons_a_derived_wait_and_nothing_else() -> None:
+    """A signal handler's exception in the waiting thread ends that wait only: the handle
+    stays pending, and the next wait gets the result."""
+    import signal
+
+    def alarm(*_: object) -> None:
+        raise _Alarm
+
+    a = Handle("a")
+    h = Handle.derived("interrupted", [a], lambda r: r[0] + 1)
+    before = signal.signal(signal.SIGALRM, alarm)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        with pytest.raises(_Alarm):
+            h.wait(WAIT_S)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+    assert not h.poll() and "pending" in repr(h)
+    a.set_result(1)
+    assert h.wait(WAIT_S) == 2 and h.exception() is None
