@@ -21,8 +21,8 @@ time, so it is never contended there, and a lock per handle would cost an alloca
 
 A frontend whose result is made from several core collectives (alltoall's pair, a sparse
 tensor rebuilt from two gathers, a bfloat16 result rounded back) returns the same type, made by
-:meth:`Handle.derived`: it resolves on the first thread that waits for it, or polls it
-complete, by applying the frontend's function to its parts' results.
+:meth:`Handle.derived`: it resolves on the first thread that waits for it, by applying the
+frontend's function to its parts' results there.
 """
 
 from __future__ import annotations
@@ -119,9 +119,10 @@ class Handle:
 
         For frontends whose result is made from core collectives' results (alltoall's
         output and splits, a sparse tensor from its gathers, a dtype NumPy cannot hold). Never
-        blocks. ``finish`` runs once, on the first thread that waits for the handle or polls it
-        complete; the parts' waits run on the waiting thread (device parts order its current
-        stream, as their own ``wait`` does). A part's error, or one raised by ``finish``, is
+        blocks. ``finish`` runs once, on the first thread that waits for the handle, after the
+        parts' waits there (device parts order that thread's current stream, as their own
+        ``wait`` does, so ``finish``'s work on it sees their results); ``poll`` only asks the
+        parts. Later waits return the same result. A part's error, or one raised by ``finish``, is
         the handle's error, raised by every later wait; an interrupt of the waiting thread
         (``KeyboardInterrupt``, a signal handler's exception) abandons only that wait.
         """
@@ -193,11 +194,8 @@ class Handle:
         if self._done:
             return True
         derive = self._derive
-        if derive is not None:
-            if all(p.poll() for p in derive[0]):
-                self._join(None)
-                return True
-            return False
+        if derive is not None:  # its function runs in a wait, on the waiter's stream
+            return all(p.poll() for p in derive[0])
         if self._resolved and all(e.done for e in self._events):
             self._finish()
             return True

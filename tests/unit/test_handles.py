@@ -255,14 +255,16 @@ def test_derived_resolves_from_its_parts_once() -> None:
     assert calls == [["x", "y"]]
 
 
-def test_derived_poll_completes_it() -> None:
+def test_derived_poll_asks_the_parts_and_the_wait_computes() -> None:
+    """poll runs no function (on a device its work belongs on the waiter's stream)."""
     a, b = Handle("a"), Handle("b")
-    h = Handle.derived("d", [a, b], lambda r: r[0] + r[1])
+    calls: list[int] = []
+    h = Handle.derived("d", [a, b], lambda r: calls.append(1) or r[0] + r[1])
     a.set_result(1)
-    assert not h.poll()  # b pending: nothing computed yet
+    assert not h.poll()  # b pending
     b.set_result(2)
-    assert h.poll() and h.done()
-    assert repr(h) == "<hvdlite.Handle 'd' done>" and h.wait() == 3
+    assert h.poll() and h.done() and calls == []
+    assert repr(h) == "<hvdlite.Handle 'd' done>" and h.wait() == 3 and calls == [1]
 
 
 def test_derived_many_waiters_one_result() -> None:
