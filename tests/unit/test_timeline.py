@@ -420,7 +420,12 @@ if mode in ("user-after", "user-continues"):
 for i in range(3000):
     tl.instant("grad", "tick", {"i": i}, ts_us=float(i))
 print("ready", flush=True)
-time.sleep(0.5 if mode == "user-continues" else 60)
+# Slices, not one long sleep: CPython runs a Python handler between bytecodes, so a signal
+# that lands after the print but before the sleep's system call has begun would be handled
+# only when a 60 s sleep ended (the parent signals right after reading "ready").
+deadline = time.monotonic() + (0.5 if mode == "user-continues" else 60)
+while time.monotonic() < deadline:
+    time.sleep(0.05)
 print("slept", flush=True)
 """
 
@@ -448,11 +453,13 @@ def _hook_child(tmp_path: Path, mode: str, sig: signal.Signals) -> tuple[int, st
     script = tmp_path / "hook.py"
     script.write_text(textwrap.dedent(_HOOK_CHILD))
     # One thread in the child besides the writer (which blocks these signals, as every quiet
-    # hvdlite thread does: hvdlite/_threads.py). NumPy, which the timeline imports, starts an
-    # OpenBLAS thread that does not; a signal the kernel hands to it would leave the main
-    # thread in its 60 s sleep. Held to one thread, that cannot happen; yet a full run of the
-    # suite failed once more after (2026-11-29, [default-2]), so the cause of those timeouts
-    # is still open: a timeout now reports the child's threads and signal masks.
+    # hvdlite thread does: hvdlite/_threads.py, tested in test_threads.py). NumPy, which the
+    # timeline imports, starts an OpenBLAS thread that does not; held to one thread. Full runs
+    # of the suite still timed out here now and then ([default-2], twice). One cause that fits,
+    # not reproduced (0 of 700 tries, loaded or not): the signal landing between the child's
+    # "ready" and its sleep's system call, which then sleeps out its 60 s before the handler
+    # runs. The child sleeps in short slices, which closes that window; a timeout still
+    # reports the child's threads and signal masks.
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, str(script), str(path), mode, sig.name],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
