@@ -422,10 +422,15 @@ class IpcScheduleTransport(DeviceSlots):
         (which this transport cannot see drain), pass only if the 1s keep coming. So every
         flag of the inbox is set to 1 from a stream of its own, every millisecond."""
         count = _KINDS * self.n * self.size
-        with contextlib.suppress(Exception), self.cupy.cuda.Device(self.device_id):
-            while not stop.wait(0.001):
-                checked(self._drv.cuMemsetD32Async(self.side.inbox, 1, count,
-                                                  self._release_stream), "cuMemsetD32Async")
+        try:
+            with self.cupy.cuda.Device(self.device_id):
+                while not stop.wait(0.001):
+                    checked(self._drv.cuMemsetD32Async(self.side.inbox, 1, count,
+                                                      self._release_stream), "cuMemsetD32Async")
+        except Exception as exc:  # noqa: BLE001 - a thread of its own: say it, do not raise
+            # A write that fails once (the context gone) fails again: stop, and say so, since
+            # waits still queued on this GPU are then released only by the process's end.
+            log.warning("hvdlite: the IPC schedule stopped releasing its waits (%s)", exc)
 
     def close(self) -> None:
         # Local, as the NCCL transport's: once the stream is idle, or after a bounded wait and

@@ -295,6 +295,12 @@ def _all_accumulating(nodes: tuple[Any, ...]) -> bool:
         return all(map(_accumulating, nodes))
 
 
+#: Where a tensor a compiled graph writes in place must start (bytes): inductor compiles for
+#: inputs aligned so and runs a misaligned one on an aligned copy (``copy_misaligned_inputs``).
+#: Bucket buffers place their members' views on it (``_buckets._layout``).
+ALIGN_BYTES = 16
+
+
 def targets(key: int) -> list[torch.Tensor]:
     """Where a compiled backward about to run is to write the gradients of group ``key``'s
     members (its ``hvdlite_grad_*`` inputs, in order): a member's home (its bucket's view) if
@@ -321,12 +327,6 @@ def targets(key: int) -> list[torch.Tensor]:
         out.append(into)
     group.views = out if homed else None
     return out
-
-
-#: Where a tensor a compiled graph writes in place must start (bytes): inductor compiles for
-#: inputs aligned so and runs a misaligned one on an aligned copy (``copy_misaligned_inputs``).
-#: Bucket buffers place their members' views on it (``_buckets._layout``).
-ALIGN_BYTES = 16
 
 
 def accumulate(key: int, into: Sequence[torch.Tensor]) -> None:
