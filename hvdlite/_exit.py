@@ -95,7 +95,8 @@ def abort_job(comm: Any, reason: str, exitcode: int = 1, *,
     """End the whole MPI job now because of ``reason``; never returns.
 
     Prints the reason once (:func:`hvdlite._rankside.ending.announce`), closes ``timeline``
-    (waiting at most ``ending.TIMELINE_CLOSE_S`` for its writer), leaves the failure report
+    and every other open one (waiting at most ``ending.TIMELINE_CLOSE_S`` for their writers:
+    :func:`hvdlite._rankside.ending.close_timelines`), leaves the failure report
     for ``hvdliterun``, flushes stdio and, ``DRAIN_S`` later (the launcher has forwarded the
     reason by then), calls ``comm.Abort(exitcode)``, which makes the MPI launcher end every
     rank. If MPI is already finalized, or Abort fails or does not end the process within
@@ -103,9 +104,7 @@ def abort_job(comm: Any, reason: str, exitcode: int = 1, *,
     ``comm`` may be None (no MPI: just exit).
     """
     ending.announce(reason, comm)
-    if timeline is not None:
-        with contextlib.suppress(Exception):
-            timeline.close(ending.TIMELINE_CLOSE_S)
+    ending.close_timelines(timeline)
     ending.report_to_launcher(exitcode)
     ending.flush_stdio()
     _hard_exit_later(ABORT_GRACE_S, exitcode)

@@ -457,7 +457,12 @@ class Negotiator:
         return obj if self.rank == 0 else pickle.loads(buf.tobytes())
 
     def _shutdown_reason(self, stopping: bool) -> ShutdownError:
-        first = self.comm.allreduce(self.rank if stopping else self.size, op=MPI.MIN)
+        # A byte collective, polled, as every other round: mpi4py's pickle-based allreduce
+        # holds the GIL while it waits, so a peer that died here froze the whole process (no
+        # timeline writes, no signal handler, no watchdog) until the rank wrapper's SIGKILL.
+        first_of = np.array([self.rank if stopping else self.size], np.int64)
+        self._wait(self.comm.Iallreduce(MPI.IN_PLACE, [first_of, MPI.INT64_T], op=MPI.MIN))
+        first = int(first_of[0])
         if stopping and first == self.rank:
             return ShutdownError("hvdlite.shutdown() was called before it completed")
         return ShutdownError(

@@ -9,7 +9,8 @@ The pieces every way of ending a rank shares: the launcher's order to end it
   many threads and paths get there; a pipe handed to :func:`tell_on_announce` gets ``b"a"``
   when it happens (an exit guard's watchdog process, which then does not print it again).
 - :func:`report_to_launcher` leaves the rank's failure report where ``hvdliterun`` reads it.
-- :func:`exit_now` is the whole sequence: say why, close the timeline, flush, ``os._exit``.
+- :func:`close_timelines` writes every timeline of the process before it ends.
+- :func:`exit_now` is the whole sequence: say why, close the timelines, flush, ``os._exit``.
 
 Importing this module has no side effects and does not import MPI.
 """
@@ -21,8 +22,10 @@ import json
 import os
 import sys
 import threading
+import time
 from typing import IO, TYPE_CHECKING, Any, NoReturn
 
+from hvdlite._observe import signals
 from hvdlite._rankside import protocol
 
 if TYPE_CHECKING:
@@ -31,6 +34,7 @@ if TYPE_CHECKING:
 __all__ = [
     "TIMELINE_CLOSE_S",
     "announce",
+    "close_timelines",
     "exit_now",
     "flush_stdio",
     "forget_pipe",
@@ -150,15 +154,29 @@ def report_to_launcher(exitcode: int) -> None:
             os.write(int(fd), json.dumps({"t": "failing", "code": exitcode}).encode() + b"\n")
 
 
+def close_timelines(timeline: Timeline | None = None) -> None:
+    """Close ``timeline`` and every other timeline of this process still open, waiting at
+    most ``TIMELINE_CLOSE_S`` in all for their writers. Any thread; errors are ignored.
+
+    Every open timeline, not only the one the caller knows: ``shutdown()`` detaches the
+    engine's timeline before closing it, and a rank ended meanwhile (its wrapper killed as a
+    peer failed) once found none to wait for, so its ``os._exit`` cut the writer off halfway
+    through that close (the trace lost its last thousand events and ``trace_end``).
+    """
+    deadline = time.monotonic() + TIMELINE_CLOSE_S
+    for tl in dict.fromkeys([timeline, *signals.LIVE]):
+        if tl is not None:
+            with contextlib.suppress(Exception):
+                tl.close(max(0.0, deadline - time.monotonic()))
+
+
 def exit_now(reason: str, exitcode: int, *, timeline: Timeline | None = None,
              report: bool = False) -> NoReturn:
-    """End this process now, without MPI: :func:`announce` ``reason``, close ``timeline``
-    (waiting at most ``TIMELINE_CLOSE_S`` for its writer), with ``report`` also
+    """End this process now, without MPI: :func:`announce` ``reason``,
+    :func:`close_timelines` (``timeline`` and any other open one), with ``report`` also
     :func:`report_to_launcher`, flush stdio, ``os._exit(exitcode)``. Any thread."""
     announce(reason)
-    if timeline is not None:
-        with contextlib.suppress(Exception):
-            timeline.close(TIMELINE_CLOSE_S)
+    close_timelines(timeline)
     if report:
         report_to_launcher(exitcode)
     flush_stdio()

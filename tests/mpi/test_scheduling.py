@@ -170,3 +170,52 @@ def test_engine_idle_nap_ends_when_work_is_submitted() -> None:
     assert time.perf_counter() - t0 < 20.0, "slept through the submission"
     timer.join()
     assert wake.get_nowait() is None  # the token is back for _wait_for_work
+
+
+def test_shutdown_round_leaves_the_gil_while_a_peer_is_late() -> None:
+    """The round that names who shut down first waits for every rank; while it waits for a
+    late (or dead) peer, this rank's other threads must run: its timeline writer, its watchdog
+    and its signal handlers end a rank whose peer died there. mpi4py's pickle-based
+    ``allreduce`` held the GIL for the whole wait (a dead peer froze the rank until the rank
+    wrapper's SIGKILL: the timeline was lost, issue 19's trace test failed in CI). Rank 0
+    arrives late; the others count what their main thread did meanwhile, and every rank checks
+    the reason it names."""
+    import threading
+    import time
+
+    import pytest
+    from mpi4py import MPI
+
+    from hvdlite._control.negotiator import Negotiator
+    from hvdlite._observe.tracer import Tracer
+    from hvdlite.config import load_config
+
+    if MPI.COMM_WORLD.Get_size() < 2:
+        pytest.skip("needs at least two ranks")
+    comm = MPI.COMM_WORLD.Dup()
+    rank, size = comm.Get_rank(), comm.Get_size()
+    stopping = rank == size - 1  # the last rank called shutdown(); it is the first to
+    neg = Negotiator(comm, load_config(None, {}), Tracer(None, False))
+    try:
+        reasons: list[str] = []
+        worker = threading.Thread(target=lambda: reasons.append(
+            str(neg._shutdown_reason(stopping))))
+        if rank == 0:
+            time.sleep(1.0)  # late: the others wait in the round meanwhile
+            worker.start()
+            worker.join(30)
+        else:
+            worker.start()
+            ran = 0
+            while worker.is_alive() and ran < 3000:
+                time.sleep(0.005)  # needs the GIL back after every sleep
+                ran += 1
+            worker.join(30)
+            assert ran >= 20, f"rank {rank}'s main thread ran {ran} times in the round's wait"
+        assert not worker.is_alive()
+        want = ("shutdown() was called before it completed" if stopping
+                else f"shut down by rank {size - 1}")
+        assert len(reasons) == 1 and want in reasons[0], reasons
+    finally:
+        neg.failures.close()
+        comm.Free()

@@ -77,3 +77,32 @@ def test_the_reason_reaches_the_process_stderr_while_sys_stderr_is_a_buffer() ->
     assert out.returncode == 5, out.stderr
     assert out.stderr == "[hvdlite rank 1] the reason\n", out.stderr
     assert out.stdout == "held: [hvdlite rank 1] the reason\n", out.stdout
+
+
+# A rank told to end while another thread closes its timeline (shutdown() detaches the
+# engine's timeline, then closes it): exit_now knows no timeline, yet must wait for that one.
+_CLOSING = """
+import sys, threading
+from hvdlite._observe.timeline import Timeline
+from hvdlite._rankside import ending
+tl = Timeline(sys.argv[1], 0, hook_signals=False)
+for i in range(int(sys.argv[2])):
+    tl.instant("grad", "tick", {"i": i})
+threading.Thread(target=tl.close).start()
+ending.exit_now("the launcher ended the job", 5)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_exit_now_waits_for_a_timeline_another_thread_is_closing(tmp_path: Path) -> None:
+    from timeline import load
+
+    path, count = tmp_path / "trace.json", 50_000
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "PMI_RANK": "0"}
+    out = subprocess.run([sys.executable, "-c", _CLOSING, str(path), str(count)],
+                         capture_output=True, text=True, timeout=50, env=env)
+    assert out.returncode == 5, out.stderr
+    events = load(str(path)).events  # strict: the file was closed
+    ticks = [ev["args"]["i"] for ev in events if ev.get("name") == "tick"]
+    assert ticks == list(range(count)), f"{len(ticks)} of {count} events written"
+    assert [ev["name"] for ev in events if ev.get("ph") == "M"][-1] == "trace_end"
