@@ -15,7 +15,7 @@ import sys
 import textwrap
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -165,19 +165,21 @@ TAIL_CHARS = 12_000
 INNER_SKIPS: list[tuple[str, str, int]] = []
 
 
-def run_pytest_job(size: int, tests: Path, report_dir: Path, timeout_s: float,
+def run_pytest_job(size: int, tests: Path | Sequence[Path], report_dir: Path, timeout_s: float,
                    skips: Mapping[str, str] | None = None, **env: str) -> None:
-    """Run ``tests`` as ``mpiexec -n size python -m mpi4py -m pytest`` and assert that it
-    finished in time, exited 0, and that every rank wrote a tally (``tests/conftest.py``,
-    ``HVDLITE_TEST_REPORT_DIR``) with passes and no failures or errors.
+    """Run ``tests`` (one path, or several in one launch) as ``mpiexec -n size python -m
+    mpi4py -m pytest`` and assert that it finished in time, exited 0, and that every rank
+    wrote a tally (``tests/conftest.py``, ``HVDLITE_TEST_REPORT_DIR``) with passes and no
+    failures or errors.
 
     Every test skipped inside the job must be one that ``skips`` allows: it maps a regular
     expression searched in the skip's reason to why that skip is expected in this job (e.g.
     ``{"needs CUDA": "the GPU machine runs them"}``); any other skip fails the job. The skips
     are counted per reason and listed at the end of the terminal summary."""
+    paths = [tests] if isinstance(tests, Path) else list(tests)
     cmd = [
         mpiexec(), "-n", str(size),
-        sys.executable, "-m", "mpi4py", "-m", "pytest", str(tests),
+        sys.executable, "-m", "mpi4py", "-m", "pytest", *map(str, paths),
         "-q", "-p", "no:cacheprovider", "-o", "faulthandler_timeout=120",
         f"--rootdir={REPO}", "-c", str(REPO / "pyproject.toml"),
     ]  # fmt: skip
@@ -185,7 +187,7 @@ def run_pytest_job(size: int, tests: Path, report_dir: Path, timeout_s: float,
     start = time.monotonic()
     rc, out = run_group(cmd, job_env, timeout_s)
     wall = time.monotonic() - start
-    job = f"mpiexec -n {size} {tests.relative_to(REPO)}"
+    job = f"mpiexec -n {size} {' '.join(str(p.relative_to(REPO)) for p in paths)}"
     print(f"{job}: rc={rc} wall={wall:.1f}s")
     tail = out if len(out) <= TAIL_CHARS else "...\n" + out[-TAIL_CHARS:]
     where = f"mpiexec -n {size} (rc={rc}, {wall:.0f}s); output tail:\n{tail}"

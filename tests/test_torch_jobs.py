@@ -1,5 +1,5 @@
 """Run ``tests/torch/`` (``hvdlite.torch``) as a real ``mpiexec -n 2`` job on CPU torch, the
-way ``tests/test_mpi_jobs.py`` runs ``tests/mpi``, and some modules alone at 1 and 4 ranks;
+way ``tests/test_mpi_jobs.py`` runs ``tests/mpi``, and some modules alone at 1, 3 and 4 ranks;
 skipped when torch is not installed. Also runs ``scripts/gpu/bench_t1.py``'s correctness check
 on 4 CPU ranks, and
 checks that hvdlite works without torch and that ``hvdlite.torch`` says how to get it."""
@@ -29,38 +29,34 @@ def test_torch_suite_on_two_ranks(tmp_path: Path) -> None:
     run_pytest_job(2, TORCH_TESTS, tmp_path, JOB_TIMEOUT_S, CPU_SKIPS, OMP_NUM_THREADS="1")
 
 
-@pytest.mark.mpi
-@pytest.mark.timeout(SETS_TIMEOUT_S + 60)
-@needs_torch
-def test_torch_process_sets_on_four_ranks(tmp_path: Path) -> None:
-    """``tests/torch/test_process_sets.py`` alone at 4 ranks: sets of 2 of 4 ranks ([1, 3]
-    and [0, 2]), DistributedOptimizer on a set that does not hold rank 0."""
-    run_pytest_job(4, TORCH_TESTS / "test_process_sets.py", tmp_path, SETS_TIMEOUT_S,
-                   CPU_SKIPS, OMP_NUM_THREADS="1")
-
-
-@pytest.mark.mpi
-@pytest.mark.timeout(2 * SETS_TIMEOUT_S + 60)
-@needs_torch
-@pytest.mark.parametrize("np_", [1, 4])
-def test_torch_optimizer_step_on_one_and_four_ranks(tmp_path: Path, np_: int) -> None:
-    """``tests/torch/test_optimizer_step.py`` (the default step against DDP) alone at 1 and 4
-    ranks; the 2-rank job above runs it with the rest."""
-    run_pytest_job(np_, TORCH_TESTS / "test_optimizer_step.py", tmp_path, SETS_TIMEOUT_S,
-                   CPU_SKIPS, OMP_NUM_THREADS="1")
+# The modules that also run alone at other sizes, one launch per size (a launch at 4 ranks
+# costs seconds of imports on a 2-core machine before the first test).
+AT_ONE = [TORCH_TESTS / "test_ops.py", TORCH_TESTS / "test_optimizer_step.py"]
+AT_FOUR = [*AT_ONE, TORCH_TESTS / "test_process_sets.py"]
 
 
 @pytest.mark.mpi
 @pytest.mark.timeout(SETS_TIMEOUT_S + 60)
 @needs_torch
-@pytest.mark.parametrize("np_", [1, 3, 4])
-def test_torch_collectives_on_one_three_and_four_ranks(tmp_path: Path, np_: int) -> None:
-    """``tests/torch/test_ops.py`` (every collective of ``hvdlite.torch`` against its
-    reference from every rank's inputs) alone at 1, 3 and 4 ranks (3: a size that is not a
-    power of two, where Average's 1 / n rounds and Adasum is refused); the 2-rank job above
-    runs it with the rest."""
+@pytest.mark.parametrize("np_, modules", [(1, AT_ONE), (4, AT_FOUR)], ids=["1", "4"])
+def test_torch_collectives_optimizer_and_sets_on_one_and_four_ranks(
+        tmp_path: Path, np_: int, modules: list[Path]) -> None:
+    """At 1 and 4 ranks, in one launch each: ``tests/torch/test_ops.py`` (every collective of
+    ``hvdlite.torch`` against its reference from every rank's inputs),
+    ``test_optimizer_step.py`` (the default step against DDP) and, at 4 ranks,
+    ``test_process_sets.py`` (sets of 2 of 4 ranks, [1, 3] and [0, 2], DistributedOptimizer on
+    a set that does not hold rank 0). The 2-rank job above runs them with the rest."""
     skips = {**CPU_SKIPS, r"^needs 2 ranks$": "a refused allgather needs a peer (1 rank)"}
-    run_pytest_job(np_, TORCH_TESTS / "test_ops.py", tmp_path, SETS_TIMEOUT_S, skips,
+    run_pytest_job(np_, modules, tmp_path, SETS_TIMEOUT_S, skips, OMP_NUM_THREADS="1")
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(SETS_TIMEOUT_S + 60)
+@needs_torch
+def test_torch_collectives_on_three_ranks(tmp_path: Path) -> None:
+    """``tests/torch/test_ops.py`` at 3 ranks: a size that is not a power of two, where
+    Average's 1 / n rounds and Adasum is refused."""
+    run_pytest_job(3, TORCH_TESTS / "test_ops.py", tmp_path, SETS_TIMEOUT_S, CPU_SKIPS,
                    OMP_NUM_THREADS="1")
 
 

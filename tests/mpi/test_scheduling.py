@@ -201,7 +201,7 @@ def test_shutdown_round_leaves_the_gil_while_a_peer_is_late() -> None:
         worker = threading.Thread(target=lambda: reasons.append(
             str(neg._shutdown_reason(stopping))))
         if rank == 0:
-            time.sleep(1.0)  # late: the others wait in the round meanwhile
+            time.sleep(0.5)  # late: the others wait in the round meanwhile
             worker.start()
             worker.join(30)
         else:
