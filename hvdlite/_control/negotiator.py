@@ -132,8 +132,12 @@ class Negotiator:
         self._invalid: set[int] = set()
         self._hits: dict[int, tuple[str, float]] = {}  # slot -> (name, since)
         self.cache_hits = 0
-        self.failures = FailureChannel(comm, comm.bcast(time.time_ns() if self.rank == 0
-                                                        else None))
+        # The failure notices' generation, rank 0's clock. A byte broadcast, not mpi4py's
+        # pickle one, which holds the GIL while it waits (a set added at run time waits here
+        # for its members on the background thread).
+        stamp = np.array([time.time_ns() if self.rank == 0 else 0], np.int64)
+        comm.Bcast([stamp, MPI.INT64_T], root=0)
+        self.failures = FailureChannel(comm, int(stamp[0]))
         # While work flows, wait inside MPI (GIL released) rather than poll from Python, unless
         # ranks outnumber this host's cores: MPI's busy-wait would then starve the other ranks.
         self.block_in_mpi = block_in_mpi
