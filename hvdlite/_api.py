@@ -19,8 +19,8 @@ if TYPE_CHECKING:
     from mpi4py import MPI
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-           "cross_rank", "cross_size", "default_engine", "start_timeline", "stop_timeline",
-           "stats", "expect_stall"]
+           "cross_rank", "cross_size", "is_homogeneous", "default_engine", "start_timeline",
+           "stop_timeline", "stats", "expect_stall"]
 
 _atexit_registered = False
 
@@ -139,3 +139,9 @@ def cross_rank() -> int:
 def cross_size() -> int:
     """Number of processes with this process's local rank (hosts, in a regular layout)."""
     return default_engine().cross_size
+
+
+def is_homogeneous() -> bool:
+    """True if every host runs the same number of ranks (decided at :func:`init` from every
+    rank's ``local_size``). Raises NotInitializedError before init; any thread."""
+    return default_engine().homogeneous

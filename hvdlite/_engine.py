@@ -16,6 +16,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from hvdlite import _exit
 from hvdlite._control.agreed import keep_retired_at_exit
 from hvdlite._control.channel import Channel
@@ -83,6 +85,12 @@ class Engine:
         self.cross_rank, self.cross_size = cross.Get_rank(), cross.Get_size()
         local.Free()
         cross.Free()
+        # Every host's rank count, for is_homogeneous: a byte Allgather (mpi4py's pickle one
+        # holds the GIL while it waits for the slowest rank to get here).
+        counts = np.empty(self.size, np.int64)
+        self._ctrl.Allgather([np.array([self.local_size], np.int64), MPI.INT64_T],
+                             [counts, MPI.INT64_T])
+        self.homogeneous = bool((counts == self.local_size).all())
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             log.warning("MPI provides thread level %d < THREAD_MULTIPLE: do not call MPI from "
                         "other threads while hvdlite runs", MPI.Query_thread())

@@ -55,7 +55,6 @@ Product = ReduceOp.PRODUCT
 #: power-of-two number of ranks.
 Adasum = ReduceOp.ADASUM
 
-_homogeneous: dict[str, bool] = {}
 # The communicator init(comm=[ranks]) made for a job it starts: the engine runs on it until
 # shutdown, which frees it (each made and never freed costs one of MPI's ~2,000).
 _made: dict[str, Any] = {}
@@ -135,8 +134,6 @@ def _start(comm: Any, running: bool, sets: Any, dynamic: bool,
         _ps.check_init_ranks(sets, (comm if comm is not None else MPI.COMM_WORLD).Get_size())
         hvdlite.init(comm, process_sets=sets, **overrides)
         _ps.started(dynamic)
-    sizes = (comm if comm is not None else MPI.COMM_WORLD).allgather(hvdlite.local_size())
-    _homogeneous["value"] = len(set(sizes)) == 1
 
 
 def shutdown() -> None:
@@ -194,11 +191,9 @@ def cross_rank() -> int:
 
 
 def is_homogeneous() -> bool:
-    """True if every host runs the same number of ranks."""
-    if "value" in _homogeneous and hvdlite.is_initialized():
-        return _homogeneous["value"]
-    # hvdlite was started by hvdlite.init directly: decide from this rank's view.
-    return hvdlite.local_size() * hvdlite.cross_size() == hvdlite.size()
+    """True if every host runs the same number of ranks (the runtime decides it at init).
+    Raises ValueError before init, as Horovod does."""
+    return bool(_query(hvdlite.is_homogeneous))
 
 
 def mpi_threads_supported() -> bool:

@@ -25,7 +25,8 @@ from mpi_util import (
 import hvdlite
 from hvdlite._engine import default_engine
 
-QUERIES = ["rank", "size", "local_rank", "local_size", "cross_rank", "cross_size"]
+QUERIES = ["rank", "size", "local_rank", "local_size", "cross_rank", "cross_size",
+           "is_homogeneous"]
 
 
 def _sum_check(hvd: Any, tag: str) -> None:
@@ -100,6 +101,7 @@ def test_rank_queries_match_the_communicator(hvd: Any) -> None:
         local.Free()
     assert 0 <= hvd.cross_rank() < hvd.cross_size() <= hvd.size()
     assert hvd.local_size() * hvd.cross_size() == hvd.size()  # one host: cross_size 1
+    assert hvd.is_homogeneous() is True  # one host
 
 
 def test_several_reinit_cycles(hvd: Any, restart: Callable[..., Any]) -> None:

@@ -87,7 +87,8 @@ def main() -> None:
     cases += 1
     placement = {"rank": me, "size": size, "host": socket.gethostname(),
                  "local_rank": hvd.local_rank(), "local_size": hvd.local_size(),
-                 "cross_rank": hvd.cross_rank(), "cross_size": hvd.cross_size(), "cases": cases,
+                 "cross_rank": hvd.cross_rank(), "cross_size": hvd.cross_size(),
+                 "homogeneous": hvd.is_homogeneous(), "cases": cases,
                  "env": {k: os.environ.get(k) for k in ("MH_NAMED", "MH_SET",
                                                         "HOROVOD_MH_PREFIXED")}
                  | {"python": sys.executable}}

@@ -102,6 +102,7 @@ def test_every_collective_across_hosts(cluster: Cluster, tmp_path: Path) -> None
     assert [(r["host"], r["local_rank"], r["local_size"], r["cross_rank"], r["cross_size"])
             for r in reports] == [(n1, 0, 2, 0, 2), (n1, 1, 2, 0, 2),
                                   (n2, 0, 2, 1, 2), (n2, 1, 2, 1, 2)]
+    assert [r["homogeneous"] for r in reports] == [True] * 4
     # global: 4 dtypes x (3 ops + product + 2 grouped + allgather + alltoall + reducescatter
     # + 4 broadcasts) + barrier; the two-rank sets 2 broadcasts; plus the 4 MiB allreduce
     # What hvdliterun forwards reaches the other host too; "python" is the one the caller's
@@ -119,6 +120,22 @@ def test_every_collective_across_hosts(cluster: Cluster, tmp_path: Path) -> None
         per_set["global"] + per_set["pair"] + big,  # rank 2: the spanning set
         per_set["global"] + big,
     ]
+
+
+def test_uneven_hosts_are_not_homogeneous(cluster: Cluster) -> None:
+    """Two ranks on host 1 and one on host 2: every rank's ``is_homogeneous()`` is False
+    (decided at init from every rank's local size, not from its own host's view), and the
+    local and cross sizes are each rank's own."""
+    n1, n2 = (h.name for h in cluster.hosts)
+    ran = hvdliterun(cluster, "-np", "3", "-H", f"{n1}:2,{n2}:1", "--tcp", "--", "python",
+                     "-c", "import json, socket, hvdlite as hvd; hvd.init(); "
+                     "print('TOPO', json.dumps([hvd.rank(), socket.gethostname(), "
+                     "hvd.local_size(), hvd.cross_size(), hvd.is_homogeneous()]), flush=True); "
+                     "hvd.shutdown()")
+    _ok(ran)
+    rows = sorted(json.loads(line.split(" ", 1)[1]) for line in ran.out.splitlines()
+                  if line.startswith("TOPO "))
+    assert rows == [[0, n1, 2, 2, False], [1, n1, 2, 1, False], [2, n2, 1, 2, False]], ran.out
 
 
 def test_numpy_training_example_identical_weights(cluster: Cluster) -> None:
