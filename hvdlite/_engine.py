@@ -85,8 +85,8 @@ class Engine:
         self.cross_rank, self.cross_size = cross.Get_rank(), cross.Get_size()
         local.Free()
         cross.Free()
-        # Every host's rank count, for is_homogeneous: a byte Allgather (mpi4py's pickle one
-        # holds the GIL while it waits for the slowest rank to get here).
+        # Every rank's local size, for is_homogeneous (a buffer Allgather, as every exchange of
+        # the runtime: docs/architecture.md, "The GIL").
         counts = np.empty(self.size, np.int64)
         self._ctrl.Allgather([np.array([self.local_size], np.int64), MPI.INT64_T],
                              [counts, MPI.INT64_T])

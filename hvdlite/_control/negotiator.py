@@ -132,9 +132,8 @@ class Negotiator:
         self._invalid: set[int] = set()
         self._hits: dict[int, tuple[str, float]] = {}  # slot -> (name, since)
         self.cache_hits = 0
-        # The failure notices' generation, rank 0's clock. A byte broadcast, not mpi4py's
-        # pickle one, which holds the GIL while it waits (a set added at run time waits here
-        # for its members on the background thread).
+        # The failure notices' generation, rank 0's clock, by a buffer broadcast as every
+        # exchange of the runtime (docs/architecture.md, "The GIL").
         stamp = np.array([time.time_ns() if self.rank == 0 else 0], np.int64)
         comm.Bcast([stamp, MPI.INT64_T], root=0)
         self.failures = FailureChannel(comm, int(stamp[0]))
