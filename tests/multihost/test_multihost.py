@@ -127,15 +127,16 @@ def test_uneven_hosts_are_not_homogeneous(cluster: Cluster) -> None:
     (decided at init from every rank's local size, not from its own host's view), and the
     local and cross sizes are each rank's own."""
     n1, n2 = (h.name for h in cluster.hosts)
+    out = cluster.shared / "uneven"  # a file per rank: the ranks' stdout lines interleave
+    out.mkdir()
     ran = hvdliterun(cluster, "-np", "3", "-H", f"{n1}:2,{n2}:1", "--tcp", "--", "python",
-                     "-c", "import json, socket, hvdlite as hvd; hvd.init(); "
-                     "print('TOPO', json.dumps([hvd.rank(), socket.gethostname(), "
-                     "hvd.local_size(), hvd.cross_size(), hvd.is_homogeneous()]), flush=True); "
-                     "hvd.shutdown()")
+                     "-c", "import json, socket, sys, hvdlite as hvd; hvd.init(); "
+                     "open(f'{sys.argv[1]}/{hvd.rank()}.json', 'w').write(json.dumps(["
+                     "hvd.rank(), socket.gethostname(), hvd.local_size(), hvd.cross_size(), "
+                     "hvd.is_homogeneous()])); hvd.shutdown()", str(out))
     _ok(ran)
-    rows = sorted(json.loads(line.split(" ", 1)[1]) for line in ran.out.splitlines()
-                  if line.startswith("TOPO "))
-    assert rows == [[0, n1, 2, 2, False], [1, n1, 2, 1, False], [2, n2, 1, 2, False]], ran.out
+    rows = [json.loads((out / f"{r}.json").read_text()) for r in range(3)]
+    assert rows == [[0, n1, 2, 2, False], [1, n1, 2, 1, False], [2, n2, 1, 2, False]], rows
 
 
 def test_numpy_training_example_identical_weights(cluster: Cluster) -> None:
