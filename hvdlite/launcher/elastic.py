@@ -45,6 +45,7 @@ from hvdlite.launcher.common import (
     describe_status,
     end_group,
     kill_group,
+    ranks_text,
     read_reports,
     say,
 )
@@ -362,7 +363,7 @@ class _Driver:
                 return 128 + self.interrupted[0]
             if assignment is None:
                 return self.no_slots(need)
-            say(f"world {generation}: {size(assignment)} ranks on {describe(assignment)}",
+            say(f"world {generation}: {ranks_text(size(assignment))} on {describe(assignment)}",
                 "elastic")
             try:
                 world = self.start(generation, assignment)

@@ -43,12 +43,14 @@ def test_host_killed_then_host_added(three_hosts: Cluster) -> None:
     c = three_hosts
     n1, n2, n3 = (h.name for h in c.hosts)
     listed = c.shared / "hosts"
-    listed.write_text(f"{n1}:2\n{n2}:2\n")
+    # One slot a host (each world of the torch job starts in seconds of imports per rank on a
+    # 2-core machine); test_multihost.py's host tests lose a host of two ranks.
+    listed.write_text(f"{n1}:1\n{n2}:1\n")
     script = c.shared / "discover.sh"
     script.write_text(f"#!/bin/sh\ncat {listed}\n")
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     out, err = c.shared / "job.out", c.shared / "job.err"
-    args = [sys.executable, "-m", "hvdlite.run", "-np", "4", "--min-np", "2", "--max-np", "4",
+    args = [sys.executable, "-m", "hvdlite.run", "-np", "2", "--min-np", "1", "--max-np", "2",
             "--host-discovery-script", str(script), "--network-interface", "eth0", "--tcp",
             "--elastic-timeout", str(ELASTIC_TIMEOUT_S), "--timeout", str(JOB_TIMEOUT_S - 10),
             "--", sys.executable, TRAIN]
@@ -60,11 +62,11 @@ def test_host_killed_then_host_added(three_hosts: Cluster) -> None:
             return any(ev["kind"] == "committed" and ev["gen"] == gen
                        and ev["commit"] >= at_least for ev in events(out.read_text()))
 
-        _wait("3 commits at 4 ranks", lambda: committed(0, 3), proc, out, err, 90)
+        _wait("3 commits at 2 ranks", lambda: committed(0, 3), proc, out, err, 90)
         c.kill(2)
         killed = time.time()
-        _wait("training at 2 ranks", lambda: committed(1, 1), proc, out, err, 60)
-        listed.write_text(f"{n1}:2\n{n3}:2\n")  # host 2 is gone; host 3 comes
+        _wait("training at 1 rank", lambda: committed(1, 1), proc, out, err, 60)
+        listed.write_text(f"{n1}:1\n{n3}:1\n")  # host 2 is gone; host 3 comes
         added = time.time()
         try:
             proc.wait(timeout=JOB_TIMEOUT_S)
@@ -76,9 +78,9 @@ def test_host_killed_then_host_added(three_hosts: Cluster) -> None:
     log, text = err.read_text(), out.read_text()
     assert proc.returncode == 0, log[-4000:]
     facts = check_job(text)
-    assert facts["sizes"] == [4, 2, 4], (facts["sizes"], log[-4000:])
-    assert f"host {n2} (ranks 2, 3) lost" in log, log[-4000:]
-    assert f"world 1: 2 ranks on {n1}:2" in log and f"world 2: 4 ranks on {n1}:2,{n3}:2" in log
+    assert facts["sizes"] == [2, 1, 2], (facts["sizes"], log[-4000:])
+    assert f"host {n2} (rank 1) lost" in log, log[-4000:]
+    assert f"world 1: 1 rank on {n1}:1" in log and f"world 2: 2 ranks on {n1}:1,{n3}:1" in log
     recovery = facts["restored"][1]["time"] - killed
     joined = facts["restored"][2]["time"] - added
     print(f"recovery after the host was killed: {recovery:.1f} s; the added host joined "
