@@ -211,7 +211,7 @@ def test_shutdown_round_leaves_the_gil_while_a_peer_is_late() -> None:
                 time.sleep(0.005)  # needs the GIL back after every sleep
                 ran += 1
             worker.join(30)
-            assert ran >= 20, f"rank {rank}'s main thread ran {ran} times in the round's wait"
+            assert ran >= 10, f"rank {rank}'s main thread ran {ran} times in the round's wait"
         assert not worker.is_alive()
         want = ("shutdown() was called before it completed" if stopping
                 else f"shut down by rank {size - 1}")
