@@ -106,7 +106,7 @@ class Engine:
         self.tracer = Tracer(self.open_timeline(cfg.timeline, cfg.timeline_mark_cycles)
                              if cfg.timeline else None, cfg.nvtx)
         # Under hvdliterun: ended by the launcher (a host lost) even while blocked in MPI.
-        watchdog.start(lambda: self.tracer.timeline)
+        watchdog.start()
         # Each rank runs two busy threads at times (training + background): waiting inside MPI
         # (a busy-wait) only pays off with a core for each.
         cores = _cores()
@@ -268,8 +268,7 @@ class Engine:
         The error still reaches every caller first; _ABORT_AFTER_S later the job is aborted
         with the reason printed once (hvdlite/_exit.py)."""
         if self._guard is None:
-            self._guard = _exit.exit_guard(_ABORT_AFTER_S, str(reason), comm=self._base,
-                                           timeline=self.tracer.timeline)
+            self._guard = _exit.exit_guard(_ABORT_AFTER_S, str(reason), comm=self._base)
 
     # -- lifecycle -------------------------------------------------------------------------
     def shutdown(self, at_exit: bool = False) -> None:

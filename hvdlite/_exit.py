@@ -32,12 +32,9 @@ import subprocess
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 from hvdlite._rankside import ending
-
-if TYPE_CHECKING:
-    from hvdlite._observe.timeline import Timeline
 
 __all__ = ["ExitGuard", "abort_job", "exit_guard"]
 
@@ -90,12 +87,11 @@ def _hard_exit_later(seconds: float, exitcode: int) -> None:
     timer.start()
 
 
-def abort_job(comm: Any, reason: str, exitcode: int = 1, *,
-              timeline: Timeline | None = None) -> NoReturn:
+def abort_job(comm: Any, reason: str, exitcode: int = 1) -> NoReturn:
     """End the whole MPI job now because of ``reason``; never returns.
 
-    Prints the reason once (:func:`hvdlite._rankside.ending.announce`), closes ``timeline``
-    and every other open one (waiting at most ``ending.TIMELINE_CLOSE_S`` for their writers:
+    Prints the reason once (:func:`hvdlite._rankside.ending.announce`), closes every open
+    timeline (waiting at most ``ending.TIMELINE_CLOSE_S`` for their writers:
     :func:`hvdlite._rankside.ending.close_timelines`), leaves the failure report
     for ``hvdliterun``, flushes stdio and, ``DRAIN_S`` later (the launcher has forwarded the
     reason by then), calls ``comm.Abort(exitcode)``, which makes the MPI launcher end every
@@ -104,7 +100,7 @@ def abort_job(comm: Any, reason: str, exitcode: int = 1, *,
     ``comm`` may be None (no MPI: just exit).
     """
     ending.announce(reason, comm)
-    ending.close_timelines(timeline)
+    ending.close_timelines()
     ending.report_to_launcher(exitcode)
     ending.flush_stdio()
     _hard_exit_later(ABORT_GRACE_S, exitcode)
@@ -125,12 +121,11 @@ class ExitGuard:
     """An armed :func:`exit_guard`; :meth:`cancel` disarms it."""
 
     def __init__(self, seconds: float, reason: str, comm: Any, exitcode: int,
-                 timeline: Timeline | None, backstop_s: float | None) -> None:
+                 backstop_s: float | None) -> None:
         self.seconds = seconds
         self.reason = reason
         self._comm = comm
         self._exitcode = exitcode
-        self._timeline = timeline
         self._cancelled = threading.Event()
         self._timer = threading.Timer(seconds, self._fire)
         self._timer.daemon = True
@@ -162,8 +157,8 @@ class ExitGuard:
         if self._cancelled.is_set():
             return
         if self._comm is not None:
-            abort_job(self._comm, self.reason, self._exitcode, timeline=self._timeline)
-        ending.exit_now(self.reason, self._exitcode, timeline=self._timeline, report=True)
+            abort_job(self._comm, self.reason, self._exitcode)
+        ending.exit_now(self.reason, self._exitcode, report=True)
 
     def cancel(self) -> None:
         """Disarm: the timer stops and the watchdog process ends. Idempotent."""
@@ -180,7 +175,6 @@ class ExitGuard:
 
 
 def exit_guard(seconds: float, reason: str, *, comm: Any = None, exitcode: int = 1,
-               timeline: Timeline | None = None,
                backstop_s: float | None = BACKSTOP_S) -> ExitGuard:
     """Make sure this process is gone ``seconds`` from now unless the guard is cancelled.
 
@@ -195,4 +189,4 @@ def exit_guard(seconds: float, reason: str, *, comm: Any = None, exitcode: int =
     if seconds <= 0 or (backstop_s is not None and backstop_s < 0):
         raise ValueError(f"exit_guard needs seconds > 0 and backstop_s >= 0, got {seconds} "
                          f"and {backstop_s}")
-    return ExitGuard(seconds, reason, comm, exitcode, timeline, backstop_s)
+    return ExitGuard(seconds, reason, comm, exitcode, backstop_s)

@@ -23,13 +23,10 @@ import os
 import sys
 import threading
 import time
-from typing import IO, TYPE_CHECKING, Any, NoReturn
+from typing import IO, Any, NoReturn
 
 from hvdlite._observe import signals
 from hvdlite._rankside import protocol
-
-if TYPE_CHECKING:
-    from hvdlite._observe.timeline import Timeline
 
 __all__ = [
     "TIMELINE_CLOSE_S",
@@ -154,29 +151,28 @@ def report_to_launcher(exitcode: int) -> None:
             os.write(int(fd), json.dumps({"t": "failing", "code": exitcode}).encode() + b"\n")
 
 
-def close_timelines(timeline: Timeline | None = None) -> None:
-    """Close ``timeline`` and every other timeline of this process still open, waiting at
-    most ``TIMELINE_CLOSE_S`` in all for their writers. Any thread; errors are ignored.
+def close_timelines() -> None:
+    """Close every timeline of this process still open (every one registers itself in
+    :data:`hvdlite._observe.signals.LIVE` until its close is done), waiting at most
+    ``TIMELINE_CLOSE_S`` in all for their writers. Any thread; errors are ignored.
 
-    Every open timeline, not only the one the caller knows: ``shutdown()`` detaches the
-    engine's timeline before closing it, and a rank ended meanwhile (its wrapper killed as a
-    peer failed) once found none to wait for, so its ``os._exit`` cut the writer off halfway
-    through that close (the trace lost its last thousand events and ``trace_end``).
+    All of them, not the one a caller holds: ``shutdown()`` detaches the engine's timeline
+    before closing it, and a rank ended meanwhile (its wrapper killed as a peer failed) once
+    found none to wait for, so its ``os._exit`` cut the writer off halfway through that close
+    (the trace lost its last thousand events and ``trace_end``).
     """
     deadline = time.monotonic() + TIMELINE_CLOSE_S
-    for tl in dict.fromkeys([timeline, *signals.LIVE]):
-        if tl is not None:
-            with contextlib.suppress(Exception):
-                tl.close(max(0.0, deadline - time.monotonic()))
+    for tl in list(signals.LIVE):
+        with contextlib.suppress(Exception):
+            tl.close(max(0.0, deadline - time.monotonic()))
 
 
-def exit_now(reason: str, exitcode: int, *, timeline: Timeline | None = None,
-             report: bool = False) -> NoReturn:
+def exit_now(reason: str, exitcode: int, *, report: bool = False) -> NoReturn:
     """End this process now, without MPI: :func:`announce` ``reason``,
-    :func:`close_timelines` (``timeline`` and any other open one), with ``report`` also
-    :func:`report_to_launcher`, flush stdio, ``os._exit(exitcode)``. Any thread."""
+    :func:`close_timelines`, with ``report`` also :func:`report_to_launcher`, flush stdio,
+    ``os._exit(exitcode)``. Any thread."""
     announce(reason)
-    close_timelines(timeline)
+    close_timelines()
     if report:
         report_to_launcher(exitcode)
     flush_stdio()

@@ -24,20 +24,16 @@ effects.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn
 
 from hvdlite._rankside import ending
 from hvdlite._rankside.protocol import RESERVED_TYPES, WATCHDOG_FD_ENV
 from hvdlite._threads import start_quietly
-
-if TYPE_CHECKING:
-    from hvdlite._observe.timeline import Timeline
 
 __all__ = ["FD_ENV", "send", "start", "subscribe"]
 
@@ -46,20 +42,18 @@ log = logging.getLogger("hvdlite")
 
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
-_timeline_of: Callable[[], Timeline | None] | None = None
 _subscribers: list[Callable[[dict[str, Any]], None]] = []
 
 
-def start(timeline_of: Callable[[], Timeline | None]) -> bool:
-    """Start the watchdog thread once per process (later calls only swap ``timeline_of``,
-    the callable that returns the timeline to close when the rank is ended).
+def start() -> bool:
+    """Start the watchdog thread once per process (later calls do nothing). A rank it ends
+    writes every open timeline first (:func:`hvdlite._rankside.ending.close_timelines`).
 
     Returns True if the process has a watchdog channel (started under ``hvdliterun``), False
     otherwise (then nothing is started). Never blocks; any thread.
     """
-    global _thread, _timeline_of
+    global _thread
     with _lock:
-        _timeline_of = timeline_of
         if _thread is not None:
             return True
         text = os.environ.get(FD_ENV, "")
@@ -143,9 +137,5 @@ def _watch(fd: int) -> None:
 
 
 def _end(reason: str, code: int) -> NoReturn:
-    timeline = None
-    with contextlib.suppress(Exception):
-        timeline = _timeline_of() if _timeline_of is not None else None
     # No failure report: the launcher ordered this end, or its wrapper is gone.
-    ending.exit_now(f"{reason}; this rank ends now (its timeline is written)", code,
-                    timeline=timeline)
+    ending.exit_now(f"{reason}; this rank ends now (its timeline is written)", code)

@@ -543,7 +543,7 @@ def poll(handle: Any) -> bool:
 def synchronize(handle: Any) -> Any:
     """Wait for ``handle`` and return its result (a tensor, a list of tensors for grouped
     calls, ``(output, received_splits)`` for alltoall)."""
-    if type(handle) is Handle:  # an allreduce's: no bound method made
+    if type(handle) is Handle:  # every handle hvdlite makes: no bound method made
         return handle.wait()
     try:
         wait = handle.wait
