@@ -141,8 +141,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kernel-trace", metavar="DIR", default="",
                    help="after timing, each variant's --batches-per-iter steps once more under "
                         "torch.profiler (CUDA kernels): every rank's Chrome trace into DIR, and "
-                        "how much of the NCCL kernels' time ran beside other kernels "
-                        "(scripts/gpu/kernel_overlap.py), rank 0's, in the report")
+                        "how much of the communication's time (NCCL, CUDA IPC) ran beside "
+                        "other kernels (scripts/gpu/kernel_overlap.py), rank 0's, in the report")
     p.add_argument("--no-neg", action="store_true",
                    help="leave out the optimizer_schedule-off variant")
     p.add_argument("--no-cuda", action="store_true", help="CPU: gloo for DDP, MPI for hvdlite")

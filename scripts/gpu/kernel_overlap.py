@@ -1,10 +1,10 @@
-"""How much of the NCCL kernels' time ran beside other kernels, from a kernel trace.
+"""How much of the communication's time ran beside other kernels, from a kernel trace.
 
 Reads Chrome-trace JSON as ``torch.profiler`` exports it (``prof.export_chrome_trace``;
 ``bench_t1.py --kernel-trace DIR`` writes one per variant and rank) and reports, per device:
-the time some NCCL kernel ran (the union of their intervals), the time some other kernel ran,
-the part of the NCCL time during which another kernel ran too (*overlapped*), and the rest
-(*alone*: communication the step waited for, or that had nothing beside it to hide under),
+the time some communication ran (the union of their intervals), the time some other kernel ran,
+the part of the communication's time during which another kernel ran too (*overlapped*), and
+the rest (*alone*: communication the step waited for, or that had nothing beside it to hide under),
 the time no kernel ran between the first and the last (*idle*: a host-bound step shows it),
 and the host's CUDA calls that wait or allocate (*sync*: stream, event and device
 synchronisations; *alloc*: cudaMalloc/cudaFree and their driver forms, which synchronise too).
@@ -12,9 +12,15 @@ Where a captured step's graph allows a bucket's allreduce to run beside backward
 (``scripts/gpu/graph_overlap.py``) and the step still pays for the communication, this tells
 whether the kernels ran side by side at all (issue 39's question after run 83).
 
+Communication is NCCL's kernels, and the CUDA IPC transport's work: its kernels (``hvd_ipc_``,
+``hvd_oneshot_``, ``hvd_sched_``: the reduce, the one-shot step, the flags' signals and spins)
+and its copies between devices (peer-to-peer memcpys, which the copy engines run: they take no
+SM, but a step that waits for them pays them all the same). A captured step's kernels and
+copies are traced one by one, as eager ones are.
+
     python3 scripts/gpu/kernel_overlap.py trace.json [more.json ...]
 
-Exit status 0 when every file was read and had an NCCL kernel; 1 otherwise.
+Exit status 0 when every file was read and had communication; 1 otherwise.
 """
 
 from __future__ import annotations
@@ -60,15 +66,31 @@ def _intersection(xs: list[Interval], ys: list[Interval]) -> float:
     return total
 
 
+_COMM_KERNELS = ("nccl", "hvd_ipc_", "hvd_oneshot_", "hvd_sched_")
+_PEER_COPIES = ("ptop", "peer")  # torch.profiler's "Memcpy PtoP (Device -> Device)"
+
+
+def is_comm(name: str) -> bool:
+    """Whether a kernel or copy of this name is communication (see the module's docstring)."""
+    low = name.lower()
+    return low.startswith("memcpy") and any(k in low for k in _PEER_COPIES) \
+        or any(k in low for k in _COMM_KERNELS)
+
+
 def kernels(trace: dict[str, Any] | list[Any]) -> dict[int, list[tuple[float, float, str]]]:
-    """Each device's kernels as (start us, end us, name), from the trace's complete events of
-    category ``kernel``."""
+    """Each device's kernels and peer-to-peer copies as (start us, end us, name), from the
+    trace's complete events of category ``kernel`` and ``gpu_memcpy`` (a copy within one
+    device is left out: it is neither communication nor a kernel that hides it)."""
     events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
     out: dict[int, list[tuple[float, float, str]]] = defaultdict(list)
     for ev in events:
         if not isinstance(ev, dict) or ev.get("ph") != "X":
             continue
-        if str(ev.get("cat", "")).lower() != "kernel":
+        cat = str(ev.get("cat", "")).lower()
+        if cat == "gpu_memcpy":
+            if not is_comm(str(ev.get("name", ""))):
+                continue
+        elif cat != "kernel":
             continue
         args = ev.get("args") or {}
         device = int(args.get("device", ev.get("pid", 0)) or 0)
@@ -102,33 +124,35 @@ def host_calls(trace: dict[str, Any] | list[Any]) -> dict[str, float]:
 
 
 def summary(trace: dict[str, Any] | list[Any]) -> dict[int, dict[str, float]]:
-    """Per device: ``nccl_us`` (union of NCCL kernel time), ``other_us`` (union of the other
-    kernels' time), ``overlapped_us`` (both at once), ``alone_us`` (NCCL with no other
-    kernel), ``span_us`` (first kernel's start to last kernel's end), ``idle_us`` (no kernel
-    running within the span), ``nccl_kernels``, ``other_kernels``, ``overlapped_share``
-    (overlapped / NCCL time; 0 without NCCL), and the process's :func:`host_calls`."""
+    """Per device: ``comm_us`` (union of the communication's time), ``other_us`` (union of
+    the other kernels' time), ``overlapped_us`` (both at once), ``alone_us`` (communication
+    with no other kernel), ``span_us`` (first start to last end), ``idle_us`` (nothing
+    running within the span), ``comm_kernels`` (kernels and copies), ``other_kernels``,
+    ``overlapped_share`` (overlapped / communication time; 0 without any), and the process's
+    :func:`host_calls`."""
     out: dict[int, dict[str, float]] = {}
     host = host_calls(trace)
     for device, ks in sorted(kernels(trace).items()):
-        nccl = _union([(a, b) for a, b, n in ks if "nccl" in n.lower()])
-        other = _union([(a, b) for a, b, n in ks if "nccl" not in n.lower()])
-        both = _intersection(nccl, other)
-        n_us = _length(nccl)
+        kinds = [is_comm(n) for _, _, n in ks]
+        comm = _union([(a, b) for (a, b, _), c in zip(ks, kinds, strict=True) if c])
+        other = _union([(a, b) for (a, b, _), c in zip(ks, kinds, strict=True) if not c])
+        both = _intersection(comm, other)
+        c_us = _length(comm)
         span = max(b for _, b, _ in ks) - min(a for a, _, _ in ks)
         out[device] = {
-            "nccl_us": n_us, "other_us": _length(other), "overlapped_us": both,
-            "alone_us": n_us - both,
+            "comm_us": c_us, "other_us": _length(other), "overlapped_us": both,
+            "alone_us": c_us - both,
             "span_us": span, "idle_us": span - _length(_union([(a, b) for a, b, _ in ks])),
-            "nccl_kernels": float(sum("nccl" in n.lower() for _, _, n in ks)),
-            "other_kernels": float(sum("nccl" not in n.lower() for _, _, n in ks)),
-            "overlapped_share": both / n_us if n_us else 0.0,
+            "comm_kernels": float(sum(kinds)),
+            "other_kernels": float(len(kinds) - sum(kinds)),
+            "overlapped_share": both / c_us if c_us else 0.0,
             **host,
         }
     return out
 
 
 def report(path: Path) -> tuple[str, bool]:
-    """One file's lines, and whether it had an NCCL kernel."""
+    """One file's lines, and whether it had communication."""
     try:
         trace = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -137,16 +161,16 @@ def report(path: Path) -> tuple[str, bool]:
     if not rows:
         return f"== {path}: no kernel events (category 'kernel')", False
     lines = [f"== {path}",
-             f"{'device':>6} {'NCCL us':>10} {'other us':>10} {'overlapped':>11} "
-             f"{'alone us':>9} {'span us':>10} {'idle us':>9} {'NCCL k':>7} {'other k':>8} "
+             f"{'device':>6} {'comm us':>10} {'other us':>10} {'overlapped':>11} "
+             f"{'alone us':>9} {'span us':>10} {'idle us':>9} {'comm k':>7} {'other k':>8} "
              f"{'sync us (n)':>14} {'alloc us (n)':>14}"]
     found = False
     for dev, r in rows.items():
-        found |= r["nccl_kernels"] > 0
-        lines.append(f"{dev:>6} {r['nccl_us']:>10.0f} {r['other_us']:>10.0f} "
+        found |= r["comm_kernels"] > 0
+        lines.append(f"{dev:>6} {r['comm_us']:>10.0f} {r['other_us']:>10.0f} "
                      f"{r['overlapped_us']:>6.0f} {100 * r['overlapped_share']:>3.0f}% "
                      f"{r['alone_us']:>9.0f} {r['span_us']:>10.0f} {r['idle_us']:>9.0f} "
-                     f"{r['nccl_kernels']:>7.0f} {r['other_kernels']:>8.0f} "
+                     f"{r['comm_kernels']:>7.0f} {r['other_kernels']:>8.0f} "
                      f"{r['sync_us']:>8.0f} ({r['sync_calls']:>3.0f}) "
                      f"{r['alloc_us']:>8.0f} ({r['alloc_calls']:>3.0f})")
     return "\n".join(lines), found

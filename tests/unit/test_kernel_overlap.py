@@ -1,5 +1,5 @@
 """scripts/gpu/kernel_overlap.py on Chrome traces of torch.profiler's shape: how much of the
-NCCL kernels' time other kernels ran beside, per device."""
+communication's time (NCCL, CUDA IPC) other kernels ran beside, per device."""
 
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ def test_overlap_alone_and_devices_are_told_apart() -> None:
         {"ph": "i", "cat": "kernel", "name": "marker", "ts": 5},
     ]}
     s = kernel_overlap.summary(trace)
-    assert s[0]["nccl_us"] == 90 and s[0]["other_us"] == 180
+    assert s[0]["comm_us"] == 90 and s[0]["other_us"] == 180
     assert s[0]["overlapped_us"] == 40 and s[0]["alone_us"] == 50
-    assert s[0]["span_us"] == 240 and s[0]["nccl_kernels"] == 2 and s[0]["other_kernels"] == 2
+    assert s[0]["span_us"] == 240 and s[0]["comm_kernels"] == 2 and s[0]["other_kernels"] == 2
     assert s[0]["overlapped_share"] == pytest.approx(40 / 90)
     assert s[1]["overlapped_us"] == 20 and s[1]["alone_us"] == 0
 
@@ -44,7 +44,7 @@ def test_overlapping_kernels_of_one_kind_count_once() -> None:
     trace = [_kernel("nccl_a", 0, 50), _kernel("nccl_b", 25, 50),
              _kernel("k1", 40, 20), _kernel("k2", 45, 20), _kernel("k3", 100, 10)]
     s = kernel_overlap.summary(trace)[0]
-    assert (s["nccl_us"], s["other_us"], s["overlapped_us"]) == (75, 35, 25)
+    assert (s["comm_us"], s["other_us"], s["overlapped_us"]) == (75, 35, 25)
 
 
 def test_a_trace_without_nccl_or_unreadable_is_said(tmp_path: Path) -> None:
@@ -58,6 +58,32 @@ def test_a_trace_without_nccl_or_unreadable_is_said(tmp_path: Path) -> None:
     good = tmp_path / "good.json"
     good.write_text(json.dumps([_kernel("ncclDevKernel", 0, 10), _kernel("gemm", 5, 10)]))
     assert kernel_overlap.main([str(good)]) == 0
+
+
+def _copy(name: str, ts: float, dur: float, device: int = 0) -> dict[str, object]:
+    return {"ph": "X", "cat": "gpu_memcpy", "name": name, "pid": device, "tid": 9, "ts": ts,
+            "dur": dur, "args": {"device": device, "stream": 9, "bytes": 1 << 20}}
+
+
+def test_the_ipc_transports_kernels_and_peer_copies_are_communication() -> None:
+    # backward 0-100; the IPC slot: a spin 80-90, a pull (peer copy) 90-130, the reduce
+    # 130-140, the gather (peer copy) 140-160; a copy within the device (neither) 150-170 and
+    # the fused-copy kernel (other) 170-180
+    trace = {"traceEvents": [
+        _kernel("sm90_xmma_gemm_bf16", 0, 100), _kernel("hvd_sched_step", 80, 10),
+        _copy("Memcpy PtoP (Device -> Device)", 90, 40), _kernel("hvd_ipc_sum_2_float", 130, 10),
+        _copy("Memcpy PtoP (Device -> Device)", 140, 20),
+        _copy("Memcpy DtoD (Device -> Device)", 150, 20), _kernel("hvd_batched_float", 170, 10),
+    ]}
+    s = kernel_overlap.summary(trace)[0]
+    assert s["comm_us"] == 80 and s["comm_kernels"] == 4
+    assert s["other_us"] == 110 and s["other_kernels"] == 2
+    assert s["overlapped_us"] == 20 and s["alone_us"] == 60
+    assert s["span_us"] == 180 and s["idle_us"] == 10
+    assert [kernel_overlap.is_comm(n) for n in (
+        "ncclDevKernel_AllReduce", "hvd_oneshot_sum_2_4_float", "Memcpy PtoP (Device -> Device)",
+        "Memcpy DtoD (Device -> Device)", "hvd_batched_float", "elementwise_kernel")] == \
+        [True, True, True, False, False, False]
 
 
 def _call(name: str, ts: float, dur: float, cat: str = "cuda_runtime") -> dict[str, object]:
