@@ -15,6 +15,7 @@ from _t1vocab import (
     BASE,
     BASE_C,
     BASE_CR,
+    BUCKET_MB,
     CAPTURE_WARMUP,
     CAPTURED,
     COMPILED,
@@ -147,6 +148,7 @@ class Runner:
                 self.model, device_ids=ids, gradient_as_bucket_view=kind == DDP_VIEWS,
                 bucket_cap_mb=ORDER_BUCKET_MB.get(kind))
         regions = None
+        cap = BUCKET_MB.get(kind, args.bucket_cap_mb)  # the optimizer's, and compile_overlap's
         if kind in REGIONED:
             regions = env.hvd.compile_regions(self.model, dynamic=False)  # fixed shapes
             if args.model == "gpt2":
@@ -162,7 +164,7 @@ class Runner:
             coarse = SPLIT_COARSE if kind == HVD_CS4 else 1
             self.forward = env.hvd.compile_split(self.forward, args.bucket_cap_mb * coarse)
         elif kind in OVERLAP:  # the buckets found in the backward with the optimizer's cap
-            self.forward = env.hvd.compile_overlap(self.model, args.bucket_cap_mb)
+            self.forward = env.hvd.compile_overlap(self.model, cap)
         elif kind in COMPILED or (kind in CAPTURED and args.compile == "on"):
             self.forward = torch.compile(self.forward)
         opt = torch.optim.SGD(self.model.parameters(), lr=args.lr)
@@ -176,6 +178,8 @@ class Runner:
                                                         args.bucket_cap_mb)
             elif kind == HVD_REG:
                 extra["groups"] = registration_buckets(self.model, args.bucket_cap_mb)
+            if kind in BUCKET_MB:
+                extra["bucket_cap_mb"] = cap
             opt = env.hvd.DistributedOptimizer(opt, named_parameters=named, **extra)
         self.opt = opt
         self.graph: Any = None  # the captured step (CAPTURED variants), made at the first step
@@ -442,7 +446,7 @@ class Env:
                 keep |= {BASE_C, DDP_C}
             opt_in = [*HVD_CTA.values(), HVD_PRIO, HVD_G_PRIO, HVD_IPC, HVD_G_IPC,  # if asked
                       HVD_GR_IPC, BASE_CR, PLAIN_GR, HVD_REG, HVD_CS, HVD_GS, HVD_CS4, HVD_CO,
-                      HVD_GO]
+                      HVD_GO, *BUCKET_MB]
             out = [v for v in [*out, *opt_in] if v in keep or v in (BASE, HVD, DDP)]
         return out
 

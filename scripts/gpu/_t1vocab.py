@@ -67,15 +67,23 @@ SPLIT = (HVD_CS, HVD_GS, HVD_CS4)
 # Issue 39: compiled whole, each bucket started inside the compiled backward (hvd.compile_overlap).
 HVD_CO = "compiled, buckets started in the backward: hvdlite default"
 HVD_GO = "captured: hvdlite step, compiled, buckets started in the backward"
-OVERLAP = (HVD_CO, HVD_GO)
+# Larger buckets than the optimizer's default 25 MiB: fewer launches a step (each costs the
+# autograd thread tens of us, which a host-bound step pays), a coarser overlap. Eager default,
+# compile_overlap and its captured step, each with the cap beside its name (BUCKET_MB).
+HVD_CAP = {n: f"hvdlite DistributedOptimizer, {n} MiB buckets" for n in (64, 128)}
+HVD_CO_CAP = {n: f"compiled, buckets started in the backward, {n} MiB: hvdlite" for n in (64,)}
+HVD_GO_CAP = {n: f"captured: hvdlite step, compiled, buckets started in the backward, {n} MiB"
+              for n in (64,)}
+BUCKET_MB = {v: float(n) for d in (HVD_CAP, HVD_CO_CAP, HVD_GO_CAP) for n, v in d.items()}
+OVERLAP = (HVD_CO, HVD_GO, *HVD_CO_CAP.values(), *HVD_GO_CAP.values())
 CAPTURED = (HVD_G, FLAT_G, HVD_GR, PLAIN_G, HVD_G_PRIO, HVD_G_IPC, HVD_GR_IPC, PLAIN_GR, HVD_GS,
-            HVD_GO)
+            HVD_GO, *HVD_GO_CAP.values())
 # No communication: each rank trains on its own batch.
 LOCAL = (BASE, BASE_C, BASE_CR, PLAIN_G, PLAIN_GR)
 CAPTURE_WARMUP = 3  # eager steps a captured variant's first call runs before capturing
 HVDS = (HVD, HVD_ALT, HVD_NEG, HVD_ASYNC, HVD_C, HVD_C_ALT, HVD_G, HVD_CR, HVD_GR,
         *HVD_CTA.values(), HVD_PRIO, HVD_G_PRIO, HVD_IPC, HVD_G_IPC, HVD_GR_IPC, HVD_REG,
-        HVD_CS, HVD_GS, HVD_CS4, HVD_CO, HVD_GO)
+        HVD_CS, HVD_GS, HVD_CS4, HVD_CO, HVD_GO, *BUCKET_MB)
 DDPS = (DDP, DDP_VIEWS, DDP_C, DDP_ORDER, DDP_ORDER_ONE)
 COMPILED = (BASE_C, HVD_C, HVD_C_ALT, DDP_C)
 TRANSFORMERS = ("vit_b_16", "gpt2")
@@ -86,7 +94,10 @@ SHORT = {"hvd_g": HVD_G, "flat_g": FLAT_G, "plain_g": PLAIN_G, "alt": HVD_ALT, "
          "prio": HVD_PRIO, "hvd_g_prio": HVD_G_PRIO, "ipc": HVD_IPC, "hvd_g_ipc": HVD_G_IPC,
          "hvd_gr_ipc": HVD_GR_IPC, "hvd_reg": HVD_REG, "hvd_cs": HVD_CS, "hvd_gs": HVD_GS,
          "hvd_cs4": HVD_CS4, "hvd_co": HVD_CO, "hvd_go": HVD_GO,
-         **{f"cta{n}": v for n, v in HVD_CTA.items()}}
+         **{f"cta{n}": v for n, v in HVD_CTA.items()},
+         **{f"cap{n}": v for n, v in HVD_CAP.items()},
+         **{f"hvd_co{n}": v for n, v in HVD_CO_CAP.items()},
+         **{f"hvd_go{n}": v for n, v in HVD_GO_CAP.items()}}
 COMM_HVD = "comm alone: hvdlite grouped_allreduce of every gradient"
 COMM_TORCH = "comm alone: torch.distributed all_reduce, one flat buffer"
 # Issue 31, 2+ GPUs, hvdlite's default: ResNets / transformers (bf16 autocast) / compiled.
