@@ -351,8 +351,10 @@ def profile_variants(
 ) -> dict[str, list[dict[str, Any]]]:
     """Where each wanted variant's host time goes: ``calls`` more calls of it under
     ``cProfile`` on every rank together (a barrier before each variant), after its timing.
-    Returns, per variant, rank 0's ``top`` functions by own time (the rest of the ranks
-    return an empty dict). A variant name not in ``fns`` is refused collectively."""
+    Returns, per variant, rank 0's ``top`` functions by own time, each with its three
+    heaviest ``callers`` (where a sleep or a lock's wait is spent: the function alone does not
+    say which wait it is), the rest of the ranks an empty dict. A variant name not in ``fns``
+    is refused collectively."""
     import cProfile
     import pstats
 
@@ -372,24 +374,39 @@ def profile_variants(
             continue
         st = pstats.Stats(prof)
         rows = []
-        for (path, line, func), (_cc, ncalls, tottime, cumtime, _callers) in \
+        for key, (_cc, ncalls, tottime, cumtime, callers) in \
                 st.stats.items():  # type: ignore[attr-defined]
-            rows.append({"function": f"{Path(path).name}:{line}({func})", "calls": ncalls,
+            heavy = sorted(callers.items(), key=lambda c: -c[1][2])[:3]
+            rows.append({"function": _where(key), "calls": ncalls,
                          "own_us_per_variant_call": tottime / calls * 1e6,
-                         "cum_us_per_variant_call": cumtime / calls * 1e6})
+                         "cum_us_per_variant_call": cumtime / calls * 1e6,
+                         "callers": [{"function": _where(k), "calls": c[1],
+                                      "own_us_per_variant_call": c[2] / calls * 1e6}
+                                     for k, c in heavy]})
         rows.sort(key=lambda r: -r["own_us_per_variant_call"])
         out[name] = rows[:top]
     return out
 
 
+def _where(key: tuple[str, int, str]) -> str:
+    path, line, func = key
+    return f"{Path(path).name}:{line}({func})"
+
+
 def format_profile(profiles: Mapping[str, list[dict[str, Any]]]) -> str:
-    """The table :func:`profile_variants` returns, one block per variant."""
+    """The table :func:`profile_variants` returns, one block per variant; under a built-in
+    (a sleep, a lock's wait), its heaviest callers, indented."""
     blocks = []
     for name, rows in profiles.items():
         lines = [f"profile of {name!r} (rank 0; us per call of the variant):",
                  f"{'own':>10} {'cumulative':>11} {'calls':>8}  function"]
-        lines += [f"{r['own_us_per_variant_call']:10.1f} {r['cum_us_per_variant_call']:11.1f} "
-                  f"{r['calls']:8d}  {r['function']}" for r in rows]
+        for r in rows:
+            lines.append(f"{r['own_us_per_variant_call']:10.1f} "
+                         f"{r['cum_us_per_variant_call']:11.1f} {r['calls']:8d}  "
+                         f"{r['function']}")
+            if r["function"].startswith("~:0("):
+                lines += [f"{c['own_us_per_variant_call']:10.1f} {'':>11} {c['calls']:8d}"
+                          f"    <- {c['function']}" for c in r.get("callers", ())]
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
 

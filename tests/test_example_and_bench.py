@@ -125,6 +125,12 @@ def test_bench_t4_profiles_a_variant_it_names(tmp_path: Path) -> None:
     assert f"profile of {wanted!r}" in out, out[-6000:]
     rows = json.loads(path.read_text())["profiles"][wanted]
     assert rows and any("mpi_ops.py" in r["function"] for r in rows), rows
+    # Each row names its heaviest callers; under a built-in (a wait, a sleep) they are printed.
+    assert all(isinstance(r["callers"], list) for r in rows), rows
+    assert any(c["function"] and c["calls"] > 0 for r in rows for c in r["callers"]), rows
+    builtins = [r for r in rows if r["function"].startswith("~:0(") and r["callers"]]
+    if builtins:
+        assert f"    <- {builtins[0]['callers'][0]['function']}" in out, out[-6000:]
     rc, out = _run_job(2, "scripts/bench_t4.py", "--np", "2", "--quick", "--tensors", "50",
                        "--profile", "sync (1 x 4 B): no such variant")
     assert rc == 2 and "no such variant" in out, out[-6000:]
