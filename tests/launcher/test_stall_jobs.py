@@ -7,8 +7,10 @@ process ends non-zero within the bound instead of waiting forever.
 from __future__ import annotations
 
 import re
+import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -44,22 +46,32 @@ print(f"rank {hvd.rank()} done", flush=True)
 """
 
 
-@pytest.mark.parametrize("np_", [2, 4])
-def test_stall_shutdown_ends_every_rank(tmp_path: Path, np_: int) -> None:
+def test_stall_shutdown_ends_every_rank(tmp_path: Path) -> None:
+    """Jobs of 2 and 4 ranks (at once: each waits out its own 3 s) where one rank submits
+    another tensor: every rank raises the stall error, naming the tensor and the missing
+    ranks, and the job ends non-zero."""
     script = write_script(tmp_path, "stall.py", _DIVERGING)
-    start = time.monotonic()
-    proc = hvdliterun("-np", str(np_), "--stall-check-time-s", "1",
-                      "--stall-shutdown-time-s", "3", "--", sys.executable, script, timeout=90)
-    elapsed = time.monotonic() - start
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out
-    assert elapsed < 60, f"job took {elapsed:.0f} s to end"
-    assert "finished without error" not in out
-    # Every rank raised the stall error, naming the tensor and the missing rank(s).
-    raised = {int(r) for r in re.findall(r"rank (\d+) StallError: ", out)}
-    assert raised == set(range(np_)), out
-    assert "'grad.w' (missing ranks 1," in out, out
-    assert out.count("StallError: tensor ") == np_, out
+
+    def job(np_: int) -> tuple[subprocess.CompletedProcess[str], float]:
+        start = time.monotonic()
+        proc = hvdliterun("-np", str(np_), "--stall-check-time-s", "1",
+                          "--stall-shutdown-time-s", "3", "--", sys.executable, script,
+                          timeout=90)
+        return proc, time.monotonic() - start
+
+    with ThreadPoolExecutor(2) as pool:
+        runs = {np_: pool.submit(job, np_) for np_ in (2, 4)}
+        done = {np_: run.result() for np_, run in runs.items()}
+    for np_, (proc, elapsed) in done.items():
+        out = f"{np_} ranks: {proc.stdout + proc.stderr}"
+        assert proc.returncode != 0, out
+        assert elapsed < 60, f"the job of {np_} ranks took {elapsed:.0f} s to end"
+        assert "finished without error" not in out
+        # Every rank raised the stall error, naming the tensor and the missing rank(s).
+        raised = {int(r) for r in re.findall(r"rank (\d+) StallError: ", out)}
+        assert raised == set(range(np_)), out
+        assert "'grad.w' (missing ranks 1," in out, out
+        assert out.count("StallError: tensor ") == np_, out
 
 
 def test_stall_warning_names_tensor_and_missing_rank(tmp_path: Path) -> None:
@@ -124,28 +136,34 @@ except hvd.StallError as exc:
 """
 
 
-@pytest.mark.parametrize("launcher", ["mpiexec", "hvdliterun"])
-def test_stalled_job_ends_when_a_rank_is_busy_in_user_code(tmp_path: Path, launcher: str) -> None:
+def test_stalled_job_ends_when_a_rank_is_busy_in_user_code(tmp_path: Path) -> None:
     """Issue 12: stall shutdown at 5 s, the job gone within 15 s of the stalled submission on
     both launchers, the message naming the tensor and the missing rank, and a failing exit
-    code."""
+    code. The two jobs run at once (each waits out its own 5 s), each timed to its own end."""
     script = write_script(tmp_path, "sleeper.py", _SLEEPER)
     knobs = {"HVDLITE_STALL_CHECK_TIME_SECONDS": "1", "HVDLITE_STALL_SHUTDOWN_TIME_SECONDS": "5"}
-    if launcher == "hvdliterun":
+
+    def under_hvdliterun() -> tuple[int | None, str, float]:
         proc = hvdliterun("-np", "2", "--stall-check-time-s", "1", "--stall-shutdown-time-s",
                           "5", "--", sys.executable, script, timeout=60)
-        out = proc.stdout + proc.stderr
-        rc = proc.returncode
-    else:
+        return proc.returncode, proc.stdout + proc.stderr, time.time()
+
+    def under_mpiexec() -> tuple[int | None, str, float]:
         rc, out, _ = _mpiexec_job(script, **knobs)
-    elapsed = _since(out, "rank 0 submits at", time.time())
-    assert rc not in (0, None), out  # None: the job timed out
-    assert elapsed < 15, f"job ended {elapsed:.1f} s after the submission (stall shutdown 5 s)"\
-        f": {out}"
-    print(f"{launcher}: the job ended {elapsed:.1f} s after the stalled submission")
-    assert "rank 1 woke up" not in out, out
-    assert "rank 0 StallError" in out and "grad.w" in out, out
-    assert re.search(r"missing[^\n]*\b1\b|rank 1", out), out
+        return rc, out, time.time()
+
+    with ThreadPoolExecutor(2) as pool:
+        jobs = {"hvdliterun": pool.submit(under_hvdliterun), "mpiexec": pool.submit(under_mpiexec)}
+        results = {launcher: job.result() for launcher, job in jobs.items()}
+    for launcher, (rc, out, ended) in results.items():
+        elapsed = _since(out, "rank 0 submits at", ended)
+        assert rc not in (0, None), f"{launcher}: {out}"  # None: the job timed out
+        assert elapsed < 15, f"{launcher}: job ended {elapsed:.1f} s after the submission " \
+            f"(stall shutdown 5 s): {out}"
+        print(f"{launcher}: the job ended {elapsed:.1f} s after the stalled submission")
+        assert "rank 1 woke up" not in out, f"{launcher}: {out}"
+        assert "rank 0 StallError" in out and "grad.w" in out, f"{launcher}: {out}"
+        assert re.search(r"missing[^\n]*\b1\b|rank 1", out), f"{launcher}: {out}"
 
 
 # Rank 0 leaves with a collective still in flight (never waited) while rank 1 is busy in its
