@@ -215,14 +215,15 @@ def report(env: Env, check: dict[str, Any], train: dict[str, np.ndarray],
                   round(v.get("overlapped_us", 0.0)),
                   f"{100 * v.get('overlapped_share', 0.0):.0f}%",
                   round(v.get("alone_us", 0.0)), int(v.get("comm_kernels", 0)),
-                  round(v.get("idle_us", 0.0)),
+                  round(v.get("idle_us", 0.0)), round(v.get("copies_us", 0.0)),
                   f"{v.get('sync_us', 0.0):.0f} ({v.get('sync_calls', 0.0):.0f})",
                   f"{v.get('alloc_us', 0.0):.0f} ({v.get('alloc_calls', 0.0):.0f})"]
                  for k, v in env.kernel_overlap.items()]
         table += "\n" + gl.format_table(
             [f"kernels of {args.batches_per_iter} steps (rank 0, --kernel-trace)", "comm us",
              "other us", "comm beside other us", "share", "comm alone us", "comm kernels",
-             "GPU idle us", "host sync us (calls)", "host alloc us (calls)"],
+             "GPU idle us", "device copies us", "host sync us (calls)",
+             "host alloc us (calls)"],
             cells)
     if env.rank != 0:
         return

@@ -99,6 +99,24 @@ def kernels(trace: dict[str, Any] | list[Any]) -> dict[int, list[tuple[float, fl
     return dict(out)
 
 
+def device_copies(trace: dict[str, Any] | list[Any]) -> dict[int, float]:
+    """Each device's time (union, us) in copies that are not peer-to-peer (category
+    ``gpu_memcpy``): a profiler that reports the IPC transport's copies between devices as
+    device-to-device puts them here rather than in the communication, and this says so."""
+    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+    spans: dict[int, list[Interval]] = defaultdict(list)
+    for ev in events:
+        if not isinstance(ev, dict) or ev.get("ph") != "X" \
+                or str(ev.get("cat", "")).lower() != "gpu_memcpy" \
+                or is_comm(str(ev.get("name", ""))):
+            continue
+        args = ev.get("args") or {}
+        device = int(args.get("device", ev.get("pid", 0)) or 0)
+        start = float(ev["ts"])
+        spans[device].append((start, start + float(ev.get("dur", 0.0))))
+    return {d: _length(_union(v)) for d, v in spans.items()}
+
+
 # The host's CUDA calls that hold it until the device catches up (by name, runtime or driver).
 _SYNC = ("synchronize",)
 _ALLOC = ("cudamalloc", "cudafree", "cumemalloc", "cumemfree")
@@ -128,10 +146,11 @@ def summary(trace: dict[str, Any] | list[Any]) -> dict[int, dict[str, float]]:
     the other kernels' time), ``overlapped_us`` (both at once), ``alone_us`` (communication
     with no other kernel), ``span_us`` (first start to last end), ``idle_us`` (nothing
     running within the span), ``comm_kernels`` (kernels and copies), ``other_kernels``,
-    ``overlapped_share`` (overlapped / communication time; 0 without any), and the process's
-    :func:`host_calls`."""
+    ``overlapped_share`` (overlapped / communication time; 0 without any), ``copies_us``
+    (:func:`device_copies`), and the process's :func:`host_calls`."""
     out: dict[int, dict[str, float]] = {}
     host = host_calls(trace)
+    copies = device_copies(trace)
     for device, ks in sorted(kernels(trace).items()):
         kinds = [is_comm(n) for _, _, n in ks]
         comm = _union([(a, b) for (a, b, _), c in zip(ks, kinds, strict=True) if c])
@@ -146,6 +165,7 @@ def summary(trace: dict[str, Any] | list[Any]) -> dict[int, dict[str, float]]:
             "comm_kernels": float(sum(kinds)),
             "other_kernels": float(len(kinds) - sum(kinds)),
             "overlapped_share": both / c_us if c_us else 0.0,
+            "copies_us": copies.get(device, 0.0),
             **host,
         }
     return out
@@ -163,7 +183,7 @@ def report(path: Path) -> tuple[str, bool]:
     lines = [f"== {path}",
              f"{'device':>6} {'comm us':>10} {'other us':>10} {'overlapped':>11} "
              f"{'alone us':>9} {'span us':>10} {'idle us':>9} {'comm k':>7} {'other k':>8} "
-             f"{'sync us (n)':>14} {'alloc us (n)':>14}"]
+             f"{'copies us':>10} {'sync us (n)':>14} {'alloc us (n)':>14}"]
     found = False
     for dev, r in rows.items():
         found |= r["comm_kernels"] > 0
@@ -171,7 +191,7 @@ def report(path: Path) -> tuple[str, bool]:
                      f"{r['overlapped_us']:>6.0f} {100 * r['overlapped_share']:>3.0f}% "
                      f"{r['alone_us']:>9.0f} {r['span_us']:>10.0f} {r['idle_us']:>9.0f} "
                      f"{r['comm_kernels']:>7.0f} {r['other_kernels']:>8.0f} "
-                     f"{r['sync_us']:>8.0f} ({r['sync_calls']:>3.0f}) "
+                     f"{r['copies_us']:>10.0f} {r['sync_us']:>8.0f} ({r['sync_calls']:>3.0f}) "
                      f"{r['alloc_us']:>8.0f} ({r['alloc_calls']:>3.0f})")
     return "\n".join(lines), found
 

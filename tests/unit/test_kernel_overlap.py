@@ -80,6 +80,7 @@ def test_the_ipc_transports_kernels_and_peer_copies_are_communication() -> None:
     assert s["other_us"] == 110 and s["other_kernels"] == 2
     assert s["overlapped_us"] == 20 and s["alone_us"] == 60
     assert s["span_us"] == 180 and s["idle_us"] == 10
+    assert s["copies_us"] == 20  # the copy within the device: said apart, not communication
     assert [kernel_overlap.is_comm(n) for n in (
         "ncclDevKernel_AllReduce", "hvd_oneshot_sum_2_4_float", "Memcpy PtoP (Device -> Device)",
         "Memcpy DtoD (Device -> Device)", "hvd_batched_float", "elementwise_kernel")] == \
