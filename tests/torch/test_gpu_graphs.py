@@ -120,6 +120,59 @@ def test_captured_steps_equal_eager_steps(hvd: Any) -> None:
     assert all(torch.equal(everyone[0], row) for row in everyone)
 
 
+@pytest.mark.parametrize("setting", ["backward_passes_per_step", "fp16 compression"])
+def test_captured_steps_with_accumulation_or_compression_equal_eager_steps(
+        hvd: Any, setting: str) -> None:
+    """docs/captured-step.md's two compositions on the same schedule: gradient accumulation
+    (``backward_passes_per_step=2``: the captured function runs both passes and one
+    ``step()``) and fp16 compression (each bucket cast to its fp16 wire and back around its
+    launch). 3 warm-up steps, then 6 replays on new batches, against 9 eager steps with the
+    same optimizer: the same bits at one and two ranks, fp32 rounding past two, ranks equal."""
+    dev = _device(hvd)
+    passes = 2 if setting == "backward_passes_per_step" else 1
+    extra: dict[str, Any] = {"backward_passes_per_step": 2} if passes == 2 else \
+        {"compression": hvd.Compression.fp16}
+
+    def optimizer(model: torch.nn.Module, tag: str) -> Any:
+        with n_rank_path():
+            return hvd.DistributedOptimizer(
+                torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5),
+                named_parameters=[(f"{tag}.{n}", p) for n, p in model.named_parameters()],
+                bucket_cap_mb=4000 * 4 / 2**20, **extra)
+
+    eager, captured = _model(dev), _model(dev)
+    tag = setting.replace(" ", "_")
+    opt_e, opt_c = optimizer(eager, f"{tag}.eager"), optimizer(captured, f"{tag}.graph")
+    batches = [_batch(s, hvd.rank(), dev) for s in range(7)]
+
+    def step(model: torch.nn.Module, opt: Any, x: torch.Tensor, y: torch.Tensor) -> None:
+        opt.zero_grad()
+        for k in range(passes):  # a pass each on half of the batch, then one step
+            half = slice(k * 4, k * 4 + 4) if passes == 2 else slice(None)
+            torch.nn.functional.mse_loss(model(x[half]), y[half]).backward()
+        opt.step()
+
+    for x, y in [batches[0]] * 3 + batches[1:]:
+        step(eager, opt_e, x, y)
+    sx, sy = batches[0][0].clone(), batches[0][1].clone()
+    if not _lane_expected(hvd):
+        pytest.skip("of the NCCL schedule: ranks sharing a GPU capture over CUDA IPC")
+    graphed = hvd.make_graphed_step(lambda x, y: step(captured, opt_c, x, y), sx, sy,
+                                    optimizer=opt_c)
+    for x, y in batches[1:]:
+        graphed(x, y)
+    torch.cuda.synchronize(dev)
+    got, want = _flat(captured), _flat(eager)
+    assert float((got - _flat(_model(dev))).abs().max()) > 0  # it trained
+    if hvd.size() <= 2:
+        assert torch.equal(got, want), (got - want).abs().max()
+    else:  # NCCL's sum order inside a graph (see test_captured_steps_equal_eager_steps)
+        bound = 1e-6 * max(1.0, float(want.abs().max()))
+        assert float((got - want).abs().max()) <= bound, (got - want).abs().max()
+    everyone = hvd.allgather(got.unsqueeze(0), name=f"graphs.{tag}.params")
+    assert all(torch.equal(everyone[0], row) for row in everyone)
+
+
 def test_a_changed_shape_says_to_capture_again(hvd: Any) -> None:
     dev = _device(hvd)
     model = _model(dev)
