@@ -9,6 +9,7 @@ import socket
 import stat
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import elastic_numpy
@@ -34,43 +35,47 @@ def hvdliterun(*args: str, script: str = TRAIN, **env: str) -> subprocess.Comple
 
 
 @needs_torch
-def test_killed_rank_goes_on_without_its_host_from_last_commit() -> None:
-    # Rank 1 SIGKILLs itself in the middle of the step that would be commit 4 (before its
-    # allreduce): its host (127.0.0.1, a second name of this machine) is blacklisted, as
-    # Horovod does, and the job goes on at 1 rank on localhost from commit 3. (One slot a host:
-    # each world of the torch job starts in seconds of imports per rank on a 2-core machine.)
-    res = hvdliterun("-np", "2", "--min-np", "1", "-H", "localhost:1,127.0.0.1:1",
-                     ELASTIC_KILL="0:4:1")
+def test_torch_jobs_go_on_after_a_killed_rank_and_a_slot_dropped_and_added(
+        tmp_path: Path) -> None:
+    """Two torch jobs at once (each world starts in seconds of imports per rank on a 2-core
+    machine, so they share the wait), each checked against its exact one-process replay:
+
+    - rank 1 SIGKILLs itself in the middle of the step that would be commit 4 (before its
+      allreduce): its host (127.0.0.1, a second name of this machine) is blacklisted, as
+      Horovod does, and the job goes on at 1 rank on localhost from commit 3;
+    - a discovery script drops a slot and adds it back: 2 -> 1 -> 2 ranks, the slot that came
+      back joining within --elastic-timeout of the script listing it."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    with ThreadPoolExecutor(2) as pool:
+        killed = pool.submit(hvdliterun, "-np", "2", "--min-np", "1",
+                             "-H", "localhost:1,127.0.0.1:1", ELASTIC_KILL="0:4:1")
+        discovered = pool.submit(
+            hvdliterun, "-np", "2", "--min-np", "1", "--max-np", "2",
+            "--host-discovery-script", str(script), "--elastic-timeout", "60",
+            ELASTIC_HOSTS="0:3:localhost:1;1:1:localhost:2", ELASTIC_HOSTS_FILE=str(hosts),
+            ELASTIC_STEP_S="0.3")
+        res, grown_res = killed.result(), discovered.result()
+
     assert res.returncode == 0, res.stdout + res.stderr
     facts = check_job(res.stdout)
     assert facts["sizes"] == [2, 1], facts["sizes"]
     assert facts["restored"][1]["commit"] == 3
     assert "rank 1 (host 127.0.0.1) failed with signal 9 (SIGKILL); host(s) 127.0.0.1 " \
         "blacklisted" in res.stderr, res.stderr
-    killed = next(e for e in facts["events"] if e["kind"] == "killing")
-    recovery = facts["restored"][1]["time"] - killed["time"]
+    kill = next(e for e in facts["events"] if e["kind"] == "killing")
+    recovery = facts["restored"][1]["time"] - kill["time"]
     print(f"recovery after SIGKILL: {recovery:.1f} s")
     assert recovery < RECOVERY_LIMIT_S
 
-
-@needs_torch
-def test_discovery_drops_a_slot_and_adds_it_back(tmp_path: Path) -> None:
-    hosts = tmp_path / "hosts"
-    # 2 -> 1 -> 2 ranks: each world of the torch job starts in seconds of imports per rank on
-    # a 2-core machine, so the smallest worlds that drop a slot and add it back.
-    hosts.write_text("localhost:2\n")
-    script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\ncat {hosts}\n")
-    script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    res = hvdliterun("-np", "2", "--min-np", "1", "--max-np", "2",
-                     "--host-discovery-script", str(script), "--elastic-timeout", "60",
-                     ELASTIC_HOSTS="0:3:localhost:1;1:1:localhost:2",
-                     ELASTIC_HOSTS_FILE=str(hosts), ELASTIC_STEP_S="0.3")
+    res = grown_res
     assert res.returncode == 0, res.stdout + res.stderr
     facts = check_job(res.stdout)
     assert facts["sizes"] == [2, 1, 2], facts["sizes"]
     assert res.stderr.count("asking the ranks to reset") == 2, res.stderr
-    # The slot that came back joined within --elastic-timeout of the script listing it.
     grown = facts["restored"][2]["time"]
     listed = next(e["time"] for e in facts["events"]
                   if e["gen"] == 1 and e["kind"] == "committed" and e["rank"] == 0)
