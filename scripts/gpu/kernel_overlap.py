@@ -77,44 +77,41 @@ def is_comm(name: str) -> bool:
         or any(k in low for k in _COMM_KERNELS)
 
 
-def kernels(trace: dict[str, Any] | list[Any]) -> dict[int, list[tuple[float, float, str]]]:
-    """Each device's kernels and peer-to-peer copies as (start us, end us, name), from the
-    trace's complete events of category ``kernel`` and ``gpu_memcpy`` (a copy within one
-    device is left out: it is neither communication nor a kernel that hides it)."""
+def _device_work(trace: dict[str, Any] | list[Any]
+                 ) -> dict[int, list[tuple[float, float, str, str]]]:
+    """Each device's complete events of category ``kernel`` or ``gpu_memcpy`` as (start us,
+    end us, name, category)."""
     events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
-    out: dict[int, list[tuple[float, float, str]]] = defaultdict(list)
+    out: dict[int, list[tuple[float, float, str, str]]] = defaultdict(list)
     for ev in events:
         if not isinstance(ev, dict) or ev.get("ph") != "X":
             continue
         cat = str(ev.get("cat", "")).lower()
-        if cat == "gpu_memcpy":
-            if not is_comm(str(ev.get("name", ""))):
-                continue
-        elif cat != "kernel":
-            continue
-        args = ev.get("args") or {}
-        device = int(args.get("device", ev.get("pid", 0)) or 0)
-        start, dur = float(ev["ts"]), float(ev.get("dur", 0.0))
-        out[device].append((start, start + dur, str(ev.get("name", ""))))
-    return dict(out)
-
-
-def device_copies(trace: dict[str, Any] | list[Any]) -> dict[int, float]:
-    """Each device's time (union, us) in copies that are not peer-to-peer (category
-    ``gpu_memcpy``): a profiler that reports the IPC transport's copies between devices as
-    device-to-device puts them here rather than in the communication, and this says so."""
-    events = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
-    spans: dict[int, list[Interval]] = defaultdict(list)
-    for ev in events:
-        if not isinstance(ev, dict) or ev.get("ph") != "X" \
-                or str(ev.get("cat", "")).lower() != "gpu_memcpy" \
-                or is_comm(str(ev.get("name", ""))):
+        if cat not in ("kernel", "gpu_memcpy"):
             continue
         args = ev.get("args") or {}
         device = int(args.get("device", ev.get("pid", 0)) or 0)
         start = float(ev["ts"])
-        spans[device].append((start, start + float(ev.get("dur", 0.0))))
-    return {d: _length(_union(v)) for d, v in spans.items()}
+        out[device].append((start, start + float(ev.get("dur", 0.0)),
+                            str(ev.get("name", "")), cat))
+    return out
+
+
+def kernels(trace: dict[str, Any] | list[Any]) -> dict[int, list[tuple[float, float, str]]]:
+    """Each device's kernels and peer-to-peer copies as (start us, end us, name); a copy
+    within one device is left out (neither communication nor a kernel that hides it)."""
+    out = {d: [(a, b, n) for a, b, n, cat in work if cat == "kernel" or is_comm(n)]
+           for d, work in _device_work(trace).items()}
+    return {d: ks for d, ks in out.items() if ks}
+
+
+def device_copies(trace: dict[str, Any] | list[Any]) -> dict[int, float]:
+    """Each device's time (union, us) in copies that are not peer-to-peer: a profiler that
+    reports the IPC transport's copies between devices as device-to-device puts them here
+    rather than in the communication, and this says so."""
+    return {d: _length(_union([(a, b) for a, b, n, cat in work
+                               if cat == "gpu_memcpy" and not is_comm(n)]))
+            for d, work in _device_work(trace).items()}
 
 
 # The host's CUDA calls that hold it until the device catches up (by name, runtime or driver).
